@@ -1,0 +1,95 @@
+//! The incremental frame decoder (spec §6, §8).
+
+use bytes::Bytes;
+
+use crate::error::ProtocolError;
+use crate::frame::{self, Frame, FrameType, HEADER_LEN};
+use crate::limits::Limits;
+use crate::payload::{ByteQueue, ByteQueueBody};
+
+/// Cuts frames from a stream of received `Bytes`, without copying DATA payloads.
+///
+/// Contract: [`push`](Self::push) each chunk read from the stream, then call
+/// [`next_frame`](Self::next_frame) until it returns `Ok(None)`; at the end of the stream
+/// call [`finish`](Self::finish). A header is checked against [`Limits`] as soon as its five
+/// bytes are buffered, before its body is awaited, so at most `limits.max_frame_len()` plus
+/// one chunk is ever buffered. After an error the stream is unusable and every call returns
+/// that error again.
+#[derive(Debug)]
+pub struct FrameDecoder {
+    limits: Limits,
+    input: ByteQueue,
+    failed: Option<ProtocolError>,
+}
+
+impl FrameDecoder {
+    /// A decoder enforcing `limits`.
+    pub fn new(limits: Limits) -> Self {
+        Self {
+            limits,
+            input: ByteQueue::default(),
+            failed: None,
+        }
+    }
+
+    /// The limits this decoder enforces.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Appends bytes received from the stream.
+    pub fn push(&mut self, bytes: Bytes) {
+        self.input.push(bytes);
+    }
+
+    /// Bytes received but not yet returned as frames.
+    pub fn buffered(&self) -> usize {
+        self.input.len()
+    }
+
+    /// The next whole frame, `Ok(None)` if more bytes are needed, or the stream's error.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, ProtocolError> {
+        if let Some(err) = &self.failed {
+            return Err(err.clone());
+        }
+        let result = self.decode_one();
+        if let Err(err) = &result {
+            self.failed = Some(err.clone());
+        }
+        result
+    }
+
+    fn decode_one(&mut self) -> Result<Option<Frame>, ProtocolError> {
+        let mut header = [0u8; HEADER_LEN];
+        if !self.input.peek(&mut header) {
+            return Ok(None);
+        }
+        let ty = FrameType(header[0]);
+        let len = u32::from_le_bytes([header[1], header[2], header[3], header[4]]);
+        frame::check_header(ty, len, &self.limits)?;
+        if self.input.len() - HEADER_LEN < len as usize {
+            return Ok(None);
+        }
+        self.input.skip(HEADER_LEN);
+        let mut body = ByteQueueBody::new(&mut self.input, len as usize);
+        frame::decode_body(ty, &mut body, &self.limits).map(Some)
+    }
+
+    /// Checks that the stream did not end inside a frame (spec §6: TRUNCATED_FRAME).
+    pub fn finish(&self) -> Result<(), ProtocolError> {
+        if let Some(err) = &self.failed {
+            return Err(err.clone());
+        }
+        if self.input.len() == 0 {
+            Ok(())
+        } else {
+            Err(ProtocolError::malformed(
+                crate::ErrorCode::TRUNCATED_FRAME,
+                format!(
+                    "stream ended with {} bytes of an unfinished frame",
+                    self.input.len()
+                ),
+            ))
+        }
+    }
+}

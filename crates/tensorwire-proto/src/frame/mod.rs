@@ -1,0 +1,228 @@
+//! Frames: the header, the type registry and dispatch to one module per frame type (spec §6).
+//!
+//! Every frame is `type: u8 | length: u32 LE | body: [u8; length]`; the body's layout
+//! depends on the type. All integers are little-endian and fixed width.
+
+mod accept;
+mod cancel;
+mod complete;
+mod credit;
+mod data;
+mod end;
+mod metadata;
+mod reject;
+mod wire;
+
+pub use accept::Accept;
+pub use cancel::Cancel;
+pub use complete::Complete;
+pub use credit::Credit;
+pub use data::Data;
+pub use end::End;
+pub use metadata::Metadata;
+pub use reject::Reject;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use std::fmt;
+
+use crate::error::{ErrorCode, ProtocolError};
+use crate::limits::Limits;
+use crate::payload::Payload;
+
+/// Bytes in a frame header: type (1) and body length (4).
+pub const HEADER_LEN: usize = 5;
+
+/// A frame type code (spec §6). Open: unknown codes are kept and printed.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FrameType(pub u8);
+
+impl FrameType {
+    /// Sender → receiver: describes the tensor.
+    pub const METADATA: FrameType = FrameType(0x01);
+    /// Sender → receiver: bytes at an offset.
+    pub const DATA: FrameType = FrameType(0x02);
+    /// Sender → receiver: all bytes sent, with the whole-tensor checksum.
+    pub const END: FrameType = FrameType(0x03);
+    /// Either direction: abandon the tensor, with a code and reason.
+    pub const CANCEL: FrameType = FrameType(0x04);
+    /// Receiver → sender: the tensor is admitted.
+    pub const ACCEPT: FrameType = FrameType(0x10);
+    /// Receiver → sender: the tensor is refused.
+    pub const REJECT: FrameType = FrameType(0x11);
+    /// Receiver → sender: more bytes may be sent.
+    pub const CREDIT: FrameType = FrameType(0x12);
+    /// Receiver → sender: every byte is verified and resident.
+    pub const COMPLETE: FrameType = FrameType(0x13);
+
+    /// The registered name of this type, if it has one.
+    pub fn name(self) -> Option<&'static str> {
+        Some(match self {
+            Self::METADATA => "METADATA",
+            Self::DATA => "DATA",
+            Self::END => "END",
+            Self::CANCEL => "CANCEL",
+            Self::ACCEPT => "ACCEPT",
+            Self::REJECT => "REJECT",
+            Self::CREDIT => "CREDIT",
+            Self::COMPLETE => "COMPLETE",
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for FrameType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(name) => f.write_str(name),
+            None => write!(f, "unknown frame type 0x{:02x}", self.0),
+        }
+    }
+}
+
+impl fmt::Debug for FrameType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// One decoded frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// METADATA (spec §6.1).
+    Metadata(Metadata),
+    /// DATA (spec §6.2).
+    Data(Data),
+    /// END (spec §6.3).
+    End(End),
+    /// CANCEL (spec §6.4).
+    Cancel(Cancel),
+    /// ACCEPT (spec §6.5).
+    Accept(Accept),
+    /// REJECT (spec §6.6).
+    Reject(Reject),
+    /// CREDIT (spec §6.7).
+    Credit(Credit),
+    /// COMPLETE (spec §6.8).
+    Complete(Complete),
+}
+
+impl Frame {
+    /// This frame's type code.
+    pub fn frame_type(&self) -> FrameType {
+        match self {
+            Frame::Metadata(_) => FrameType::METADATA,
+            Frame::Data(_) => FrameType::DATA,
+            Frame::End(_) => FrameType::END,
+            Frame::Cancel(_) => FrameType::CANCEL,
+            Frame::Accept(_) => FrameType::ACCEPT,
+            Frame::Reject(_) => FrameType::REJECT,
+            Frame::Credit(_) => FrameType::CREDIT,
+            Frame::Complete(_) => FrameType::COMPLETE,
+        }
+    }
+
+    /// Length of the body (everything after the header), DATA payload included.
+    pub fn body_len(&self) -> usize {
+        match self {
+            Frame::Metadata(f) => f.body_len(),
+            Frame::Data(f) => f.body_len(),
+            Frame::End(_) => End::BODY_LEN,
+            Frame::Cancel(f) => f.body_len(),
+            Frame::Accept(_) => Accept::BODY_LEN,
+            Frame::Reject(f) => f.body_len(),
+            Frame::Credit(_) => Credit::BODY_LEN,
+            Frame::Complete(_) => Complete::BODY_LEN,
+        }
+    }
+
+    /// Length of the whole encoded frame.
+    pub fn encoded_len(&self) -> usize {
+        HEADER_LEN + self.body_len()
+    }
+
+    /// Writes the frame except a DATA payload, which the caller sends as its own `Bytes`.
+    pub fn encode_header(&self, dst: &mut BytesMut) {
+        let body_len = self.body_len();
+        debug_assert!(u32::try_from(body_len).is_ok(), "frame body exceeds u32");
+        dst.put_u8(self.frame_type().0);
+        dst.put_u32_le(body_len as u32);
+        match self {
+            Frame::Metadata(f) => f.encode_body(dst),
+            Frame::Data(f) => f.encode_body_header(dst),
+            Frame::End(f) => f.encode_body(dst),
+            Frame::Cancel(f) => f.encode_body(dst),
+            Frame::Accept(f) => f.encode_body(dst),
+            Frame::Reject(f) => f.encode_body(dst),
+            Frame::Credit(f) => f.encode_body(dst),
+            Frame::Complete(_) => {}
+        }
+    }
+
+    /// The DATA payload that follows `encode_header`'s bytes on the wire, if any.
+    pub fn payload(&self) -> Option<&Payload> {
+        match self {
+            Frame::Data(f) => Some(&f.payload),
+            _ => None,
+        }
+    }
+
+    /// Writes the whole frame, copying any DATA payload (for tests, vectors and small frames).
+    pub fn encode(&self, dst: &mut BytesMut) {
+        self.encode_header(dst);
+        if let Some(payload) = self.payload() {
+            payload
+                .parts()
+                .iter()
+                .for_each(|p| dst.extend_from_slice(p));
+        }
+    }
+
+    /// The whole frame as one buffer.
+    pub fn to_bytes(&self) -> Bytes {
+        let mut dst = BytesMut::with_capacity(self.encoded_len());
+        self.encode(&mut dst);
+        dst.freeze()
+    }
+}
+
+/// Checks a header's body length against the type's layout and the limits, before the
+/// body is awaited (spec §8).
+pub(crate) fn check_header(ty: FrameType, len: u32, limits: &Limits) -> Result<(), ProtocolError> {
+    match ty {
+        FrameType::METADATA => metadata::check_len(len, limits),
+        FrameType::DATA => data::check_len(len, limits),
+        FrameType::END => wire::exact_len(ty, len, End::BODY_LEN),
+        FrameType::ACCEPT => wire::exact_len(ty, len, Accept::BODY_LEN),
+        FrameType::CREDIT => wire::exact_len(ty, len, Credit::BODY_LEN),
+        FrameType::COMPLETE => wire::exact_len(ty, len, Complete::BODY_LEN),
+        FrameType::CANCEL | FrameType::REJECT => wire::check_reason_len(ty, len, limits),
+        _ => Err(ProtocolError::malformed(
+            ErrorCode::UNKNOWN_FRAME_TYPE,
+            format!("{ty}"),
+        )),
+    }
+}
+
+/// Decodes a body whose length `check_header` accepted and which is fully buffered.
+pub(crate) fn decode_body(
+    ty: FrameType,
+    body: &mut crate::payload::ByteQueueBody<'_>,
+    limits: &Limits,
+) -> Result<Frame, ProtocolError> {
+    Ok(match ty {
+        FrameType::METADATA => Frame::Metadata(Metadata::decode(body, limits)?),
+        FrameType::DATA => Frame::Data(Data::decode(body)),
+        FrameType::END => Frame::End(End::decode(&body.contiguous())?),
+        FrameType::CANCEL => Frame::Cancel(Cancel::decode(&body.contiguous())?),
+        FrameType::ACCEPT => Frame::Accept(Accept::decode(&body.contiguous())?),
+        FrameType::REJECT => Frame::Reject(Reject::decode(&body.contiguous())?),
+        FrameType::CREDIT => Frame::Credit(Credit::decode(&body.contiguous())?),
+        FrameType::COMPLETE => Frame::Complete(Complete),
+        _ => {
+            return Err(ProtocolError::malformed(
+                ErrorCode::UNKNOWN_FRAME_TYPE,
+                format!("{ty}"),
+            ));
+        }
+    })
+}

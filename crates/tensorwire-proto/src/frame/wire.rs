@@ -1,0 +1,148 @@
+//! Helpers shared by the frame modules: a bounds-checked body reader and length checks.
+
+use bytes::BufMut;
+
+use super::FrameType;
+use crate::error::{ErrorCode, ProtocolError};
+use crate::limits::Limits;
+
+/// Reads fixed-width little-endian fields from a frame body; running short is FRAME_MALFORMED.
+pub(crate) struct Reader<'a> {
+    buf: &'a [u8],
+    frame: FrameType,
+}
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(buf: &'a [u8], frame: FrameType) -> Self {
+        Self { buf, frame }
+    }
+
+    pub(crate) fn bytes(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
+        if self.buf.len() < n {
+            return Err(ProtocolError::malformed(
+                ErrorCode::FRAME_MALFORMED,
+                format!(
+                    "{} body ends {} bytes early",
+                    self.frame,
+                    n - self.buf.len()
+                ),
+            ));
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], ProtocolError> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.bytes(N)?);
+        Ok(out)
+    }
+
+    pub(crate) fn u8(&mut self) -> Result<u8, ProtocolError> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    pub(crate) fn u16(&mut self) -> Result<u16, ProtocolError> {
+        self.array().map(u16::from_le_bytes)
+    }
+
+    pub(crate) fn u32(&mut self) -> Result<u32, ProtocolError> {
+        self.array().map(u32::from_le_bytes)
+    }
+
+    pub(crate) fn u64(&mut self) -> Result<u64, ProtocolError> {
+        self.array().map(u64::from_le_bytes)
+    }
+
+    /// Reads `n` bytes of UTF-8.
+    pub(crate) fn string(&mut self, n: usize) -> Result<String, ProtocolError> {
+        let raw = self.bytes(n)?;
+        match std::str::from_utf8(raw) {
+            Ok(s) => Ok(s.to_owned()),
+            Err(e) => Err(ProtocolError::malformed(
+                ErrorCode::INVALID_UTF8,
+                format!("{} string field: {e}", self.frame),
+            )),
+        }
+    }
+
+    /// Fails if bytes are left over: a body is exactly as long as its fields.
+    pub(crate) fn finish(self) -> Result<(), ProtocolError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(ProtocolError::malformed(
+                ErrorCode::FRAME_MALFORMED,
+                format!("{} body has {} trailing bytes", self.frame, self.buf.len()),
+            ))
+        }
+    }
+}
+
+/// A frame type whose body has one fixed length.
+pub(crate) fn exact_len(ty: FrameType, len: u32, expected: usize) -> Result<(), ProtocolError> {
+    if len as usize == expected {
+        Ok(())
+    } else {
+        Err(ProtocolError::malformed(
+            ErrorCode::FRAME_MALFORMED,
+            format!("{ty} body is {len} bytes, must be {expected}"),
+        ))
+    }
+}
+
+/// CANCEL and REJECT: code (4) + reason length (2) + reason.
+pub(crate) fn check_reason_len(
+    ty: FrameType,
+    len: u32,
+    limits: &Limits,
+) -> Result<(), ProtocolError> {
+    let Some(reason_len) = (len as usize).checked_sub(REASON_FIXED_LEN) else {
+        return exact_len(ty, len, REASON_FIXED_LEN);
+    };
+    if reason_len > limits.max_reason_len as usize {
+        return Err(ProtocolError::LimitExceeded {
+            code: ErrorCode::REASON_TOO_LONG,
+            what: "reason length",
+            value: reason_len as u64,
+            limit: limits.max_reason_len as u64,
+        });
+    }
+    Ok(())
+}
+
+/// Fixed part of CANCEL and REJECT bodies: code (4) and reason length (2).
+pub(crate) const REASON_FIXED_LEN: usize = 6;
+
+/// Decodes the `code | reason_len | reason` body of CANCEL and REJECT.
+pub(crate) fn decode_reason(
+    ty: FrameType,
+    body: &[u8],
+) -> Result<(ErrorCode, String), ProtocolError> {
+    let mut r = Reader::new(body, ty);
+    let code = ErrorCode(r.u32()?);
+    let reason_len = r.u16()? as usize;
+    let reason = r.string(reason_len)?;
+    r.finish()?;
+    Ok((code, reason))
+}
+
+/// Encodes the `code | reason_len | reason` body of CANCEL and REJECT.
+pub(crate) fn encode_reason(code: ErrorCode, reason: &str, dst: &mut impl BufMut) {
+    dst.put_u32_le(code.0);
+    dst.put_u16_le(reason.len() as u16);
+    dst.put_slice(reason.as_bytes());
+}
+
+/// Cuts `reason` to at most `max` bytes on a character boundary.
+pub(crate) fn truncate_reason(mut reason: String, max: usize) -> String {
+    if reason.len() > max {
+        let mut end = max;
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        reason.truncate(end);
+    }
+    reason
+}

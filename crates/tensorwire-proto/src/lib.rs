@@ -1,0 +1,54 @@
+//! The tensorwire protocol without IO: frames, the frame codec, per-tensor state machines and
+//! byte-credit flow control. `spec/protocol.md` is the normative description; items cite
+//! its sections.
+//!
+//! # How a driver uses this crate
+//!
+//! A driver (such as `tensorwire-quic`) owns the streams and the clock; this crate owns every
+//! protocol decision. Per stream:
+//!
+//! 1. Push each chunk read from the stream into a [`FrameDecoder`] and drain
+//!    [`FrameDecoder::next_frame`] until it returns `Ok(None)`.
+//! 2. Hand each frame to the stream's [`TensorReceiver`] or [`TensorSender`]
+//!    (`handle_frame`), and act on the event it returns.
+//! 3. After every call into a state machine, write what its `poll_frame` returns, in order:
+//!    headers from [`Frame::encode_header`], DATA payloads as their own `Bytes`.
+//! 4. Across all streams, a [`CreditTracker`] decides how many bytes the receiver may grant.
+//!
+//! Errors are [`ProtocolError`]s: each carries its wire [`ErrorCode`] and says who is to
+//! [`Blame`]. Nothing here panics on input from the network, and every length is checked
+//! against [`Limits`] before the bytes it announces are awaited or allocated.
+#![forbid(unsafe_code)]
+
+mod codec;
+mod credit;
+mod dtype;
+mod error;
+pub mod frame;
+mod limits;
+mod meta;
+mod payload;
+mod ranges;
+mod receiver;
+mod sender;
+
+#[doc(hidden)]
+pub mod fuzzing;
+
+pub use codec::FrameDecoder;
+pub use credit::CreditTracker;
+pub use dtype::{ChecksumAlgorithm, DType, Device};
+pub use error::{Blame, ErrorCode, ProtocolError};
+pub use frame::{Frame, FrameType};
+pub use limits::Limits;
+pub use meta::TensorMeta;
+pub use payload::Payload;
+pub use ranges::ReceivedRanges;
+pub use receiver::{ReceiverEvent, ReceiverInput, ReceiverState, TensorReceiver};
+pub use sender::{SenderEvent, SenderInput, SenderState, TensorSender};
+
+/// The ALPN protocol identifier of this version (spec §3).
+pub const ALPN: &[u8] = b"tensorwire/1";
+
+/// The longest CANCEL or REJECT reason any peer sends, in bytes (spec §6.4).
+pub const MAX_REASON_LEN: usize = 1024;

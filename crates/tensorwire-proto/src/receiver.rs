@@ -1,0 +1,405 @@
+//! The receiver's per-tensor state machine (spec §7.2, §7.3).
+
+use std::collections::VecDeque;
+
+use crate::ChecksumAlgorithm;
+use crate::error::{ErrorCode, ProtocolError};
+use crate::frame::{Accept, Cancel, Complete, Credit, Data, Frame, Reject};
+use crate::limits::Limits;
+use crate::meta::TensorMeta;
+use crate::ranges::ReceivedRanges;
+
+/// Where a receiving stream stands (spec §7.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReceiverState {
+    /// Nothing received yet.
+    AwaitingMetadata,
+    /// METADATA received; the application must accept or reject.
+    AwaitingDecision,
+    /// Accepted: DATA arrives against granted credit.
+    Receiving,
+    /// END verified every byte and the checksum; waiting for the sink to make them durable.
+    AwaitingResidency,
+    /// COMPLETE queued. Terminal.
+    Complete,
+    /// Rejected, cancelled by either side, or failed. Terminal.
+    Closed,
+}
+
+/// What can happen to a receiving stream (spec §7.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReceiverInput {
+    /// A METADATA frame arrived.
+    RecvMetadata,
+    /// A DATA frame arrived.
+    RecvData,
+    /// An END frame arrived.
+    RecvEnd,
+    /// A CANCEL frame arrived.
+    RecvCancel,
+    /// A frame only a receiver sends arrived (ACCEPT, REJECT, CREDIT, COMPLETE).
+    RecvReceiverFrame,
+    /// The application accepted the tensor.
+    Accept,
+    /// The application rejected the tensor.
+    Reject,
+    /// The sink made every byte durable.
+    Resident,
+    /// The application cancelled, or a frame broke a rule.
+    Abort,
+}
+
+impl ReceiverState {
+    /// Every state, in table order.
+    pub const ALL: &'static [ReceiverState] = &[
+        Self::AwaitingMetadata,
+        Self::AwaitingDecision,
+        Self::Receiving,
+        Self::AwaitingResidency,
+        Self::Complete,
+        Self::Closed,
+    ];
+
+    /// The state after `input`, or `None` if `input` is not allowed here.
+    pub fn transition(self, input: ReceiverInput) -> Option<ReceiverState> {
+        use ReceiverInput as I;
+        use ReceiverState as S;
+        match (self, input) {
+            (S::Complete | S::Closed, _) => None,
+            (S::AwaitingMetadata, I::RecvMetadata) => Some(S::AwaitingDecision),
+            (S::AwaitingDecision, I::Accept) => Some(S::Receiving),
+            (S::AwaitingDecision, I::Reject) => Some(S::Closed),
+            (S::Receiving, I::RecvData) => Some(S::Receiving),
+            (S::Receiving, I::RecvEnd) => Some(S::AwaitingResidency),
+            (S::AwaitingResidency, I::Resident) => Some(S::Complete),
+            (_, I::RecvCancel | I::Abort) => Some(S::Closed),
+            _ => None,
+        }
+    }
+}
+
+impl ReceiverInput {
+    /// Every input, in table order.
+    pub const ALL: &'static [ReceiverInput] = &[
+        Self::RecvMetadata,
+        Self::RecvData,
+        Self::RecvEnd,
+        Self::RecvCancel,
+        Self::RecvReceiverFrame,
+        Self::Accept,
+        Self::Reject,
+        Self::Resident,
+        Self::Abort,
+    ];
+}
+
+/// What a frame from the sender meant, for the driver to act on.
+#[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReceiverEvent {
+    /// METADATA arrived: read [`TensorReceiver::meta`], then accept or reject.
+    Metadata,
+    /// Verified DATA: give it to the sink, release its credit once durable.
+    Data(Data),
+    /// Every byte arrived and the checksum matched: flush the sink, then
+    /// [`TensorReceiver::mark_resident`].
+    End,
+}
+
+/// One tensor's receiving side, without IO or clocks (spec §7).
+///
+/// Contract: feed each frame decoded from the stream to [`handle_frame`](Self::handle_frame);
+/// call [`accept`](Self::accept) or [`reject`](Self::reject) after
+/// [`ReceiverEvent::Metadata`], [`grant`](Self::grant) credit as the budget allows, and
+/// [`mark_resident`](Self::mark_resident) after [`ReceiverEvent::End`] once the sink is
+/// durable. After every call, send what [`poll_frame`](Self::poll_frame) returns, in order.
+/// Any error closes the tensor and queues the REJECT (before ACCEPT) or CANCEL (after)
+/// that tells the sender why; [`revocable_credit`](Self::revocable_credit) then says how
+/// many granted bytes will never arrive.
+#[derive(Debug)]
+pub struct TensorReceiver {
+    limits: Limits,
+    state: ReceiverState,
+    meta: Option<TensorMeta>,
+    ranges: ReceivedRanges,
+    granted: u64,
+    received: u64,
+    outgoing: VecDeque<Frame>,
+    ending: Option<ProtocolError>,
+}
+
+impl TensorReceiver {
+    /// A stream that enforces `limits`.
+    pub fn new(limits: Limits) -> Self {
+        let ranges = ReceivedRanges::new(limits.max_ranges);
+        Self {
+            limits,
+            state: ReceiverState::AwaitingMetadata,
+            meta: None,
+            ranges,
+            granted: 0,
+            received: 0,
+            outgoing: VecDeque::new(),
+            ending: None,
+        }
+    }
+
+    /// The current state.
+    pub fn state(&self) -> ReceiverState {
+        self.state
+    }
+
+    /// The tensor's metadata, once received.
+    pub fn meta(&self) -> Option<&TensorMeta> {
+        self.meta.as_ref()
+    }
+
+    /// Why the tensor closed, if it did without completing.
+    pub fn ending(&self) -> Option<&ProtocolError> {
+        self.ending.as_ref()
+    }
+
+    /// Payload bytes granted to the sender so far.
+    pub fn granted(&self) -> u64 {
+        self.granted
+    }
+
+    /// Payload bytes received so far.
+    pub fn received(&self) -> u64 {
+        self.received
+    }
+
+    /// Granted bytes that have not arrived; after the tensor closes, they never will.
+    pub fn revocable_credit(&self) -> u64 {
+        self.granted - self.received
+    }
+
+    /// Bytes the sender still needs credit for.
+    pub fn ungranted(&self) -> u64 {
+        self.meta
+            .as_ref()
+            .map_or(0, |m| m.byte_len() - self.granted)
+    }
+
+    /// The next frame to send to the sender.
+    pub fn poll_frame(&mut self) -> Option<Frame> {
+        self.outgoing.pop_front()
+    }
+
+    /// Feeds one frame from the sender.
+    pub fn handle_frame(&mut self, frame: Frame) -> Result<ReceiverEvent, ProtocolError> {
+        if let Some(err) = self.closed_error() {
+            return Err(err);
+        }
+        let result = self.dispatch(frame);
+        if let Err(err) = &result {
+            self.abort(err.clone());
+        }
+        result
+    }
+
+    fn dispatch(&mut self, frame: Frame) -> Result<ReceiverEvent, ProtocolError> {
+        let input = match &frame {
+            Frame::Metadata(_) => ReceiverInput::RecvMetadata,
+            Frame::Data(_) => ReceiverInput::RecvData,
+            Frame::End(_) => ReceiverInput::RecvEnd,
+            Frame::Cancel(_) => ReceiverInput::RecvCancel,
+            _ => ReceiverInput::RecvReceiverFrame,
+        };
+        let next = self.state.transition(input).ok_or_else(|| {
+            ProtocolError::violation(
+                ErrorCode::UNEXPECTED_FRAME,
+                format!("{} in receiver state {:?}", frame.frame_type(), self.state),
+            )
+        })?;
+        let event = match frame {
+            Frame::Metadata(m) => self.on_metadata(m.meta)?,
+            Frame::Data(data) => self.on_data(data)?,
+            Frame::End(end) => self.on_end(end.checksum)?,
+            Frame::Cancel(cancel) => {
+                return Err(ProtocolError::Remote {
+                    code: cancel.code,
+                    reason: cancel.reason,
+                });
+            }
+            other => {
+                return Err(ProtocolError::violation(
+                    ErrorCode::UNEXPECTED_FRAME,
+                    format!("{} is sent by receivers only", other.frame_type()),
+                ));
+            }
+        };
+        self.state = next;
+        Ok(event)
+    }
+
+    fn on_metadata(&mut self, meta: TensorMeta) -> Result<ReceiverEvent, ProtocolError> {
+        if meta.checksum() != ChecksumAlgorithm::CRC32C {
+            return Err(ProtocolError::Local {
+                code: ErrorCode::UNSUPPORTED_CHECKSUM,
+                reason: format!("checksum algorithm {} is not supported", meta.checksum().0),
+            });
+        }
+        self.meta = Some(meta);
+        Ok(ReceiverEvent::Metadata)
+    }
+
+    /// Spec §7.3: credit first, then bounds, then overlap and gap count.
+    fn on_data(&mut self, data: Data) -> Result<ReceiverEvent, ProtocolError> {
+        let byte_len = self.meta.as_ref().map_or(0, TensorMeta::byte_len);
+        let len = data.payload.len() as u64;
+        if len > self.granted - self.received {
+            return Err(ProtocolError::violation(
+                ErrorCode::CREDIT_VIOLATION,
+                format!(
+                    "{len} byte DATA with {} bytes of credit",
+                    self.granted - self.received
+                ),
+            ));
+        }
+        let end = data.end().filter(|&end| end <= byte_len).ok_or_else(|| {
+            ProtocolError::violation(
+                ErrorCode::DATA_PAST_END,
+                format!(
+                    "DATA at {} + {len} past the tensor's {byte_len} bytes",
+                    data.offset
+                ),
+            )
+        })?;
+        self.ranges
+            .insert(data.offset, end, data.payload.crc32c())?;
+        self.received += len;
+        Ok(ReceiverEvent::Data(data))
+    }
+
+    fn on_end(&mut self, checksum: u64) -> Result<ReceiverEvent, ProtocolError> {
+        let byte_len = self.meta.as_ref().map_or(0, TensorMeta::byte_len);
+        let Some(crc) = self.ranges.whole_crc(byte_len) else {
+            let (from, to) = self.ranges.first_gap(byte_len).unwrap_or((0, byte_len));
+            return Err(ProtocolError::violation(
+                ErrorCode::END_WITH_GAPS,
+                format!("END with bytes [{from}, {to}) missing"),
+            ));
+        };
+        if u64::from(crc) != checksum {
+            return Err(ProtocolError::violation(
+                ErrorCode::CHECKSUM_MISMATCH,
+                format!("END says CRC-32C {checksum:#x}, bytes have {crc:#x}"),
+            ));
+        }
+        Ok(ReceiverEvent::End)
+    }
+
+    /// Admits the tensor; queues ACCEPT advertising `limits.max_data_payload`.
+    pub fn accept(&mut self) -> Result<(), ProtocolError> {
+        self.local(ReceiverInput::Accept)?;
+        self.outgoing.push_back(Frame::Accept(Accept {
+            max_data_payload: self.limits.max_data_payload,
+        }));
+        Ok(())
+    }
+
+    /// Refuses the tensor; queues REJECT.
+    pub fn reject(
+        &mut self,
+        code: ErrorCode,
+        reason: impl Into<String>,
+    ) -> Result<(), ProtocolError> {
+        self.local(ReceiverInput::Reject)?;
+        let reject = Reject::new(code, reason);
+        self.ending = Some(ProtocolError::Local {
+            code,
+            reason: reject.reason.clone(),
+        });
+        self.outgoing.push_back(Frame::Reject(reject));
+        Ok(())
+    }
+
+    /// Grants up to `bytes` more, capped at what the tensor still needs; queues CREDIT.
+    ///
+    /// Returns the bytes granted: 0 unless the tensor is [`ReceiverState::Receiving`].
+    #[must_use = "bytes not granted must go back to the budget"]
+    pub fn grant(&mut self, bytes: u64) -> u64 {
+        if self.state != ReceiverState::Receiving {
+            return 0;
+        }
+        let granted = bytes.min(self.ungranted());
+        if granted > 0 {
+            self.granted += granted;
+            self.outgoing
+                .push_back(Frame::Credit(Credit { bytes: granted }));
+        }
+        granted
+    }
+
+    /// The sink made every byte durable: queues COMPLETE (spec §6.8).
+    pub fn mark_resident(&mut self) -> Result<(), ProtocolError> {
+        self.local(ReceiverInput::Resident)?;
+        self.outgoing.push_back(Frame::Complete(Complete));
+        Ok(())
+    }
+
+    /// Ends the tensor from this side; queues REJECT before ACCEPT, CANCEL after.
+    pub fn cancel(
+        &mut self,
+        code: ErrorCode,
+        reason: impl Into<String>,
+    ) -> Result<(), ProtocolError> {
+        if self.state.transition(ReceiverInput::Abort).is_none() {
+            return Err(ProtocolError::Misuse(
+                "cancel of a tensor that already ended",
+            ));
+        }
+        self.abort(ProtocolError::Local {
+            code,
+            reason: reason.into(),
+        });
+        Ok(())
+    }
+
+    /// Closes on `err` and tells the sender why, unless the sender ended it first.
+    fn abort(&mut self, err: ProtocolError) {
+        if self.state.transition(ReceiverInput::Abort).is_none() {
+            return;
+        }
+        if !matches!(err, ProtocolError::Remote { .. }) {
+            let reason = err.wire_reason();
+            let frame = match self.state {
+                ReceiverState::AwaitingMetadata | ReceiverState::AwaitingDecision => {
+                    Frame::Reject(Reject::new(err.code(), reason))
+                }
+                _ => Frame::Cancel(Cancel::new(err.code(), reason)),
+            };
+            self.outgoing.push_back(frame);
+        }
+        self.state = ReceiverState::Closed;
+        self.ending = Some(err);
+    }
+
+    fn local(&mut self, input: ReceiverInput) -> Result<(), ProtocolError> {
+        match self.state.transition(input) {
+            Some(next) => {
+                self.state = next;
+                Ok(())
+            }
+            None => Err(ProtocolError::Misuse(
+                "receiver call not allowed in this state",
+            )),
+        }
+    }
+
+    fn closed_error(&self) -> Option<ProtocolError> {
+        match self.state {
+            ReceiverState::Closed => Some(
+                self.ending
+                    .clone()
+                    .unwrap_or(ProtocolError::Misuse("tensor closed")),
+            ),
+            ReceiverState::Complete => Some(ProtocolError::violation(
+                ErrorCode::UNEXPECTED_FRAME,
+                "frame after COMPLETE",
+            )),
+            _ => None,
+        }
+    }
+}

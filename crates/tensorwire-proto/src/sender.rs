@@ -1,0 +1,358 @@
+//! The sender's per-tensor state machine (spec §7.2, §7.4).
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+
+use crate::error::{ErrorCode, ProtocolError};
+use crate::frame::{Cancel, Data, End, Frame, Metadata};
+use crate::meta::TensorMeta;
+
+/// Where a sending stream stands (spec §7.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SenderState {
+    /// METADATA queued; waiting for ACCEPT or REJECT.
+    AwaitingDecision,
+    /// Accepted: DATA may be sent within credit.
+    Sending,
+    /// END queued; waiting for COMPLETE.
+    AwaitingComplete,
+    /// COMPLETE received. Terminal.
+    Complete,
+    /// Rejected, cancelled by either side, or failed. Terminal.
+    Closed,
+}
+
+/// What can happen to a sending stream (spec §7.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SenderInput {
+    /// An ACCEPT frame arrived.
+    RecvAccept,
+    /// A REJECT frame arrived.
+    RecvReject,
+    /// A CREDIT frame arrived.
+    RecvCredit,
+    /// A COMPLETE frame arrived.
+    RecvComplete,
+    /// A CANCEL frame arrived.
+    RecvCancel,
+    /// A frame only a sender sends arrived (METADATA, DATA, END).
+    RecvSenderFrame,
+    /// The application queued DATA.
+    SendData,
+    /// The application queued END.
+    Finish,
+    /// The application cancelled, or a frame broke a rule.
+    Abort,
+}
+
+impl SenderState {
+    /// Every state, in table order.
+    pub const ALL: &'static [SenderState] = &[
+        Self::AwaitingDecision,
+        Self::Sending,
+        Self::AwaitingComplete,
+        Self::Complete,
+        Self::Closed,
+    ];
+
+    /// The state after `input`, or `None` if `input` is not allowed here.
+    pub fn transition(self, input: SenderInput) -> Option<SenderState> {
+        use SenderInput as I;
+        use SenderState as S;
+        match (self, input) {
+            (S::Complete | S::Closed, _) => None,
+            (S::AwaitingDecision, I::RecvAccept) => Some(S::Sending),
+            (S::AwaitingDecision, I::RecvReject) => Some(S::Closed),
+            (S::Sending, I::RecvCredit | I::SendData) => Some(S::Sending),
+            (S::Sending, I::Finish) => Some(S::AwaitingComplete),
+            (S::AwaitingComplete, I::RecvComplete) => Some(S::Complete),
+            (_, I::RecvCancel | I::Abort) => Some(S::Closed),
+            _ => None,
+        }
+    }
+}
+
+impl SenderInput {
+    /// Every input, in table order.
+    pub const ALL: &'static [SenderInput] = &[
+        Self::RecvAccept,
+        Self::RecvReject,
+        Self::RecvCredit,
+        Self::RecvComplete,
+        Self::RecvCancel,
+        Self::RecvSenderFrame,
+        Self::SendData,
+        Self::Finish,
+        Self::Abort,
+    ];
+}
+
+/// What a frame from the receiver meant, for the driver to act on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SenderEvent {
+    /// ACCEPT: DATA may follow once credit arrives.
+    Accepted,
+    /// CREDIT: this many more bytes may be sent.
+    Credit(u64),
+    /// COMPLETE: the receiver verified and stored every byte. Done.
+    Complete,
+}
+
+/// One tensor's sending side, without IO or clocks (spec §7).
+///
+/// Contract: [`new`](Self::new) queues METADATA. Feed each frame from the receiver to
+/// [`handle_frame`](Self::handle_frame). Send bytes in order with
+/// [`send_data`](Self::send_data), each at most [`next_chunk_len`](Self::next_chunk_len)
+/// long, then [`finish`](Self::finish). After every call, send what
+/// [`poll_frame`](Self::poll_frame) returns, in order. Any error closes the tensor and
+/// queues a CANCEL, unless the receiver ended it.
+#[derive(Debug)]
+pub struct TensorSender {
+    meta: TensorMeta,
+    state: SenderState,
+    max_data_payload: u64,
+    granted: u64,
+    sent: u64,
+    crc: u32,
+    outgoing: VecDeque<Frame>,
+    ending: Option<ProtocolError>,
+}
+
+impl TensorSender {
+    /// Starts sending `meta`; queues METADATA. Fails if `meta` does not fit the wire format.
+    pub fn new(meta: TensorMeta) -> Result<Self, ProtocolError> {
+        check_fits_wire(&meta)?;
+        let outgoing = VecDeque::from([Frame::Metadata(Metadata { meta: meta.clone() })]);
+        Ok(Self {
+            meta,
+            state: SenderState::AwaitingDecision,
+            max_data_payload: 0,
+            granted: 0,
+            sent: 0,
+            crc: 0,
+            outgoing,
+            ending: None,
+        })
+    }
+
+    /// The tensor being sent.
+    pub fn meta(&self) -> &TensorMeta {
+        &self.meta
+    }
+
+    /// The current state.
+    pub fn state(&self) -> SenderState {
+        self.state
+    }
+
+    /// Why the tensor closed, if it did without completing.
+    pub fn ending(&self) -> Option<&ProtocolError> {
+        self.ending.as_ref()
+    }
+
+    /// Payload bytes sent so far.
+    pub fn sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// Bytes granted and not yet sent.
+    pub fn credit(&self) -> u64 {
+        self.granted - self.sent
+    }
+
+    /// The longest DATA payload that may be sent now: 0 when out of credit.
+    pub fn next_chunk_len(&self) -> u64 {
+        if self.state != SenderState::Sending {
+            return 0;
+        }
+        self.credit().min(self.max_data_payload)
+    }
+
+    /// The next frame to send to the receiver.
+    pub fn poll_frame(&mut self) -> Option<Frame> {
+        self.outgoing.pop_front()
+    }
+
+    /// Feeds one frame from the receiver.
+    pub fn handle_frame(&mut self, frame: Frame) -> Result<SenderEvent, ProtocolError> {
+        if let Some(err) = self.closed_error() {
+            return Err(err);
+        }
+        let result = self.dispatch(frame);
+        if let Err(err) = &result {
+            self.abort(err.clone());
+        }
+        result
+    }
+
+    fn dispatch(&mut self, frame: Frame) -> Result<SenderEvent, ProtocolError> {
+        let input = match &frame {
+            Frame::Accept(_) => SenderInput::RecvAccept,
+            Frame::Reject(_) => SenderInput::RecvReject,
+            Frame::Credit(_) => SenderInput::RecvCredit,
+            Frame::Complete(_) => SenderInput::RecvComplete,
+            Frame::Cancel(_) => SenderInput::RecvCancel,
+            _ => SenderInput::RecvSenderFrame,
+        };
+        let next = self.state.transition(input).ok_or_else(|| {
+            ProtocolError::violation(
+                ErrorCode::UNEXPECTED_FRAME,
+                format!("{} in sender state {:?}", frame.frame_type(), self.state),
+            )
+        })?;
+        let event = match frame {
+            Frame::Accept(accept) => {
+                if accept.max_data_payload == 0 {
+                    return Err(ProtocolError::violation(
+                        ErrorCode::CHUNK_SIZE,
+                        "ACCEPT allows DATA payloads of 0 bytes",
+                    ));
+                }
+                self.max_data_payload = accept.max_data_payload.into();
+                SenderEvent::Accepted
+            }
+            Frame::Credit(credit) => self.on_credit(credit.bytes)?,
+            Frame::Complete(_) => SenderEvent::Complete,
+            Frame::Reject(r) => {
+                return Err(ProtocolError::Remote {
+                    code: r.code,
+                    reason: r.reason,
+                });
+            }
+            Frame::Cancel(c) => {
+                return Err(ProtocolError::Remote {
+                    code: c.code,
+                    reason: c.reason,
+                });
+            }
+            other => {
+                return Err(ProtocolError::violation(
+                    ErrorCode::UNEXPECTED_FRAME,
+                    format!("{} is sent by senders only", other.frame_type()),
+                ));
+            }
+        };
+        self.state = next;
+        Ok(event)
+    }
+
+    /// Spec §7.4: a receiver may not grant past the tensor's end.
+    fn on_credit(&mut self, bytes: u64) -> Result<SenderEvent, ProtocolError> {
+        match self.granted.checked_add(bytes) {
+            Some(total) if total <= self.meta.byte_len() => {
+                self.granted = total;
+                Ok(SenderEvent::Credit(bytes))
+            }
+            _ => Err(ProtocolError::violation(
+                ErrorCode::CREDIT_VIOLATION,
+                format!(
+                    "CREDIT of {bytes} after {} granted exceeds the tensor's {} bytes",
+                    self.granted,
+                    self.meta.byte_len()
+                ),
+            )),
+        }
+    }
+
+    /// Queues DATA with the next `payload.len()` bytes of the tensor.
+    pub fn send_data(&mut self, payload: Bytes) -> Result<(), ProtocolError> {
+        if self.state.transition(SenderInput::SendData).is_none() {
+            return Err(ProtocolError::Misuse(
+                "send_data before ACCEPT or after the tensor ended",
+            ));
+        }
+        let len = payload.len() as u64;
+        if len == 0 || len > self.next_chunk_len() {
+            return Err(ProtocolError::Misuse(
+                "DATA payload empty or longer than next_chunk_len()",
+            ));
+        }
+        self.crc = crc32c::crc32c_append(self.crc, &payload);
+        self.outgoing
+            .push_back(Frame::Data(Data::new(self.sent, payload)));
+        self.sent += len;
+        Ok(())
+    }
+
+    /// Queues END once every byte is sent.
+    pub fn finish(&mut self) -> Result<(), ProtocolError> {
+        let next = self.state.transition(SenderInput::Finish);
+        match next {
+            Some(next) if self.sent == self.meta.byte_len() => {
+                self.outgoing.push_back(Frame::End(End {
+                    checksum: self.crc.into(),
+                }));
+                self.state = next;
+                Ok(())
+            }
+            Some(_) => Err(ProtocolError::Misuse("finish before every byte was sent")),
+            None => Err(ProtocolError::Misuse(
+                "finish before ACCEPT or after the tensor ended",
+            )),
+        }
+    }
+
+    /// Ends the tensor from this side; queues CANCEL.
+    pub fn cancel(
+        &mut self,
+        code: ErrorCode,
+        reason: impl Into<String>,
+    ) -> Result<(), ProtocolError> {
+        if self.state.transition(SenderInput::Abort).is_none() {
+            return Err(ProtocolError::Misuse(
+                "cancel of a tensor that already ended",
+            ));
+        }
+        self.abort(ProtocolError::Local {
+            code,
+            reason: reason.into(),
+        });
+        Ok(())
+    }
+
+    fn abort(&mut self, err: ProtocolError) {
+        if self.state.transition(SenderInput::Abort).is_none() {
+            return;
+        }
+        if !matches!(err, ProtocolError::Remote { .. }) {
+            self.outgoing
+                .push_back(Frame::Cancel(Cancel::new(err.code(), err.wire_reason())));
+        }
+        self.state = SenderState::Closed;
+        self.ending = Some(err);
+    }
+
+    fn closed_error(&self) -> Option<ProtocolError> {
+        match self.state {
+            SenderState::Closed => Some(
+                self.ending
+                    .clone()
+                    .unwrap_or(ProtocolError::Misuse("tensor closed")),
+            ),
+            SenderState::Complete => Some(ProtocolError::violation(
+                ErrorCode::UNEXPECTED_FRAME,
+                "frame after COMPLETE",
+            )),
+            _ => None,
+        }
+    }
+}
+
+/// Checks that `meta` fits the METADATA layout's field widths (spec §6.1).
+fn check_fits_wire(meta: &TensorMeta) -> Result<(), ProtocolError> {
+    let short = |s: &str| s.len() <= u16::MAX as usize;
+    let fits = meta.shape().len() <= u8::MAX as usize
+        && short(meta.name())
+        && meta.attributes().len() <= u16::MAX as usize
+        && meta.attributes().iter().all(|(k, v)| short(k) && short(v))
+        && Frame::from(meta.clone()).body_len() <= u32::MAX as usize;
+    if fits {
+        Ok(())
+    } else {
+        Err(ProtocolError::Misuse(
+            "tensor metadata exceeds the wire format's field widths",
+        ))
+    }
+}

@@ -1,0 +1,72 @@
+//! Reassembly: any order of disjoint chunks yields the whole tensor's CRC-32C; overlap,
+//! and too many gaps, are refused without changing what was received.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use proptest::prelude::*;
+use tensorwire_proto::{ErrorCode, ReceivedRanges};
+
+fn chunks(len: usize, cuts: &[usize]) -> Vec<(usize, usize)> {
+    let mut points: Vec<usize> = cuts.iter().map(|c| c % len).chain([0, len]).collect();
+    points.sort_unstable();
+    points.dedup();
+    points.windows(2).map(|w| (w[0], w[1])).collect()
+}
+
+proptest! {
+    #[test]
+    fn any_order_yields_the_whole_crc(
+        data in proptest::collection::vec(any::<u8>(), 1..4096),
+        cuts in proptest::collection::vec(any::<usize>(), 0..40),
+        order in any::<prop::sample::Index>(),
+        seed in any::<u64>(),
+    ) {
+        let mut pieces = chunks(data.len(), &cuts);
+        // A deterministic shuffle from the seed.
+        let mut state = seed | 1;
+        for i in (1..pieces.len()).rev() {
+            state ^= state << 13; state ^= state >> 7; state ^= state << 17;
+            pieces.swap(i, (state % (i as u64 + 1)) as usize);
+        }
+        let _ = order;
+        let mut ranges = ReceivedRanges::new(usize::MAX);
+        for (i, &(s, e)) in pieces.iter().enumerate() {
+            prop_assert_eq!(ranges.whole_crc(data.len() as u64), None);
+            ranges.insert(s as u64, e as u64, crc32c::crc32c(&data[s..e])).unwrap();
+            prop_assert!(ranges.range_count() <= i + 1);
+        }
+        prop_assert_eq!(ranges.covered(), data.len() as u64);
+        prop_assert_eq!(ranges.first_gap(data.len() as u64), None);
+        prop_assert_eq!(ranges.whole_crc(data.len() as u64), Some(crc32c::crc32c(&data)));
+    }
+
+    #[test]
+    fn overlaps_are_refused_and_change_nothing(
+        a in 0u64..1000, alen in 1u64..100, b in 0u64..1000, blen in 1u64..100,
+    ) {
+        let mut ranges = ReceivedRanges::new(16);
+        ranges.insert(a, a + alen, 1).unwrap();
+        let overlaps = b < a + alen && a < b + blen;
+        match ranges.insert(b, b + blen, 2) {
+            Ok(()) => prop_assert!(!overlaps),
+            Err(e) => {
+                prop_assert!(overlaps);
+                prop_assert_eq!(e.code(), ErrorCode::DATA_OVERLAP);
+                prop_assert_eq!(ranges.covered(), alen);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_gap_cap_counts_merges() {
+    let mut ranges = ReceivedRanges::new(2);
+    ranges.insert(0, 1, 0).unwrap();
+    ranges.insert(4, 5, 0).unwrap();
+    let err = ranges.insert(8, 9, 0).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::TOO_MANY_GAPS);
+    // Filling a gap merges two ranges into one: allowed at the cap.
+    ranges.insert(1, 4, 0).unwrap();
+    assert_eq!(ranges.range_count(), 1);
+    ranges.insert(8, 9, 0).unwrap();
+    assert_eq!(ranges.first_gap(9), Some((5, 8)));
+}

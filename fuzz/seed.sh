@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Builds the seed corpora from spec/vectors (STYLE: golden samples used three ways).
+# frame_decoder seeds: a split-step byte, then one vector. receiver_state seeds: an op
+# header that accepts, grants and marks resident, then one sequence.
+set -euo pipefail
+cd "$(dirname "$0")"
+mkdir -p corpus/frame_decoder corpus/receiver_state
+for f in ../spec/vectors/frames/*.bin ../spec/vectors/sequences/*.bin; do
+  name=$(basename "${f%.bin}")
+  { printf '\x05'; cat "$f"; } > "corpus/frame_decoder/seed-$name"
+done
+for f in ../spec/vectors/sequences/*.bin; do
+  name=$(basename "${f%.bin}")
+  # 8 ops: feed METADATA, accept, grant 255<<6 (op 0x63 = 3 | 6<<4), feed x4 ... then the rest.
+  { printf '\x08\x00\x02\x63\xff\x00\x00\x00\x00'; cat "$f"; } > "corpus/receiver_state/seed-$name"
+done
+echo "seeded $(ls corpus/frame_decoder | wc -l) + $(ls corpus/receiver_state | wc -l) inputs"
