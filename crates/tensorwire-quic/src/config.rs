@@ -1,0 +1,233 @@
+//! Endpoint, transport and receiver settings, with safe defaults for bulk transfer.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use quinn::{IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
+use tensorwire_proto::Limits;
+
+use crate::error::TransportError;
+
+/// Largest MTU allowed with segmentation offload on: above about 6500 bytes a 10-packet GSO
+/// batch exceeds 64 KiB and the send fails silently, stalling the connection (seen at 8000).
+pub const MAX_MTU_WITH_GSO: u16 = 6500;
+
+/// QUIC transport settings shared by senders and receivers.
+#[derive(Clone, Debug)]
+pub struct TransportSettings {
+    /// UDP payload size to start with and to probe up to. 1200 is safe anywhere; loopback and
+    /// jumbo-frame LANs carry up to [`MAX_MTU_WITH_GSO`] and are several times faster with it.
+    pub mtu: u16,
+    /// Whether to batch packets with segmentation offload (GSO).
+    pub segmentation_offload: bool,
+    /// Bytes one stream may have unread in the peer's QUIC buffers.
+    pub stream_receive_window: u32,
+    /// Bytes the whole connection may have unread (quinn's default is unbounded).
+    pub connection_receive_window: u32,
+    /// Bytes this side may have unacknowledged in flight.
+    pub send_window: u64,
+    /// Concurrent tensors (bidirectional streams) the peer may open.
+    pub max_concurrent_streams: u32,
+    /// A connection silent this long is closed.
+    pub idle_timeout: Duration,
+    /// Keep-alive interval, under the idle timeout.
+    pub keep_alive: Duration,
+}
+
+impl Default for TransportSettings {
+    fn default() -> Self {
+        Self {
+            mtu: 1200,
+            segmentation_offload: true,
+            stream_receive_window: 16 << 20,
+            connection_receive_window: 64 << 20,
+            send_window: 64 << 20,
+            max_concurrent_streams: 1024,
+            idle_timeout: Duration::from_secs(30),
+            keep_alive: Duration::from_secs(5),
+        }
+    }
+}
+
+impl TransportSettings {
+    /// Settings for loopback and jumbo-frame LANs: MTU 6000.
+    pub fn jumbo() -> Self {
+        Self {
+            mtu: 6000,
+            ..Self::default()
+        }
+    }
+
+    /// Checks the settings; refuses an MTU that stalls with segmentation offload.
+    pub fn validate(&self) -> Result<(), TransportError> {
+        if self.mtu < 1200 {
+            return Err(TransportError::Config(format!(
+                "MTU {} is below QUIC's minimum of 1200",
+                self.mtu
+            )));
+        }
+        if self.segmentation_offload && self.mtu > MAX_MTU_WITH_GSO {
+            return Err(TransportError::Config(format!(
+                "MTU {} with segmentation offload makes GSO batches exceed 64 KiB and the \
+                 connection stalls silently; use an MTU of at most {MAX_MTU_WITH_GSO}, or turn \
+                 segmentation offload off",
+                self.mtu
+            )));
+        }
+        if self.keep_alive >= self.idle_timeout {
+            return Err(TransportError::Config(
+                "keep-alive must be shorter than the idle timeout".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The quinn transport configuration these settings describe.
+    pub fn transport_config(&self) -> Result<Arc<TransportConfig>, TransportError> {
+        self.validate()?;
+        let mut t = TransportConfig::default();
+        let idle = IdleTimeout::try_from(self.idle_timeout)
+            .map_err(|_| TransportError::Config("idle timeout too large".into()))?;
+        t.max_concurrent_bidi_streams(VarInt::from_u32(self.max_concurrent_streams))
+            .max_concurrent_uni_streams(VarInt::from_u32(0))
+            .stream_receive_window(VarInt::from_u32(self.stream_receive_window))
+            .receive_window(VarInt::from_u32(self.connection_receive_window))
+            .send_window(self.send_window)
+            .max_idle_timeout(Some(idle))
+            .keep_alive_interval(Some(self.keep_alive))
+            .initial_mtu(self.mtu)
+            .enable_segmentation_offload(self.segmentation_offload);
+        let mut mtu_discovery = MtuDiscoveryConfig::default();
+        mtu_discovery.upper_bound(self.mtu.max(1200));
+        t.mtu_discovery_config(Some(mtu_discovery));
+        Ok(Arc::new(t))
+    }
+}
+
+/// How a receiver proves who it is, and whom it lets in.
+#[derive(Clone, Debug)]
+pub enum ServerTls {
+    /// Development trust: a fresh self-signed certificate for `localhost`, whose PEM is
+    /// written to [`dev_cert_path`] so that senders on the same host find it.
+    Development,
+    /// Production: PEM certificate chain and private key files.
+    Pem {
+        /// Certificate chain, leaf first.
+        cert: PathBuf,
+        /// Private key (PKCS#8, PKCS#1 or SEC1).
+        key: PathBuf,
+        /// If set, clients must present a certificate issued by one of these CAs (mTLS).
+        client_ca: Option<PathBuf>,
+    },
+}
+
+/// How a sender checks the receiver, and proves who it is.
+#[derive(Clone, Debug)]
+pub enum ClientTls {
+    /// Development trust: trust the certificate a development receiver on this host left at
+    /// [`dev_cert_path`] for the port being connected to.
+    Development,
+    /// Production: trust receivers whose certificate chains to one of these CAs.
+    Pem {
+        /// CA certificates (PEM).
+        ca: PathBuf,
+        /// Client certificate and key (PEM), for receivers that require mTLS.
+        identity: Option<(PathBuf, PathBuf)>,
+    },
+}
+
+/// Where a development receiver listening on `port` leaves its certificate.
+pub fn dev_cert_path(port: u16) -> PathBuf {
+    std::env::temp_dir()
+        .join("tensorwire-dev")
+        .join(format!("receiver-{port}.pem"))
+}
+
+/// Everything a [`Receiver`](crate::Receiver) needs.
+#[derive(Clone, Debug)]
+pub struct ReceiverConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Certificates.
+    pub tls: ServerTls,
+    /// QUIC settings.
+    pub transport: TransportSettings,
+    /// Protocol limits enforced on every stream (spec §8).
+    pub limits: Limits,
+    /// Receiver-wide byte budget: granted-but-unarrived plus arrived-but-not-durable bytes
+    /// never exceed it, however many senders connect (spec §7.1).
+    pub budget: u64,
+    /// Granting pauses when outstanding bytes reach this.
+    pub high_watermark: u64,
+    /// Granting resumes when outstanding bytes fall to this.
+    pub low_watermark: u64,
+    /// Bytes granted to a tensor in one CREDIT.
+    pub grant_unit: u64,
+    /// Most credit one tensor may hold unused, so one tensor cannot take the whole budget.
+    pub stream_window: u64,
+    /// A stream with no frame for this long is cancelled with PROGRESS_TIMEOUT.
+    pub progress_timeout: Duration,
+    /// How long an incoming tensor may wait for the application's accept or reject.
+    pub admission_timeout: Duration,
+    /// Failed or cancelled streams a connection may have per [`Self::failure_window`] before
+    /// it is closed with CANCEL_FLOOD (spec §10).
+    pub max_failed_streams: u32,
+    /// The window over which failed streams are counted.
+    pub failure_window: Duration,
+}
+
+impl ReceiverConfig {
+    /// Defaults: development TLS, 256 MiB budget (high 7/8, low 1/2), 4 MiB grants.
+    pub fn new(listen: SocketAddr) -> Self {
+        let budget = 256 << 20;
+        Self {
+            listen,
+            tls: ServerTls::Development,
+            transport: TransportSettings::default(),
+            limits: Limits::default(),
+            budget,
+            high_watermark: budget / 8 * 7,
+            low_watermark: budget / 2,
+            grant_unit: 4 << 20,
+            stream_window: 16 << 20,
+            progress_timeout: Duration::from_secs(30),
+            admission_timeout: Duration::from_secs(30),
+            max_failed_streams: 1000,
+            failure_window: Duration::from_secs(10),
+        }
+    }
+
+    /// Sets the budget, with the high watermark at 7/8 and the low at 1/2 of it.
+    pub fn with_budget(mut self, budget: u64) -> Self {
+        self.budget = budget;
+        self.high_watermark = budget / 8 * 7;
+        self.low_watermark = budget / 2;
+        self
+    }
+}
+
+/// Everything a [`Sender`](crate::Sender) needs.
+#[derive(Clone, Debug)]
+pub struct SenderConfig {
+    /// Certificates.
+    pub tls: ClientTls,
+    /// QUIC settings.
+    pub transport: TransportSettings,
+    /// Name the receiver's certificate must carry.
+    pub server_name: String,
+    /// A tensor with no frame from the receiver for this long is cancelled.
+    pub progress_timeout: Duration,
+}
+
+impl Default for SenderConfig {
+    fn default() -> Self {
+        Self {
+            tls: ClientTls::Development,
+            transport: TransportSettings::default(),
+            server_name: "localhost".into(),
+            progress_timeout: Duration::from_secs(60),
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! The transport's error type: protocol errors with their wire codes, plus connection, TLS,
+//! configuration, IO and sink failures.
+
+use tensorwire_proto::{Blame, ErrorCode, ProtocolError};
+
+/// Why a tensor, a connection or an endpoint failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// The protocol layer failed: a peer broke a rule, cancelled, or the application misused
+    /// the API. Carries the wire code.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The QUIC connection was lost or closed.
+    #[error("connection: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+    /// Connecting failed before the handshake started.
+    #[error("connect: {0}")]
+    Connect(#[from] quinn::ConnectError),
+    /// Certificates or TLS settings are unusable.
+    #[error("TLS: {0}")]
+    Tls(String),
+    /// Settings are invalid.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// A socket or file operation failed.
+    #[error("IO: {0}")]
+    Io(#[from] std::io::Error),
+    /// The sink could not store the bytes.
+    #[error("sink: {0}")]
+    Sink(#[from] crate::sink::SinkError),
+}
+
+impl TransportError {
+    /// The wire code, where the error has one.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Self::Protocol(e) => Some(e.code()),
+            Self::Sink(e) => Some(e.code),
+            Self::Connection(quinn::ConnectionError::ApplicationClosed(close)) => {
+                u32::try_from(close.error_code.into_inner())
+                    .ok()
+                    .map(ErrorCode)
+            }
+            _ => None,
+        }
+    }
+
+    /// Who is to blame, where known.
+    pub fn blame(&self) -> Option<Blame> {
+        match self {
+            Self::Protocol(e) => Some(e.blame()),
+            Self::Sink(_) | Self::Io(_) => Some(Blame::LocalResource),
+            Self::Tls(_) | Self::Config(_) => Some(Blame::Application),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,31 @@
+//! tensorwire over QUIC: quinn + rustls endpoints that drive the sans-IO state machines of
+//! `tensorwire-proto`.
+//!
+//! - [`Sender`] connects and sends many tensors at once, one stream each, within credit.
+//! - [`Receiver`] listens, yields each [`IncomingTensor`] for admission, and streams its bytes
+//!   into a [`Sink`] under one receiver-wide byte budget ([`CreditPermit`]s return bytes to it).
+//! - TLS 1.3 only, ALPN `tensorwire/1`, 0-RTT off; development certificates for one host,
+//!   PEM files and optional mutual TLS for production.
+#![forbid(unsafe_code)]
+
+mod budget;
+mod config;
+mod error;
+mod metrics;
+mod receiver;
+mod sender;
+mod sink;
+mod stream;
+pub mod tls;
+
+pub use budget::{BudgetSnapshot, CreditPermit};
+pub use config::{
+    ClientTls, MAX_MTU_WITH_GSO, ReceiverConfig, SenderConfig, ServerTls, TransportSettings,
+    dev_cert_path,
+};
+pub use error::TransportError;
+pub use metrics::MetricsSnapshot;
+pub use receiver::{ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
+pub use sender::{SendHandle, SendReport, Sender, Source};
+pub use sink::{HostSink, Sink, SinkError};
+pub use tensorwire_proto as proto;

@@ -1,0 +1,112 @@
+//! Frames over one QUIC bidirectional stream: decode what arrives, write what a state
+//! machine queues (DATA payloads as their own `Bytes`, never copied).
+
+use bytes::{Bytes, BytesMut};
+use quinn::{ReadError, RecvStream, SendStream, VarInt, WriteError};
+use tensorwire_proto::{ErrorCode, Frame, FrameDecoder, Limits, ProtocolError};
+
+use crate::error::TransportError;
+
+/// One tensor's stream: a decoder on the receive half, frame writes on the send half.
+pub(crate) struct FrameStream {
+    send: SendStream,
+    recv: RecvStream,
+    decoder: FrameDecoder,
+    /// Bytes of received frames, for counters.
+    pub(crate) bytes_read: u64,
+}
+
+impl FrameStream {
+    pub(crate) fn new(send: SendStream, recv: RecvStream, limits: Limits) -> Self {
+        Self {
+            send,
+            recv,
+            decoder: FrameDecoder::new(limits),
+            bytes_read: 0,
+        }
+    }
+
+    /// The next frame; a stream that ends before its terminal frame is TRUNCATED_FRAME
+    /// (spec §4).
+    pub(crate) async fn next_frame(&mut self) -> Result<Frame, TransportError> {
+        loop {
+            if let Some(frame) = self.decoder.next_frame()? {
+                return Ok(frame);
+            }
+            match self.recv.read_chunk(usize::MAX, true).await {
+                Ok(Some(chunk)) => {
+                    self.bytes_read += chunk.bytes.len() as u64;
+                    self.decoder.push(chunk.bytes);
+                }
+                Ok(None) => {
+                    self.decoder.finish()?;
+                    return Err(ProtocolError::Remote {
+                        code: ErrorCode::TRUNCATED_FRAME,
+                        reason: "peer ended the stream before its last frame".into(),
+                    }
+                    .into());
+                }
+                Err(e) => return Err(read_error(e)),
+            }
+        }
+    }
+
+    /// Writes `frames` in order, headers batched, DATA payloads as their own chunks.
+    pub(crate) async fn write_frames(
+        &mut self,
+        frames: impl IntoIterator<Item = Frame>,
+    ) -> Result<(), TransportError> {
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut headers = BytesMut::new();
+        for frame in frames {
+            frame.encode_header(&mut headers);
+            if let Some(payload) = frame.payload() {
+                chunks.push(headers.split().freeze());
+                chunks.extend(payload.parts().iter().cloned());
+            }
+        }
+        if !headers.is_empty() {
+            chunks.push(headers.freeze());
+        }
+        if chunks.is_empty() {
+            return Ok(());
+        }
+        self.send
+            .write_all_chunks(&mut chunks)
+            .await
+            .map_err(write_error)
+    }
+
+    /// Finishes the send half and, on failure, asks the peer to stop sending with `code`.
+    pub(crate) fn close(&mut self, code: Option<ErrorCode>) {
+        let _ = self.send.finish();
+        if let Some(code) = code {
+            let _ = self.recv.stop(VarInt::from_u32(code.0));
+        }
+    }
+}
+
+fn remote(code: VarInt, what: &str) -> TransportError {
+    let code = ErrorCode(u32::try_from(code.into_inner()).unwrap_or(u32::MAX));
+    ProtocolError::Remote {
+        code,
+        reason: format!("peer {what} the stream"),
+    }
+    .into()
+}
+
+fn read_error(e: ReadError) -> TransportError {
+    match e {
+        ReadError::Reset(code) => remote(code, "reset"),
+        ReadError::ConnectionLost(e) => e.into(),
+        other => TransportError::Io(std::io::Error::other(other)),
+    }
+}
+
+pub(crate) fn write_error(e: WriteError) -> TransportError {
+    match e {
+        WriteError::Stopped(code) => remote(code, "stopped reading"),
+        WriteError::ConnectionLost(e) => e.into(),
+        other => TransportError::Io(std::io::Error::other(other)),
+    }
+}

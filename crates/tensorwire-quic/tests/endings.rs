@@ -1,0 +1,537 @@
+//! Every ending is clean: cancel in each state from each side, rejection, protocol
+//! violations from a raw QUIC peer, timeouts, lost connections and TLS failures. Both sides
+//! learn the wire code, other tensors go on, and the budget is counted back.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use common::{init_tracing, pattern, receiver, receiver_config, sender, u8_meta};
+use quinn::VarInt;
+use tensorwire_quic::proto::frame::{Data, End};
+use tensorwire_quic::proto::{ErrorCode, Frame, FrameDecoder, Limits, Payload, ProtocolError};
+use tensorwire_quic::{
+    ClientTls, CreditPermit, Receiver, Sender, SenderConfig, Sink, SinkError, TransportError,
+    TransportSettings,
+};
+use tokio::sync::Notify;
+
+fn remote_code(err: &TransportError) -> Option<ErrorCode> {
+    match err {
+        TransportError::Protocol(ProtocolError::Remote { code, .. }) => Some(*code),
+        _ => None,
+    }
+}
+
+async fn assert_budget_returned(rx: &Receiver) {
+    for _ in 0..100 {
+        let b = rx.budget();
+        if b.in_flight == 0 && b.held == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("budget not returned: {:?}", rx.budget());
+}
+
+/// Stores nothing; `finish` waits until the test opens the gate.
+struct GatedSink {
+    gate: Arc<Notify>,
+}
+
+impl Sink for GatedSink {
+    type Output = ();
+
+    async fn write(&mut self, _: u64, _: Payload, permit: CreditPermit) -> Result<(), SinkError> {
+        drop(permit);
+        Ok(())
+    }
+
+    async fn finish(self) -> Result<(), SinkError> {
+        self.gate.notified().await;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn the_sender_cancels_before_the_tensor_is_accepted() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let tx = sender(addr).await;
+    let send = tx.send(u8_meta("t", 1000), pattern(1000, 1));
+    let incoming = rx.next().await.unwrap();
+    send.cancel();
+    let sent = send.finished().await.unwrap_err();
+    assert_eq!(sent.code(), Some(ErrorCode::CANCELLED));
+    let received = incoming
+        .accept_host()
+        .unwrap()
+        .finished()
+        .await
+        .unwrap_err();
+    assert_eq!(
+        remote_code(&received),
+        Some(ErrorCode::CANCELLED),
+        "{received}"
+    );
+    assert_budget_returned(&rx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sender_cancels_while_sending() {
+    let (mut rx, addr) = receiver(receiver_config().with_budget(2 << 20)).await;
+    let tx = sender(addr).await;
+    let send = tx.send(u8_meta("t", 256 << 20), pattern(256 << 20, 1));
+    let handle = rx.next().await.unwrap().accept_host().unwrap();
+    while handle.received_bytes() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    send.cancel();
+    assert_eq!(
+        send.finished().await.unwrap_err().code(),
+        Some(ErrorCode::CANCELLED)
+    );
+    let received = handle.finished().await.unwrap_err();
+    assert_eq!(
+        remote_code(&received),
+        Some(ErrorCode::CANCELLED),
+        "{received}"
+    );
+    assert_budget_returned(&rx).await;
+}
+
+#[tokio::test]
+async fn the_sender_cancels_while_awaiting_complete() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let tx = sender(addr).await;
+    let send = tx.send(u8_meta("t", 5000), pattern(5000, 1));
+    let gate = Arc::new(Notify::new());
+    let handle = rx
+        .next()
+        .await
+        .unwrap()
+        .accept(GatedSink { gate: gate.clone() });
+    while handle.received_bytes() < 5000 || send.sent_bytes() < 5000 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await; // END reaches the receiver
+    send.cancel();
+    assert_eq!(
+        send.finished().await.unwrap_err().code(),
+        Some(ErrorCode::CANCELLED)
+    );
+    let received = handle.finished().await.unwrap_err();
+    assert_eq!(
+        remote_code(&received),
+        Some(ErrorCode::CANCELLED),
+        "{received}"
+    );
+    assert_budget_returned(&rx).await;
+}
+
+#[tokio::test]
+async fn the_receiver_rejects_with_a_code_and_reason() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let tx = sender(addr).await;
+    let send = tx.send(u8_meta("t", 10), pattern(10, 1));
+    rx.next()
+        .await
+        .unwrap()
+        .reject(ErrorCode::UNSUPPORTED_DTYPE, "U8 is not welcome here");
+    let err = send.finished().await.unwrap_err();
+    match err {
+        TransportError::Protocol(ProtocolError::Remote { code, reason }) => {
+            assert_eq!(code, ErrorCode::UNSUPPORTED_DTYPE);
+            assert_eq!(reason, "U8 is not welcome here");
+        }
+        other => panic!("{other}"),
+    }
+    // Dropping an incoming tensor undecided rejects it too.
+    let send = tx.send(u8_meta("t2", 10), pattern(10, 1));
+    drop(rx.next().await.unwrap());
+    assert_eq!(
+        remote_code(&send.finished().await.unwrap_err()),
+        Some(ErrorCode::REJECTED)
+    );
+    assert_eq!(rx.metrics().tensors_failed, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_receiver_cancels_while_receiving() {
+    let (mut rx, addr) = receiver(receiver_config().with_budget(2 << 20)).await;
+    let tx = sender(addr).await;
+    let send = tx.send(u8_meta("t", 256 << 20), pattern(256 << 20, 1));
+    let handle = rx.next().await.unwrap().accept_host().unwrap();
+    while handle.received_bytes() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    handle.cancel();
+    assert_eq!(
+        handle.finished().await.unwrap_err().code(),
+        Some(ErrorCode::CANCELLED)
+    );
+    let sent = send.finished().await.unwrap_err();
+    assert_eq!(remote_code(&sent), Some(ErrorCode::CANCELLED), "{sent}");
+    assert!(sent.to_string().contains("receiving application"), "{sent}");
+    assert_budget_returned(&rx).await;
+}
+
+#[tokio::test]
+async fn the_receiver_cancels_while_making_the_tensor_resident() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let tx = sender(addr).await;
+    let send = tx.send(u8_meta("t", 5000), pattern(5000, 1));
+    let handle = rx.next().await.unwrap().accept(GatedSink {
+        gate: Arc::new(Notify::new()),
+    });
+    while handle.received_bytes() < 5000 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    handle.cancel();
+    assert_eq!(
+        handle.finished().await.unwrap_err().code(),
+        Some(ErrorCode::CANCELLED)
+    );
+    assert_eq!(
+        remote_code(&send.finished().await.unwrap_err()),
+        Some(ErrorCode::CANCELLED)
+    );
+    assert_budget_returned(&rx).await;
+}
+
+/// A raw QUIC connection with development trust, for peers that break the rules.
+async fn raw_connection(
+    addr: std::net::SocketAddr,
+    alpn: &[u8],
+) -> Result<quinn::Connection, String> {
+    let cert = std::fs::read(tensorwire_quic::dev_cert_path(addr.port())).unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    use rustls::pki_types::pem::PemObject;
+    roots
+        .add(rustls::pki_types::CertificateDer::from_pem_slice(&cert).unwrap())
+        .unwrap();
+    let mut tls =
+        rustls::ClientConfig::builder_with_provider(tensorwire_quic::tls::crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    tls.alpn_protocols = vec![alpn.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    let connecting = endpoint
+        .connect_with(
+            quinn::ClientConfig::new(Arc::new(crypto)),
+            addr,
+            "localhost",
+        )
+        .unwrap();
+    connecting.await.map_err(|e| e.to_string())
+}
+
+/// Writes `frames` on a new stream; returns the frames the receiver answers with.
+async fn raw_exchange(
+    conn: &quinn::Connection,
+    frames: &[Frame],
+    wait_for_credit: bool,
+) -> Vec<Frame> {
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let mut decoder = FrameDecoder::new(Limits::default());
+    let mut answers = Vec::new();
+    let (first, rest) = frames.split_first().unwrap();
+    send.write_all(&first.to_bytes()).await.unwrap();
+    if wait_for_credit {
+        while !answers.iter().any(|f| matches!(f, Frame::Credit(_))) {
+            let chunk = recv.read_chunk(usize::MAX, true).await.unwrap().unwrap();
+            decoder.push(chunk.bytes);
+            while let Some(f) = decoder.next_frame().unwrap() {
+                answers.push(f);
+            }
+        }
+    }
+    let mut wire = BytesMut::new();
+    rest.iter().for_each(|f| f.encode(&mut wire));
+    let _ = send.write_all(&wire).await;
+    let _ = send.finish();
+    while let Ok(Some(chunk)) = recv.read_chunk(usize::MAX, true).await {
+        decoder.push(chunk.bytes);
+        while let Ok(Some(f)) = decoder.next_frame() {
+            answers.push(f);
+        }
+    }
+    answers
+}
+
+fn cancel_code(answers: &[Frame]) -> Option<ErrorCode> {
+    answers.iter().find_map(|f| match f {
+        Frame::Cancel(c) => Some(c.code),
+        Frame::Reject(r) => Some(r.code),
+        _ => None,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rule_breakers_get_the_documented_code_while_others_are_served() {
+    init_tracing();
+    let mut config = receiver_config();
+    config.grant_unit = 1000;
+    config.stream_window = 1000; // each rule breaker holds exactly 1000 bytes of credit
+    let (mut rx, addr) = receiver(config).await;
+    let server = tokio::spawn(async move {
+        let mut results = Vec::new();
+        while let Some(incoming) = rx.next().await {
+            let handle = incoming.accept_host().unwrap();
+            results.push(tokio::spawn(handle.finished()));
+            if results.len() == 5 {
+                break;
+            }
+        }
+        let mut out = Vec::new();
+        for r in results {
+            out.push(r.await.unwrap().map(|(m, b)| (m.name().to_owned(), b)));
+        }
+        (out, rx)
+    });
+    let good = sender(addr).await;
+    let good_send = good.send(u8_meta("good", 1 << 20), pattern(1 << 20, 3));
+    let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    let meta: Frame = u8_meta("bad", 5000).into();
+    let cases: Vec<(Vec<Frame>, ErrorCode)> = vec![
+        (
+            vec![meta.clone(), Data::new(0, vec![1u8; 1500]).into()],
+            ErrorCode::CREDIT_VIOLATION,
+        ),
+        (
+            vec![
+                meta.clone(),
+                Data::new(0, vec![1u8; 500]).into(),
+                Data::new(400, vec![1u8; 200]).into(),
+            ],
+            ErrorCode::DATA_OVERLAP,
+        ),
+        (
+            vec![meta.clone(), Data::new(4900, vec![1u8; 200]).into()],
+            ErrorCode::DATA_PAST_END,
+        ),
+        (
+            vec![meta.clone(), End { checksum: 0 }.into()],
+            ErrorCode::END_WITH_GAPS,
+        ),
+    ];
+    for (frames, expected) in cases {
+        let answers = raw_exchange(&raw, &frames, true).await;
+        assert_eq!(cancel_code(&answers), Some(expected), "{answers:?}");
+        assert!(!answers.iter().any(|f| matches!(f, Frame::Complete(_))));
+    }
+    good_send.finished().await.unwrap();
+    let (results, rx) = server.await.unwrap();
+    let codes: Vec<_> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().and_then(|e| e.code()))
+        .collect();
+    assert_eq!(codes.len(), 4, "{results:?}");
+    let good_result = results.iter().find_map(|r| r.as_ref().ok()).unwrap();
+    assert_eq!(good_result, &("good".to_owned(), pattern(1 << 20, 3)));
+    assert_budget_returned(&rx).await;
+}
+
+#[tokio::test]
+async fn unknown_frames_and_garbage_are_refused_before_metadata() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    let (mut send, mut recv) = raw.open_bi().await.unwrap();
+    send.write_all(&[0x7f, 0, 0, 0, 0]).await.unwrap();
+    let _ = send.finish();
+    let mut decoder = FrameDecoder::new(Limits::default());
+    while let Ok(Some(chunk)) = recv.read_chunk(usize::MAX, true).await {
+        decoder.push(chunk.bytes);
+    }
+    let frame = decoder.next_frame().unwrap().unwrap();
+    assert!(
+        matches!(&frame, Frame::Reject(r) if r.code == ErrorCode::UNKNOWN_FRAME_TYPE),
+        "{frame:?}"
+    );
+    // The application never saw it; the receiver still serves.
+    let tx = sender(addr).await;
+    let send = tx.send(u8_meta("ok", 10), pattern(10, 1));
+    rx.next()
+        .await
+        .unwrap()
+        .accept_host()
+        .unwrap()
+        .finished()
+        .await
+        .unwrap();
+    send.finished().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_stalled_sender_times_out_and_its_credit_returns() {
+    let mut config = receiver_config();
+    config.progress_timeout = Duration::from_millis(300);
+    let (mut rx, addr) = receiver(config).await;
+    let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    let server = tokio::spawn(async move {
+        let result = rx
+            .next()
+            .await
+            .unwrap()
+            .accept_host()
+            .unwrap()
+            .finished()
+            .await;
+        (result, rx)
+    });
+    let (mut send, mut recv) = raw.open_bi().await.unwrap();
+    send.write_all(&Frame::from(u8_meta("stall", 5000)).to_bytes())
+        .await
+        .unwrap();
+    let mut decoder = FrameDecoder::new(Limits::default());
+    let mut answers = Vec::new();
+    while let Ok(Some(chunk)) = recv.read_chunk(usize::MAX, true).await {
+        decoder.push(chunk.bytes);
+        while let Ok(Some(f)) = decoder.next_frame() {
+            answers.push(f);
+        }
+    }
+    assert_eq!(
+        cancel_code(&answers),
+        Some(ErrorCode::PROGRESS_TIMEOUT),
+        "{answers:?}"
+    );
+    let (result, rx) = server.await.unwrap();
+    assert_eq!(
+        result.unwrap_err().code(),
+        Some(ErrorCode::PROGRESS_TIMEOUT)
+    );
+    assert_budget_returned(&rx).await;
+    drop(send);
+}
+
+/// A sender that vanishes mid-tensor: the receiver learns from the connection close if it
+/// arrives, else from its progress timeout; either way the tensor fails and credit returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_sender_fails_the_tensor_and_returns_its_credit() {
+    let mut config = receiver_config().with_budget(2 << 20);
+    config.progress_timeout = Duration::from_millis(500);
+    let (mut rx, addr) = receiver(config).await;
+    let tx = sender(addr).await;
+    let send = tx.send(u8_meta("t", 256 << 20), pattern(256 << 20, 1));
+    let handle = rx.next().await.unwrap().accept_host().unwrap();
+    while handle.received_bytes() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tx.close().await;
+    let err = handle.finished().await.unwrap_err();
+    let timed_out = err.code() == Some(ErrorCode::PROGRESS_TIMEOUT);
+    assert!(
+        matches!(err, TransportError::Connection(_)) || timed_out,
+        "{err}"
+    );
+    assert!(send.finished().await.is_err());
+    assert_budget_returned(&rx).await;
+}
+
+#[tokio::test]
+async fn a_wrong_alpn_is_refused_with_a_clear_error() {
+    let (_rx, addr) = receiver(receiver_config()).await;
+    let err = raw_connection(addr, b"h3").await.unwrap_err();
+    // TLS alert 120, no_application_protocol.
+    assert!(
+        err.contains("error 120") && err.contains("protocol"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_wrong_certificate_is_refused_with_a_clear_error() {
+    let (_rx, addr) = receiver(receiver_config()).await;
+    let other = tensorwire_quic::tls::DevCertificate::generate().unwrap();
+    let dir = std::env::temp_dir().join(format!("tensorwire-wrong-ca-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = dir.join("other.pem");
+    std::fs::write(&ca, &other.pem).unwrap();
+    let config = SenderConfig {
+        tls: ClientTls::Pem { ca, identity: None },
+        transport: TransportSettings::jumbo(),
+        ..SenderConfig::default()
+    };
+    let err = Sender::connect(addr, config)
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.to_lowercase().contains("certificate"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+    // With no development certificate to find, development trust says what to do.
+    let err = Sender::connect("127.0.0.1:9".parse().unwrap(), SenderConfig::default())
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string().contains("no development certificate"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_mtu_that_stalls_with_segmentation_offload_is_refused() {
+    let settings = TransportSettings {
+        mtu: 8000,
+        ..TransportSettings::default()
+    };
+    let err = settings.validate().unwrap_err().to_string();
+    assert!(err.contains("GSO") && err.contains("6500"), "{err}");
+    let without_gso = TransportSettings {
+        mtu: 8000,
+        segmentation_offload: false,
+        ..TransportSettings::default()
+    };
+    without_gso.validate().unwrap();
+    assert!(
+        TransportSettings {
+            mtu: 1000,
+            ..TransportSettings::default()
+        }
+        .validate()
+        .is_err()
+    );
+}
+
+#[tokio::test]
+async fn a_cancel_flood_closes_the_connection() {
+    let mut config = receiver_config();
+    config.max_failed_streams = 5;
+    let (mut rx, addr) = receiver(config).await;
+    tokio::spawn(async move {
+        while let Some(incoming) = rx.next().await {
+            incoming.reject(ErrorCode::REJECTED, "no");
+        }
+    });
+    let tx = sender(addr).await;
+    let mut last = None;
+    for i in 0..20 {
+        match tx
+            .send(u8_meta(&format!("f{i}"), 10), pattern(10, i))
+            .finished()
+            .await
+        {
+            Err(TransportError::Connection(e)) => {
+                last = Some(e.to_string());
+                break;
+            }
+            Err(_) => {}
+            Ok(_) => panic!("rejected tensors cannot complete"),
+        }
+    }
+    let last = last.expect("the connection was closed");
+    assert!(
+        last.contains(&format!("{}", VarInt::from_u32(ErrorCode::CANCEL_FLOOD.0)))
+            || last.contains("528"),
+        "{last}"
+    );
+    let _ = Bytes::new();
+}

@@ -1,0 +1,266 @@
+//! Whole transfers over loopback QUIC: a 1 GiB tensor, 10 000 small tensors at once,
+//! back-pressure from a slow sink, and the metrics.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{init_tracing, pattern, receiver, receiver_config, sender, u8_meta};
+use tensorwire_quic::proto::Payload;
+use tensorwire_quic::{CreditPermit, Sink, SinkError};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_gib_tensor_arrives_intact() {
+    init_tracing();
+    const LEN: usize = 1 << 30;
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let data = pattern(LEN, 1);
+    let expected = crc32c::crc32c(&data);
+    let server = tokio::spawn(async move {
+        let incoming = rx.next().await.unwrap();
+        let (meta, bytes) = incoming.accept_host().unwrap().finished().await.unwrap();
+        (meta, crc32c::crc32c(&bytes), bytes.len(), rx)
+    });
+    let tx = sender(addr).await;
+    let report = tx.send(u8_meta("big", LEN), data).finished().await.unwrap();
+    assert_eq!(report.bytes, LEN as u64);
+    let (meta, crc, len, rx) = server.await.unwrap();
+    assert_eq!((meta.name(), len, crc), ("big", LEN, expected));
+    let budget = rx.budget();
+    assert_eq!(
+        (budget.in_flight, budget.held),
+        (0, 0),
+        "every credit byte returned"
+    );
+    assert!(budget.peak_outstanding <= budget.budget);
+    let m = tx.metrics();
+    assert_eq!((m.tensors_completed, m.payload_bytes), (1, LEN as u64));
+    tx.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_small_tensors_arrive_concurrently() {
+    init_tracing();
+    const COUNT: usize = 10_000;
+    const LEN: usize = 4096;
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let server = tokio::spawn(async move {
+        let mut handles = Vec::with_capacity(COUNT);
+        for _ in 0..COUNT {
+            let incoming = rx.next().await.unwrap();
+            handles.push(tokio::spawn(incoming.accept_host().unwrap().finished()));
+        }
+        let mut verified = 0;
+        for handle in handles {
+            let (meta, bytes) = handle.await.unwrap().unwrap();
+            let seed: u64 = meta.name().trim_start_matches("t").parse().unwrap();
+            assert_eq!(bytes, pattern(LEN, seed), "{}", meta.name());
+            verified += 1;
+        }
+        (verified, rx)
+    });
+    let tx = sender(addr).await;
+    let sends: Vec<_> = (0..COUNT)
+        .map(|i| tx.send(u8_meta(&format!("t{i}"), LEN), pattern(LEN, i as u64)))
+        .collect();
+    for send in sends {
+        send.finished().await.unwrap();
+    }
+    let (verified, rx) = server.await.unwrap();
+    assert_eq!(verified, COUNT);
+    let m = rx.metrics();
+    assert_eq!((m.tensors_completed, m.tensors_failed), (COUNT as u64, 0));
+    assert!(m.latency_p50_us > 0 && m.latency_p99_us >= m.latency_p50_us);
+    assert_eq!(tx.metrics().tensors_completed, COUNT as u64);
+    let budget = rx.budget();
+    assert_eq!((budget.in_flight, budget.held), (0, 0));
+    tx.close().await;
+}
+
+/// Stores chunks at once but holds each chunk's permit for a while, as a sink waiting for a
+/// device copy would; `finish` waits for every permit to be released.
+struct SlowSink {
+    buf: Vec<u8>,
+    delay: Duration,
+    releases: tokio::task::JoinSet<()>,
+}
+
+impl Sink for SlowSink {
+    type Output = Bytes;
+
+    async fn write(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<(), SinkError> {
+        let at = offset as usize;
+        payload.copy_to_slice(&mut self.buf[at..at + payload.len()]);
+        let delay = self.delay;
+        self.releases.spawn(async move {
+            tokio::time::sleep(delay).await;
+            drop(permit);
+        });
+        Ok(())
+    }
+
+    async fn finish(mut self) -> Result<Bytes, SinkError> {
+        while self.releases.join_next().await.is_some() {}
+        Ok(self.buf.into())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_sink_keeps_held_bytes_within_the_budget() {
+    init_tracing();
+    const BUDGET: u64 = 8 << 20;
+    const LEN: usize = 96 << 20;
+    let mut config = receiver_config().with_budget(BUDGET);
+    config.grant_unit = 1 << 20;
+    config.stream_window = 4 << 20;
+    let (mut rx, addr) = receiver(config).await;
+    let data = pattern(LEN, 9);
+    let expected = data.clone();
+    let server = tokio::spawn(async move {
+        // Two tensors at once share the one budget.
+        let mut handles = Vec::new();
+        for _ in 0..2 {
+            let incoming = rx.next().await.unwrap();
+            let sink = SlowSink {
+                buf: vec![0; incoming.meta().byte_len() as usize],
+                delay: Duration::from_millis(20),
+                releases: tokio::task::JoinSet::new(),
+            };
+            handles.push(incoming.accept(sink));
+        }
+        let mut outputs = Vec::new();
+        for h in handles {
+            outputs.push(h.finished().await.unwrap().1);
+        }
+        (outputs, rx)
+    });
+    let tx = sender(addr).await;
+    let a = tx.send(u8_meta("a", LEN), data.clone());
+    let b = tx.send(u8_meta("b", LEN), data);
+    a.finished().await.unwrap();
+    b.finished().await.unwrap();
+    let (outputs, rx) = server.await.unwrap();
+    assert!(outputs.iter().all(|o| *o == expected));
+    let budget = rx.budget();
+    assert!(
+        budget.peak_outstanding <= BUDGET,
+        "peak {} over budget {BUDGET}",
+        budget.peak_outstanding
+    );
+    assert!(
+        budget.peak_outstanding > BUDGET / 2,
+        "the budget was used: peak {}",
+        budget.peak_outstanding
+    );
+    assert_eq!((budget.in_flight, budget.held), (0, 0));
+    tx.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_region_and_a_chunk_stream_are_sources() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let data = pattern(3 << 20, 4);
+    let dir = std::env::temp_dir().join(format!("tensorwire-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("region.bin");
+    let mut file = vec![7u8; 100];
+    file.extend_from_slice(&data);
+    std::fs::write(&path, &file).unwrap();
+    let server = tokio::spawn(async move {
+        let mut out = Vec::new();
+        for _ in 0..2 {
+            out.push(
+                rx.next()
+                    .await
+                    .unwrap()
+                    .accept_host()
+                    .unwrap()
+                    .finished()
+                    .await
+                    .unwrap()
+                    .1,
+            );
+        }
+        out
+    });
+    let tx = sender(addr).await;
+    let from_file = tx.send(
+        u8_meta("file", data.len()),
+        tensorwire_quic::Source::File {
+            path: path.clone(),
+            offset: 100,
+        },
+    );
+    from_file.finished().await.unwrap();
+    let pieces: Vec<std::io::Result<Bytes>> = data
+        .chunks(777_777)
+        .map(|c| Ok(Bytes::copy_from_slice(c)))
+        .collect();
+    let stream = tokio_stream_iter(pieces);
+    tx.send(
+        u8_meta("stream", data.len()),
+        tensorwire_quic::Source::Stream(stream),
+    )
+    .finished()
+    .await
+    .unwrap();
+    let out = server.await.unwrap();
+    assert_eq!(out, vec![data.clone(), data]);
+    std::fs::remove_dir_all(dir).unwrap();
+    tx.close().await;
+}
+
+type ChunkStream =
+    std::pin::Pin<Box<dyn futures_core::Stream<Item = std::io::Result<Bytes>> + Send>>;
+
+/// A stream over a list of chunks, without pulling in a stream-utilities crate.
+fn tokio_stream_iter(items: Vec<std::io::Result<Bytes>>) -> ChunkStream {
+    struct Iter(std::vec::IntoIter<std::io::Result<Bytes>>);
+    impl futures_core::Stream for Iter {
+        type Item = std::io::Result<Bytes>;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            std::task::Poll::Ready(self.0.next())
+        }
+    }
+    Box::pin(Iter(items.into_iter()))
+}
+
+#[tokio::test]
+async fn a_source_shorter_than_its_metadata_cancels_the_tensor() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let server = tokio::spawn(async move {
+        rx.next()
+            .await
+            .unwrap()
+            .accept_host()
+            .unwrap()
+            .finished()
+            .await
+    });
+    let tx = sender(addr).await;
+    let err = tx
+        .send(u8_meta("short", 1000), vec![1u8; 10])
+        .finished()
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("source ended after 10 of 1000 bytes"),
+        "{err}"
+    );
+    let received = server.await.unwrap().unwrap_err();
+    assert!(
+        received.to_string().contains("source ended"),
+        "the receiver is told why: {received}"
+    );
+}
