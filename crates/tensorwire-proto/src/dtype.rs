@@ -104,12 +104,13 @@ impl Device {
         }
     }
 
-    /// The device for a wire kind and index, if the kind is defined.
+    /// The device for a wire kind and index; `None` for an unknown kind, or a non-zero index
+    /// on a kind that has none (spec §5.2: one encoding per device).
     pub fn from_wire(kind: u8, index: u16) -> Option<Device> {
-        match kind {
-            0 => Some(Device::Any),
-            1 => Some(Device::Host),
-            2 => Some(Device::Cuda(index)),
+        match (kind, index) {
+            (0, 0) => Some(Device::Any),
+            (1, 0) => Some(Device::Host),
+            (2, index) => Some(Device::Cuda(index)),
             _ => None,
         }
     }

@@ -332,6 +332,12 @@ pub fn frame_vectors() -> Vec<Built<FrameVector>> {
             RawMeta::f32_2x3().with(|m| m.device = (7, 0)).frame(),
         ),
         invalid(
+            "metadata_host_with_index",
+            "METADATA with device kind 1 (host) and index 3: one encoding per device",
+            ErrorCode::UNKNOWN_DEVICE,
+            RawMeta::f32_2x3().with(|m| m.device = (1, 3)).frame(),
+        ),
+        invalid(
             "metadata_bad_utf8",
             "METADATA whose name is not UTF-8",
             ErrorCode::INVALID_UTF8,
