@@ -20,6 +20,7 @@
 //! against [`Limits`] before the bytes it announces are awaited or allocated.
 #![forbid(unsafe_code)]
 
+pub mod checksum;
 mod codec;
 mod credit;
 mod dtype;

@@ -51,9 +51,14 @@ impl Payload {
 
     /// CRC-32C of the payload's bytes.
     pub fn crc32c(&self) -> u32 {
+        self.crc32c_append(0)
+    }
+
+    /// CRC-32C of the bytes whose CRC is `crc` followed by the payload.
+    pub fn crc32c_append(&self, crc: u32) -> u32 {
         self.parts
             .iter()
-            .fold(0, |crc, p| crc32c::crc32c_append(crc, p))
+            .fold(crc, |crc, p| crate::checksum::crc32c_append(crc, p))
     }
 
     /// Copies the payload into `dst`, which must be exactly `len()` bytes long.

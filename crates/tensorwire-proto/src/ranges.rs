@@ -2,12 +2,14 @@
 
 use std::collections::BTreeMap;
 
+use crate::checksum::crc32c_combine;
 use crate::error::{ErrorCode, ProtocolError};
 
 /// Disjoint received ranges `[start, end)` with the CRC-32C of each.
 ///
-/// Adjacent ranges merge, combining their checksums with `crc32c_combine`, so a tensor
-/// received in any order ends as one range whose CRC is the whole tensor's. The number of
+/// Adjacent ranges merge: a range that continues another extends its CRC, one that precedes
+/// another is joined with `crc32c_combine`, so a tensor received in any order ends as one
+/// range whose CRC is the whole tensor's. The number of
 /// separate ranges is capped: out-of-order senders cannot make the receiver track
 /// unbounded gaps.
 #[derive(Clone, Debug)]
@@ -33,11 +35,29 @@ impl ReceivedRanges {
         }
     }
 
-    /// Adds `[start, end)` whose bytes have CRC-32C `crc`.
+    /// Adds `[start, end)` whose bytes have CRC-32C `crc` (computed on their own).
     ///
     /// Fails with DATA_OVERLAP if any byte was already received and TOO_MANY_GAPS if the
     /// set would exceed its cap; on failure the set is unchanged.
     pub fn insert(&mut self, start: u64, end: u64, crc: u32) -> Result<(), ProtocolError> {
+        self.insert_with(start, end, |continued| match continued {
+            Some(left) => crc32c_combine(left, crc, end - start),
+            None => crc,
+        })
+    }
+
+    /// Adds `[start, end)`, asking `crc_from` for its CRC once the checks passed.
+    ///
+    /// `crc_from` gets the CRC of the received range that ends exactly at `start`, if any,
+    /// and returns the CRC of that range and the new bytes together (`crc32c_append`), or
+    /// of the new bytes alone when there is none. In-order data thus costs one pass and no
+    /// `crc32c_combine`. Fails, changing nothing, as [`insert`](Self::insert) does.
+    pub fn insert_with(
+        &mut self,
+        start: u64,
+        end: u64,
+        crc_from: impl FnOnce(Option<u32>) -> u32,
+    ) -> Result<(), ProtocolError> {
         if start >= end {
             return Err(ProtocolError::Misuse("empty or inverted range"));
         }
@@ -46,20 +66,21 @@ impl ReceivedRanges {
             .range(..end)
             .next_back()
             .map(|(&s, &span)| (s, span));
-        if let Some((s, span)) = before {
-            if span.end > start {
-                return Err(ProtocolError::violation(
-                    ErrorCode::DATA_OVERLAP,
-                    format!(
-                        "DATA [{start}, {end}) overlaps received [{s}, {})",
-                        span.end
-                    ),
-                ));
-            }
+        if let Some((s, span)) = before
+            && span.end > start
+        {
+            return Err(ProtocolError::violation(
+                ErrorCode::DATA_OVERLAP,
+                format!(
+                    "DATA [{start}, {end}) overlaps received [{s}, {})",
+                    span.end
+                ),
+            ));
         }
         let left = before.filter(|(_, span)| span.end == start);
         let right = self.ranges.get(&end).copied();
-        let count_after = self.ranges.len() + 1 - left.iter().count() - right.iter().count();
+        let count_after =
+            self.ranges.len() + 1 - usize::from(left.is_some()) - usize::from(right.is_some());
         if count_after > self.max_ranges {
             return Err(ProtocolError::LimitExceeded {
                 code: ErrorCode::TOO_MANY_GAPS,
@@ -68,15 +89,18 @@ impl ReceivedRanges {
                 limit: self.max_ranges as u64,
             });
         }
-        let (mut merged_start, mut merged) = (start, Span { end, crc });
-        if let Some((s, span)) = left {
+        let mut merged_start = start;
+        let mut merged = Span {
+            end,
+            crc: crc_from(left.map(|(_, span)| span.crc)),
+        };
+        if let Some((s, _)) = left {
             self.ranges.remove(&s);
             merged_start = s;
-            merged.crc = crc32c::crc32c_combine(span.crc, crc, len(start, end));
         }
         if let Some(span) = right {
             self.ranges.remove(&end);
-            merged.crc = crc32c::crc32c_combine(merged.crc, span.crc, len(end, span.end));
+            merged.crc = crc32c_combine(merged.crc, span.crc, span.end - end);
             merged.end = span.end;
         }
         self.ranges.insert(merged_start, merged);
@@ -116,10 +140,4 @@ impl ReceivedRanges {
         }
         (at < total).then_some((at, total))
     }
-}
-
-/// A range's length as `crc32c_combine` takes it; a range longer than `usize` could not be
-/// held in memory on this target, so saturating never changes a reachable result.
-fn len(start: u64, end: u64) -> usize {
-    usize::try_from(end - start).unwrap_or(usize::MAX)
 }

@@ -266,8 +266,10 @@ impl TensorReceiver {
                 ),
             )
         })?;
-        self.ranges
-            .insert(data.offset, end, data.payload.crc32c())?;
+        let payload = &data.payload;
+        self.ranges.insert_with(data.offset, end, |continued| {
+            payload.crc32c_append(continued.unwrap_or(0))
+        })?;
         self.received += len;
         Ok(ReceiverEvent::Data(data))
     }

@@ -269,7 +269,7 @@ impl TensorSender {
                 "DATA payload empty or longer than next_chunk_len()",
             ));
         }
-        self.crc = crc32c::crc32c_append(self.crc, &payload);
+        self.crc = crate::checksum::crc32c_append(self.crc, &payload);
         self.outgoing
             .push_back(Frame::Data(Data::new(self.sent, payload)));
         self.sent += len;

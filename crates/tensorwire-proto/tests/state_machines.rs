@@ -119,12 +119,12 @@ fn data_in_reverse_order_reassembles() {
 fn a_flipped_byte_fails_the_checksum_on_both_sides() {
     let mut pair = small_chunks(5000).altered(|frames| {
         for frame in frames.iter_mut() {
-            if let Frame::Data(d) = frame {
-                if d.offset == 2000 {
-                    let mut bytes = d.payload.to_bytes().to_vec();
-                    bytes[17] ^= 0x40;
-                    *d = Data::new(d.offset, bytes);
-                }
+            if let Frame::Data(d) = frame
+                && d.offset == 2000
+            {
+                let mut bytes = d.payload.to_bytes().to_vec();
+                bytes[17] ^= 0x40;
+                *d = Data::new(d.offset, bytes);
             }
         }
     });
@@ -345,7 +345,7 @@ fn the_receiver_cancels_while_awaiting_residency() {
         .handle_frame(Data::new(0, bytes.clone()).into())
         .unwrap();
     let end = tensorwire_proto::frame::End {
-        checksum: crc32c::crc32c(&bytes).into(),
+        checksum: tensorwire_proto::checksum::crc32c(&bytes).into(),
     };
     assert_eq!(
         receiver.handle_frame(end.into()).unwrap(),
@@ -376,7 +376,7 @@ fn complete_is_queued_only_by_mark_resident() {
         .unwrap();
     assert!(receiver.mark_resident().is_err(), "not before END");
     let end = tensorwire_proto::frame::End {
-        checksum: crc32c::crc32c(&[1, 2, 3, 4]).into(),
+        checksum: tensorwire_proto::checksum::crc32c(&[1, 2, 3, 4]).into(),
     };
     receiver.handle_frame(end.into()).unwrap();
     let before: Vec<Frame> = std::iter::from_fn(|| receiver.poll_frame()).collect();

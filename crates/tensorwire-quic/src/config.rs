@@ -34,6 +34,9 @@ pub struct TransportSettings {
     pub idle_timeout: Duration,
     /// Keep-alive interval, under the idle timeout.
     pub keep_alive: Duration,
+    /// UDP socket send and receive buffer size requested from the OS (capped by
+    /// `net.core.rmem_max` / `wmem_max` on Linux). Small buffers drop bursts on loopback.
+    pub socket_buffer: usize,
 }
 
 impl Default for TransportSettings {
@@ -47,6 +50,7 @@ impl Default for TransportSettings {
             max_concurrent_streams: 1024,
             idle_timeout: Duration::from_secs(30),
             keep_alive: Duration::from_secs(5),
+            socket_buffer: 8 << 20,
         }
     }
 }
@@ -82,6 +86,39 @@ impl TransportSettings {
             ));
         }
         Ok(())
+    }
+
+    /// A quinn endpoint on `addr` with these settings: socket buffers sized, and the largest
+    /// UDP payload raised to the MTU (quinn caps MTU discovery at 1472 otherwise).
+    pub fn endpoint(
+        &self,
+        addr: SocketAddr,
+        server: Option<quinn::ServerConfig>,
+    ) -> Result<quinn::Endpoint, TransportError> {
+        self.validate()?;
+        let socket = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::DGRAM,
+            Some(socket2::Protocol::UDP),
+        )?;
+        if addr.is_ipv6() {
+            socket.set_only_v6(false)?;
+        }
+        // Best effort: the OS caps these at its maximum; a smaller buffer still works.
+        let _ = socket.set_recv_buffer_size(self.socket_buffer);
+        let _ = socket.set_send_buffer_size(self.socket_buffer);
+        socket.bind(&addr.into())?;
+        let mut endpoint = quinn::EndpointConfig::default();
+        endpoint
+            .max_udp_payload_size(self.mtu.max(1200))
+            .map_err(|e| TransportError::Config(format!("MTU {}: {e}", self.mtu)))?;
+        let runtime = Arc::new(quinn::TokioRuntime);
+        Ok(quinn::Endpoint::new(
+            endpoint,
+            server,
+            socket.into(),
+            runtime,
+        )?)
     }
 
     /// The quinn transport configuration these settings describe.
@@ -219,6 +256,10 @@ pub struct SenderConfig {
     pub server_name: String,
     /// A tensor with no frame from the receiver for this long is cancelled.
     pub progress_timeout: Duration,
+    /// Largest DATA payload sent (the receiver's ACCEPT may lower it). Several chunks must
+    /// fit in the receiver's per-stream credit window to keep the pipe full, since credit
+    /// comes back only when a whole chunk has arrived.
+    pub chunk_size: u64,
 }
 
 impl Default for SenderConfig {
@@ -228,6 +269,7 @@ impl Default for SenderConfig {
             transport: TransportSettings::default(),
             server_name: "localhost".into(),
             progress_timeout: Duration::from_secs(60),
+            chunk_size: 1 << 20,
         }
     }
 }

@@ -65,7 +65,7 @@ impl Receiver {
         let (crypto, dev) = crate::tls::server_crypto(&config.tls)?;
         let mut server = quinn::ServerConfig::with_crypto(crypto);
         server.transport_config(config.transport.transport_config()?);
-        let endpoint = quinn::Endpoint::server(server, config.listen)?;
+        let endpoint = config.transport.endpoint(config.listen, Some(server))?;
         let local = endpoint.local_addr()?;
         let dev_cert = match dev {
             Some(dev) => {
@@ -137,6 +137,9 @@ impl Receiver {
     }
 
     /// Closes every connection with SHUTDOWN and waits for the endpoint to go idle.
+    ///
+    /// Frames not yet delivered, such as a last COMPLETE, are abandoned: close once senders
+    /// have their COMPLETEs (for example after they disconnect).
     pub async fn close(self) {
         self.shared.shutdown.cancel();
         self.endpoint.close(

@@ -102,7 +102,14 @@ pub struct Sender {
     endpoint: quinn::Endpoint,
     connection: quinn::Connection,
     metrics: Arc<Metrics>,
+    options: SendOptions,
+}
+
+/// The parts of [`SenderConfig`] each send uses.
+#[derive(Clone, Copy, Debug)]
+struct SendOptions {
     progress_timeout: Duration,
+    chunk_size: u64,
 }
 
 /// What a completed send did.
@@ -127,7 +134,7 @@ impl Sender {
         }
         .parse()
         .map_err(|_| TransportError::Config("bind address".into()))?;
-        let endpoint = quinn::Endpoint::client(bind)?;
+        let endpoint = config.transport.endpoint(bind, None)?;
         let connection = endpoint
             .connect_with(client, addr, &config.server_name)?
             .await?;
@@ -135,7 +142,10 @@ impl Sender {
             endpoint,
             connection,
             metrics: Arc::new(Metrics::default()),
-            progress_timeout: config.progress_timeout,
+            options: SendOptions {
+                progress_timeout: config.progress_timeout,
+                chunk_size: config.chunk_size.max(1),
+            },
         })
     }
 
@@ -153,7 +163,7 @@ impl Sender {
                 sent.clone(),
                 cancel.clone(),
                 self.metrics.clone(),
-                self.progress_timeout,
+                self.options,
             )
             .instrument(span),
         );
@@ -201,6 +211,14 @@ impl SendHandle {
         self.total
     }
 
+    /// A progress reader that outlives [`finished`](Self::finished)'s borrow of the handle.
+    pub fn progress(&self) -> SendProgress {
+        SendProgress {
+            sent: self.sent.clone(),
+            total: self.total,
+        }
+    }
+
     /// Cancels the tensor: the receiver gets CANCEL(CANCELLED).
     pub fn cancel(&self) {
         self.cancel.cancel();
@@ -219,6 +237,25 @@ impl SendHandle {
     }
 }
 
+/// Reads how far one tensor's send has got.
+#[derive(Clone, Debug)]
+pub struct SendProgress {
+    sent: Arc<AtomicU64>,
+    total: u64,
+}
+
+impl SendProgress {
+    /// Payload bytes handed to QUIC so far.
+    pub fn sent_bytes(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
+    }
+
+    /// The tensor's length.
+    pub fn total_bytes(&self) -> u64 {
+        self.total
+    }
+}
+
 async fn send_tensor(
     connection: quinn::Connection,
     meta: TensorMeta,
@@ -226,7 +263,7 @@ async fn send_tensor(
     sent: Arc<AtomicU64>,
     cancel: CancellationToken,
     metrics: Arc<Metrics>,
-    progress_timeout: Duration,
+    options: SendOptions,
 ) -> Result<SendReport, TransportError> {
     let started = Instant::now();
     metrics.started();
@@ -234,15 +271,7 @@ async fn send_tensor(
     let result = async {
         let (send, recv) = connection.open_bi().await?;
         let mut stream = FrameStream::new(send, recv, Limits::default());
-        let outcome = drive(
-            &mut machine,
-            &mut stream,
-            source,
-            &sent,
-            &cancel,
-            progress_timeout,
-        )
-        .await;
+        let outcome = drive(&mut machine, &mut stream, source, &sent, &cancel, options).await;
         let outcome = match outcome {
             Err(e) => Err(explain_stop(&mut machine, &mut stream, e).await),
             ok => ok,
@@ -281,8 +310,12 @@ async fn drive(
     source: Source,
     sent: &AtomicU64,
     cancel: &CancellationToken,
-    progress_timeout: Duration,
+    options: SendOptions,
 ) -> Result<(), TransportError> {
+    let SendOptions {
+        progress_timeout,
+        chunk_size,
+    } = options;
     let cancelled = || -> TransportError {
         ProtocolError::Local {
             code: ErrorCode::CANCELLED,
@@ -297,7 +330,10 @@ async fn drive(
             && machine.sent() < total
             && machine.next_chunk_len() > 0
         {
-            let max = machine.next_chunk_len().min(total - machine.sent());
+            let max = machine
+                .next_chunk_len()
+                .min(total - machine.sent())
+                .min(chunk_size);
             let chunk = reader
                 .next(usize::try_from(max).unwrap_or(usize::MAX))
                 .await?;

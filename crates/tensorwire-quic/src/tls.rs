@@ -72,6 +72,7 @@ pub struct DevCertificate {
     /// Its PEM text.
     pub pem: String,
     key: PrivateKeyDer<'static>,
+    key_pem: String,
 }
 
 impl DevCertificate {
@@ -91,7 +92,18 @@ impl DevCertificate {
             pem: certified.cert.pem(),
             cert: certified.cert.der().clone(),
             key,
+            key_pem: certified.signing_key.serialize_pem(),
         })
+    }
+
+    /// The private key as PEM (PKCS#8), for writing a development key file.
+    pub fn key_pem(&self) -> &str {
+        &self.key_pem
+    }
+
+    /// The private key as PKCS#8 DER.
+    pub fn key_der(&self) -> Vec<u8> {
+        self.key.secret_der().to_vec()
     }
 
     /// SHA-256 of the certificate, as colon-separated hex, for pinning by eye.

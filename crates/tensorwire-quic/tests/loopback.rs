@@ -17,11 +17,16 @@ async fn a_one_gib_tensor_arrives_intact() {
     const LEN: usize = 1 << 30;
     let (mut rx, addr) = receiver(receiver_config()).await;
     let data = pattern(LEN, 1);
-    let expected = crc32c::crc32c(&data);
+    let expected = tensorwire_quic::proto::checksum::crc32c(&data);
     let server = tokio::spawn(async move {
         let incoming = rx.next().await.unwrap();
         let (meta, bytes) = incoming.accept_host().unwrap().finished().await.unwrap();
-        (meta, crc32c::crc32c(&bytes), bytes.len(), rx)
+        (
+            meta,
+            tensorwire_quic::proto::checksum::crc32c(&bytes),
+            bytes.len(),
+            rx,
+        )
     });
     let tx = sender(addr).await;
     let report = tx.send(u8_meta("big", LEN), data).finished().await.unwrap();

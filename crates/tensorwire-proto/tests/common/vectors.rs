@@ -472,7 +472,7 @@ fn data(offset: usize, bytes: &[u8]) -> Frame {
 
 fn end_of(bytes: &[u8]) -> Frame {
     End {
-        checksum: crc32c::crc32c(bytes).into(),
+        checksum: tensorwire_proto::checksum::crc32c(bytes).into(),
     }
     .into()
 }

@@ -1,0 +1,610 @@
+//! One harness, one run, side by side on loopback, with the same QUIC configuration:
+//! (a) raw quinn bulk transfer on streams, (b) tensorwire sending the same bytes as tensors,
+//! (c) TCP + TLS 1.3 (tokio-rustls, same provider and AES-128-GCM), for 1 and N connections;
+//! plus small-tensor latency p50/p99.
+//!
+//! `cargo run --release -p tensorwire-bench -- --quick` finishes in under a minute.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Parser;
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use tensorwire::proto::{DType, Payload, TensorMeta};
+use tensorwire::quic::{
+    CreditPermit, Receiver, ReceiverConfig, Sender, SenderConfig, Sink, SinkError,
+    TransportSettings,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Benchmark tensorwire beside raw quinn and TCP + TLS.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Under a minute: less data, fewer latency samples.
+    #[arg(long)]
+    quick: bool,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// Connection counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    connections: Vec<usize>,
+    /// UDP payload size for both QUIC runs.
+    #[arg(long, default_value_t = 6000)]
+    mtu: u16,
+    /// MiB moved per connection in each throughput run (default 2048, quick 512).
+    #[arg(long)]
+    mib: Option<u64>,
+    /// Tensor size in MiB for tensorwire's throughput run.
+    #[arg(long, default_value_t = 64)]
+    tensor_mib: u64,
+    /// tensorwire's DATA payload size in KiB.
+    #[arg(long, default_value_t = 1024)]
+    chunk_kib: u64,
+    /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile it.
+    #[arg(long)]
+    only: Option<String>,
+    /// Repeat each throughput run this many times and keep the best.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+}
+
+/// Write granularity for the raw transports, like tensorwire's DATA payloads.
+const CHUNK: usize = 4 << 20;
+
+#[derive(Serialize, Debug, Clone)]
+struct Throughput {
+    transport: &'static str,
+    connections: usize,
+    bytes: u64,
+    seconds: f64,
+    gbit_per_s: f64,
+}
+
+#[derive(Serialize, Debug, Clone)]
+struct Latency {
+    transport: &'static str,
+    message_bytes: usize,
+    samples: u64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+#[derive(Serialize, Debug)]
+struct Report {
+    host: String,
+    cores: usize,
+    mtu: u16,
+    throughput: Vec<Throughput>,
+    ratio_tensorwire_over_quinn: Vec<(usize, f64)>,
+    latency: Vec<Latency>,
+}
+
+fn transport(mtu: u16) -> TransportSettings {
+    TransportSettings {
+        mtu,
+        ..TransportSettings::default()
+    }
+}
+
+fn payload(len: usize) -> Bytes {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) | 1)
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+// ---------------------------------------------------------------- (a) raw quinn
+
+/// A server endpoint with tensorwire's TLS and transport settings; returns its address.
+fn quinn_server(
+    mtu: u16,
+) -> anyhow::Result<(quinn::Endpoint, rustls::pki_types::CertificateDer<'static>)> {
+    let cert = tensorwire::quic::tls::DevCertificate::generate()?;
+    let dir = std::env::temp_dir().join(format!("tensorwire-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let (cert_path, key_path) = (dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&cert_path, &cert.pem)?;
+    std::fs::write(&key_path, cert.key_pem())?;
+    let tls = tensorwire::quic::ServerTls::Pem {
+        cert: cert_path,
+        key: key_path,
+        client_ca: None,
+    };
+    let (crypto, _) = tensorwire::quic::tls::server_crypto(&tls)?;
+    let mut config = quinn::ServerConfig::with_crypto(crypto);
+    config.transport_config(transport(mtu).transport_config()?);
+    let endpoint = transport(mtu).endpoint("127.0.0.1:0".parse()?, Some(config))?;
+    Ok((endpoint, cert.cert))
+}
+
+fn quinn_client(
+    mtu: u16,
+    cert: &rustls::pki_types::CertificateDer<'static>,
+) -> anyhow::Result<(quinn::Endpoint, quinn::ClientConfig)> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cert.clone())?;
+    let mut tls =
+        rustls::ClientConfig::builder_with_provider(tensorwire::quic::tls::crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    tls.alpn_protocols = vec![tensorwire::proto::ALPN.to_vec()];
+    let mut config = quinn::ClientConfig::new(Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(tls)?,
+    ));
+    config.transport_config(transport(mtu).transport_config()?);
+    Ok((
+        transport(mtu).endpoint("127.0.0.1:0".parse()?, None)?,
+        config,
+    ))
+}
+
+async fn raw_quinn(connections: usize, bytes_per_conn: u64, mtu: u16) -> anyhow::Result<f64> {
+    let data = payload(CHUNK);
+    let mut servers = Vec::new();
+    let mut clients = Vec::new();
+    for _ in 0..connections {
+        let (server, cert) = quinn_server(mtu)?;
+        let addr = server.local_addr()?;
+        let (client, config) = quinn_client(mtu, &cert)?;
+        let server_task = tokio::spawn(async move {
+            let conn = server
+                .accept()
+                .await
+                .ok_or_else(|| anyhow::anyhow!("no connection"))?
+                .await?;
+            let (mut send, mut recv) = conn.accept_bi().await?;
+            let mut got = 0u64;
+            while let Some(chunk) = recv.read_chunk(usize::MAX, true).await? {
+                got += chunk.bytes.len() as u64;
+            }
+            send.write_all(&got.to_le_bytes()).await?;
+            send.finish()?;
+            conn.closed().await;
+            anyhow::Ok(got)
+        });
+        let conn = client.connect_with(config, addr, "localhost")?.await?;
+        servers.push(server_task);
+        clients.push((client, conn));
+    }
+    let started = Instant::now();
+    let mut senders = Vec::new();
+    for (_, conn) in &clients {
+        let (conn, data) = (conn.clone(), data.clone());
+        senders.push(tokio::spawn(async move {
+            let (mut send, mut recv) = conn.open_bi().await?;
+            let mut left = bytes_per_conn;
+            while left > 0 {
+                let n = left.min(CHUNK as u64) as usize;
+                send.write_chunk(data.slice(..n)).await?;
+                left -= n as u64;
+            }
+            send.finish()?;
+            let mut ack = [0u8; 8];
+            recv.read_exact(&mut ack).await?;
+            anyhow::Ok(u64::from_le_bytes(ack))
+        }));
+    }
+    for s in senders {
+        anyhow::ensure!(s.await?? == bytes_per_conn, "raw quinn lost bytes");
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    for (client, conn) in clients {
+        if std::env::var_os("BENCH_STATS").is_some() {
+            let stats = conn.stats();
+            eprintln!(
+                "raw quinn: sent {} packets, lost {}, mtu {}",
+                stats.path.sent_packets, stats.path.lost_packets, stats.path.current_mtu
+            );
+        }
+        conn.close(0u32.into(), b"done");
+        client.wait_idle().await;
+    }
+    for s in servers {
+        s.await??;
+    }
+    Ok(seconds)
+}
+
+// ---------------------------------------------------------------- (b) tensorwire
+
+/// Counts bytes and drops them: measures the transport, not a memcpy into a buffer.
+struct DiscardSink;
+
+impl Sink for DiscardSink {
+    type Output = ();
+
+    async fn write(
+        &mut self,
+        _: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<(), SinkError> {
+        std::hint::black_box(payload.len());
+        drop(permit);
+        Ok(())
+    }
+
+    async fn finish(self) -> Result<(), SinkError> {
+        Ok(())
+    }
+}
+
+async fn tensorwire_run(
+    connections: usize,
+    bytes_per_conn: u64,
+    tensor_bytes: u64,
+    mtu: u16,
+    chunk: u64,
+) -> anyhow::Result<f64> {
+    let tensors_per_conn = bytes_per_conn.div_ceil(tensor_bytes);
+    let data = payload(tensor_bytes as usize);
+    let mut receivers = Vec::new();
+    let mut senders = Vec::new();
+    for _ in 0..connections {
+        // One receiving endpoint (socket) per connection: quinn's receive path is one task
+        // per endpoint.
+        let mut config = ReceiverConfig::new("127.0.0.1:0".parse()?);
+        config.transport = transport(mtu);
+        let mut receiver = Receiver::bind(config).await?;
+        let addr = receiver.local_addr()?;
+        receivers.push(tokio::spawn(async move {
+            let mut handles = Vec::new();
+            for _ in 0..tensors_per_conn {
+                let incoming = receiver
+                    .next()
+                    .await
+                    .ok_or_else(|| anyhow::anyhow!("closed"))?;
+                handles.push(incoming.accept(DiscardSink));
+            }
+            for h in handles {
+                h.finished().await?;
+            }
+            anyhow::Ok(receiver)
+        }));
+        let config = SenderConfig {
+            transport: transport(mtu),
+            chunk_size: chunk,
+            ..SenderConfig::default()
+        };
+        senders.push(Sender::connect(addr, config).await?);
+    }
+    let meta = TensorMeta::new([tensor_bytes], DType::U8)?.with_name("bench");
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for sender in &senders {
+        // Two tensors in flight per connection keep the pipe full between tensors.
+        let mut inflight = std::collections::VecDeque::new();
+        let mut all = Vec::new();
+        for _ in 0..tensors_per_conn {
+            inflight.push_back(sender.send(meta.clone(), data.clone()));
+            if inflight.len() == 2 {
+                all.push(inflight.pop_front());
+            }
+        }
+        tasks.push((all, inflight));
+    }
+    for (all, inflight) in tasks {
+        for send in all.into_iter().flatten().chain(inflight) {
+            send.finished().await?;
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    for s in senders {
+        if std::env::var_os("BENCH_STATS").is_some() {
+            let stats = s.connection_stats();
+            eprintln!(
+                "tensorwire: sent {} packets, lost {}, mtu {}",
+                stats.path.sent_packets, stats.path.lost_packets, stats.path.current_mtu
+            );
+        }
+        s.close().await;
+    }
+    for r in receivers {
+        r.await??.close().await;
+    }
+    Ok(seconds)
+}
+
+// ---------------------------------------------------------------- (c) TCP + TLS
+
+async fn tcp_tls(connections: usize, bytes_per_conn: u64) -> anyhow::Result<f64> {
+    let cert = tensorwire::quic::tls::DevCertificate::generate()?;
+    let key = rustls::pki_types::PrivateKeyDer::try_from(cert.key_der())
+        .map_err(|e| anyhow::anyhow!("key: {e}"))?;
+    let server_tls =
+        rustls::ServerConfig::builder_with_provider(tensorwire::quic::tls::crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_no_client_auth()
+            .with_single_cert(vec![cert.cert.clone()], key)?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server_tls));
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cert.cert.clone())?;
+    let client_tls =
+        rustls::ClientConfig::builder_with_provider(tensorwire::quic::tls::crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(client_tls));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(async move {
+        let mut tasks = Vec::new();
+        for _ in 0..connections {
+            let (tcp, _) = listener.accept().await?;
+            let acceptor = acceptor.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut tls = acceptor.accept(tcp).await?;
+                let mut buf = vec![0u8; 1 << 20];
+                let mut got = 0u64;
+                loop {
+                    let n = tls.read(&mut buf).await?;
+                    if n == 0 {
+                        break;
+                    }
+                    got += n as u64;
+                }
+                tls.write_all(&got.to_le_bytes()).await?;
+                tls.shutdown().await?;
+                anyhow::Ok(got)
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        anyhow::Ok(())
+    });
+    let mut streams = Vec::new();
+    for _ in 0..connections {
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        tcp.set_nodelay(true)?;
+        streams.push(connector.connect("localhost".try_into()?, tcp).await?);
+    }
+    let data = payload(CHUNK);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for mut tls in streams {
+        let data = data.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut left = bytes_per_conn;
+            while left > 0 {
+                let n = left.min(CHUNK as u64) as usize;
+                tls.write_all(&data[..n]).await?;
+                left -= n as u64;
+            }
+            tls.shutdown().await?; // close_notify, then the TCP write half
+            let mut ack = [0u8; 8];
+            tls.read_exact(&mut ack).await?;
+            anyhow::Ok(u64::from_le_bytes(ack))
+        }));
+    }
+    for t in tasks {
+        anyhow::ensure!(t.await?? == bytes_per_conn, "TCP lost bytes");
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    server.await??;
+    Ok(seconds)
+}
+
+// ---------------------------------------------------------------- latency
+
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000, 3).expect("constant bounds")
+}
+
+/// One tensor at a time, METADATA → COMPLETE, on one connection.
+async fn tensorwire_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Result<Histogram<u64>> {
+    let mut config = ReceiverConfig::new("127.0.0.1:0".parse()?);
+    config.transport = transport(mtu);
+    let mut receiver = Receiver::bind(config).await?;
+    let addr = receiver.local_addr()?;
+    let server = tokio::spawn(async move {
+        for _ in 0..samples {
+            let incoming = receiver
+                .next()
+                .await
+                .ok_or_else(|| anyhow::anyhow!("closed"))?;
+            tokio::spawn(incoming.accept(DiscardSink).finished());
+        }
+        anyhow::Ok(receiver)
+    });
+    let sender = Sender::connect(
+        addr,
+        SenderConfig {
+            transport: transport(mtu),
+            ..SenderConfig::default()
+        },
+    )
+    .await?;
+    let data = payload(size);
+    let meta = TensorMeta::new([size as u64], DType::U8)?.with_name("small");
+    let mut h = histogram();
+    for _ in 0..samples {
+        let started = Instant::now();
+        sender.send(meta.clone(), data.clone()).finished().await?;
+        h.saturating_record(started.elapsed().as_micros() as u64);
+    }
+    sender.close().await;
+    server.await??.close().await;
+    Ok(h)
+}
+
+/// A request/response on a fresh stream per message: `size` bytes there, 1 byte back.
+async fn quinn_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Result<Histogram<u64>> {
+    let (server, cert) = quinn_server(mtu)?;
+    let addr: SocketAddr = server.local_addr()?;
+    let server_task = tokio::spawn(async move {
+        let conn = server
+            .accept()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("no connection"))?
+            .await?;
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            tokio::spawn(async move {
+                let _ = recv.read_to_end(usize::MAX).await;
+                let _ = send.write_all(&[1]).await;
+                let _ = send.finish();
+            });
+        }
+        anyhow::Ok(())
+    });
+    let (client, config) = quinn_client(mtu, &cert)?;
+    let conn = client.connect_with(config, addr, "localhost")?.await?;
+    let data = payload(size);
+    let mut h = histogram();
+    for _ in 0..samples {
+        let started = Instant::now();
+        let (mut send, mut recv) = conn.open_bi().await?;
+        send.write_chunk(data.clone()).await?;
+        send.finish()?;
+        let _ = recv.read_to_end(16).await?;
+        h.saturating_record(started.elapsed().as_micros() as u64);
+    }
+    conn.close(0u32.into(), b"done");
+    client.wait_idle().await;
+    server_task.abort();
+    Ok(h)
+}
+
+fn latency_row(transport: &'static str, size: usize, h: &Histogram<u64>) -> Latency {
+    Latency {
+        transport,
+        message_bytes: size,
+        samples: h.len(),
+        p50_us: h.value_at_quantile(0.5),
+        p99_us: h.value_at_quantile(0.99),
+    }
+}
+
+// ---------------------------------------------------------------- main
+
+async fn best_of(
+    runs: usize,
+    mut run: impl AsyncFnMut() -> anyhow::Result<f64>,
+) -> anyhow::Result<f64> {
+    let mut best = f64::MAX;
+    for _ in 0..runs.max(1) {
+        best = best.min(run().await?);
+    }
+    Ok(best)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let mib = args.mib.unwrap_or(if args.quick { 512 } else { 2048 });
+    let runs = if args.quick { 1 } else { args.runs };
+    let bytes = mib << 20;
+    let tensor_bytes = (args.tensor_mib << 20).min(bytes);
+    let mut throughput = Vec::new();
+    let mut ratios = Vec::new();
+    for &n in &args.connections {
+        let wanted = |name: &str| args.only.as_deref().is_none_or(|only| only == name);
+        let skipped = f64::NAN;
+        let quinn_s = if wanted("raw-quinn") {
+            best_of(runs, async || raw_quinn(n, bytes, args.mtu).await).await?
+        } else {
+            skipped
+        };
+        let tw_s = if wanted("tensorwire") {
+            best_of(runs, async || {
+                tensorwire_run(n, bytes, tensor_bytes, args.mtu, args.chunk_kib << 10).await
+            })
+            .await?
+        } else {
+            skipped
+        };
+        let tcp_s = if wanted("tcp-tls") {
+            best_of(runs, async || tcp_tls(n, bytes).await).await?
+        } else {
+            skipped
+        };
+        let total = bytes * n as u64;
+        for (transport, seconds) in [
+            ("raw quinn", quinn_s),
+            ("tensorwire", tw_s),
+            ("TCP+TLS", tcp_s),
+        ] {
+            let gbit_per_s = total as f64 * 8.0 / seconds / 1e9;
+            throughput.push(Throughput {
+                transport,
+                connections: n,
+                bytes: total,
+                seconds,
+                gbit_per_s,
+            });
+        }
+        ratios.push((n, quinn_s / tw_s));
+    }
+    let samples = match (&args.only, args.quick) {
+        (Some(_), _) => 0,
+        (None, true) => 300,
+        (None, false) => 2000,
+    };
+    let size = 4096;
+    let latency = vec![
+        latency_row(
+            "tensorwire",
+            size,
+            &tensorwire_latency(samples, size, args.mtu).await?,
+        ),
+        latency_row(
+            "raw quinn",
+            size,
+            &quinn_latency(samples, size, args.mtu).await?,
+        ),
+    ];
+
+    println!(
+        "throughput, loopback, MTU {} ({mib} MiB per connection, best of {runs}):",
+        args.mtu
+    );
+    println!(
+        "  {:<12} {:>5} {:>12} {:>10}",
+        "transport", "conns", "Gbit/s", "seconds"
+    );
+    for t in &throughput {
+        println!(
+            "  {:<12} {:>5} {:>12.2} {:>10.3}",
+            t.transport, t.connections, t.gbit_per_s, t.seconds
+        );
+    }
+    for (n, ratio) in &ratios {
+        println!("  tensorwire / raw quinn, {n} connection(s): {ratio:.3}");
+    }
+    println!("latency, one {size}-byte message at a time ({samples} samples):");
+    for l in &latency {
+        println!(
+            "  {:<12} p50 {:>6} µs   p99 {:>6} µs",
+            l.transport, l.p50_us, l.p99_us
+        );
+    }
+    let report = Report {
+        host: std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|c| {
+                c.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+            })
+            .unwrap_or_default(),
+        cores: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0),
+        mtu: args.mtu,
+        throughput,
+        ratio_tensorwire_over_quinn: ratios,
+        latency,
+    };
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+        println!("wrote {}", path.display());
+    }
+    let _ = Duration::ZERO;
+    Ok(())
+}

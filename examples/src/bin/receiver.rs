@@ -1,0 +1,125 @@
+//! Receives tensors over QUIC into host memory, optionally saving them as `.safetensors`.
+//!
+//! `receiver --listen 127.0.0.1:7000 --save DIR`
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Parser;
+use tensorwire::quic::{Receiver, ReceiverConfig};
+use tensorwire_examples::cli::{ServerTlsArgs, TransportArgs, init_logging, rate, size};
+use tensorwire_examples::save::SaveDir;
+use tokio::sync::mpsc;
+
+/// Receive tensors over QUIC.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7000")]
+    listen: SocketAddr,
+    /// Save every received tensor as .safetensors in this directory (tensors sent from one
+    /// .safetensors file are written back as that file).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Receiver-wide byte budget in MiB: bytes granted but not yet stored never exceed it.
+    #[arg(long, default_value_t = 256)]
+    budget_mib: u64,
+    /// Stop granting credit at this percentage of the budget.
+    #[arg(long, default_value_t = 87)]
+    high_percent: u64,
+    /// Resume granting at this percentage of the budget.
+    #[arg(long, default_value_t = 50)]
+    low_percent: u64,
+    /// Largest tensor accepted, in MiB.
+    #[arg(long, default_value_t = 64 * 1024)]
+    max_tensor_mib: u64,
+    /// Exit after this many tensors (0: run until interrupted).
+    #[arg(long, default_value_t = 0)]
+    count: u64,
+    #[command(flatten)]
+    tls: ServerTlsArgs,
+    #[command(flatten)]
+    transport: TransportArgs,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    init_logging("warn");
+    let args = Args::parse();
+    let budget = args.budget_mib << 20;
+    let mut config = ReceiverConfig::new(args.listen);
+    config.tls = args.tls.tls();
+    config.transport = args.transport.settings();
+    config.budget = budget;
+    config.high_watermark = budget / 100 * args.high_percent.min(100);
+    config.low_watermark = budget / 100 * args.low_percent.min(args.high_percent).min(100);
+    config.limits.max_tensor_len = args.max_tensor_mib << 20;
+    let mut receiver = Receiver::bind(config).await?;
+    println!("listening on {}", receiver.local_addr()?);
+    println!("tensors land in host memory (this build has no GPU sink)");
+    let mut save = args.save.as_deref().map(SaveDir::new).transpose()?;
+
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let started = Instant::now();
+    let (mut accepted, mut finished, mut failed, mut bytes) = (0u64, 0u64, 0u64, 0u64);
+    loop {
+        tokio::select! {
+            incoming = receiver.next(), if args.count == 0 || accepted < args.count => {
+                let Some(incoming) = incoming else { break };
+                accepted += 1;
+                let meta = incoming.meta().clone();
+                let Ok(handle) = incoming.accept_host() else {
+                    eprintln!("{}: no host memory for {}", meta.name(), size(meta.byte_len()));
+                    failed += 1;
+                    continue;
+                };
+                let done_tx = done_tx.clone();
+                let started = Instant::now();
+                tokio::spawn(async move {
+                    let result = handle.finished().await;
+                    let _ = done_tx.send((result, started.elapsed()));
+                });
+            }
+            Some((result, elapsed)) = done_rx.recv() => {
+                match result {
+                    Ok((meta, data)) => {
+                        finished += 1;
+                        bytes += meta.byte_len();
+                        println!(
+                            "received {} {} {:?} {} in {:.3} s ({}) -> host memory",
+                            meta.name(), meta.dtype(), meta.shape(), size(meta.byte_len()),
+                            elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64())
+                        );
+                        if let Some(save) = save.as_mut()
+                            && let Some(path) = save.add(meta, data)?
+                        {
+                            println!("saved {}", path.display());
+                        }
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        eprintln!("tensor failed: {e}");
+                    }
+                }
+                if args.count > 0 && finished + failed >= args.count {
+                    break;
+                }
+            }
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    println!(
+        "{finished} tensors, {} in {elapsed:.2} s ({}), {failed} failed",
+        size(bytes),
+        rate(bytes, elapsed)
+    );
+    if let Some(save) = &save {
+        for (file, got, expected) in save.incomplete() {
+            eprintln!("not saved: {file} has {got} of {expected} tensors");
+        }
+    }
+    receiver.close().await;
+    Ok(())
+}

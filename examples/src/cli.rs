@@ -1,0 +1,113 @@
+//! Command-line options shared by the programs.
+
+use std::path::PathBuf;
+
+use tensorwire::quic::{ClientTls, ServerTls, TransportSettings};
+
+/// QUIC options.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TransportArgs {
+    /// UDP payload size (1200–6500 with segmentation offload). Loopback and jumbo-frame LANs
+    /// are several times faster at 6000.
+    #[arg(long, default_value_t = 1200)]
+    pub mtu: u16,
+}
+
+impl TransportArgs {
+    /// The transport settings these options describe.
+    pub fn settings(&self) -> TransportSettings {
+        TransportSettings {
+            mtu: self.mtu,
+            ..TransportSettings::default()
+        }
+    }
+}
+
+/// Receiver certificate options; none means development trust on one host.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServerTlsArgs {
+    /// PEM certificate chain (production). Without it, a self-signed development
+    /// certificate is made and left where senders on this host find it.
+    #[arg(long, requires = "key")]
+    pub cert: Option<PathBuf>,
+    /// PEM private key for --cert.
+    #[arg(long, requires = "cert")]
+    pub key: Option<PathBuf>,
+    /// Require client certificates issued by this PEM CA (mutual TLS).
+    #[arg(long, requires = "cert")]
+    pub client_ca: Option<PathBuf>,
+}
+
+impl ServerTlsArgs {
+    /// The TLS mode these options describe.
+    pub fn tls(&self) -> ServerTls {
+        match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => ServerTls::Pem {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: self.client_ca.clone(),
+            },
+            _ => ServerTls::Development,
+        }
+    }
+}
+
+/// Sender certificate options; none means development trust on one host.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ClientTlsArgs {
+    /// PEM CA that issued the receiver's certificate (production).
+    #[arg(long)]
+    pub ca: Option<PathBuf>,
+    /// PEM client certificate, for receivers that require mutual TLS.
+    #[arg(long, requires_all = ["ca", "client_key"])]
+    pub client_cert: Option<PathBuf>,
+    /// PEM private key for --client-cert.
+    #[arg(long, requires = "client_cert")]
+    pub client_key: Option<PathBuf>,
+    /// Name the receiver's certificate must carry.
+    #[arg(long, default_value = "localhost")]
+    pub server_name: String,
+}
+
+impl ClientTlsArgs {
+    /// The TLS mode these options describe.
+    pub fn tls(&self) -> ClientTls {
+        match &self.ca {
+            Some(ca) => ClientTls::Pem {
+                ca: ca.clone(),
+                identity: self.client_cert.clone().zip(self.client_key.clone()),
+            },
+            None => ClientTls::Development,
+        }
+    }
+}
+
+/// Logs to stderr; `RUST_LOG` overrides `default` (e.g. `RUST_LOG=tensorwire_quic=debug`).
+pub fn init_logging(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Bytes per second as a short human figure.
+pub fn rate(bytes: u64, seconds: f64) -> String {
+    let per_second = bytes as f64 / seconds.max(1e-9);
+    format!(
+        "{:.2} GB/s ({:.1} Gbit/s)",
+        per_second / 1e9,
+        per_second * 8.0 / 1e9
+    )
+}
+
+/// A byte count as a short human figure.
+pub fn size(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{b} B"),
+    }
+}

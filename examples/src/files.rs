@@ -1,0 +1,266 @@
+//! Tensors to send, read from files: `.safetensors` (every tensor), `.npy`, `.wav`, raw.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use tensorwire::proto::{DType, TensorMeta};
+use tensorwire::quic::Source;
+
+/// Attribute naming the file a tensor came from, so a receiver can rebuild it.
+pub const FILE_ATTR: &str = "tensorwire.file";
+/// Attribute with the number of tensors that file holds.
+pub const FILE_TENSORS_ATTR: &str = "tensorwire.file_tensors";
+/// Attribute with the file's `__metadata__` as JSON (safetensors only).
+pub const FILE_METADATA_ATTR: &str = "safetensors.metadata";
+
+/// One tensor ready to send.
+pub struct Outgoing {
+    /// Its metadata.
+    pub meta: TensorMeta,
+    /// Where its bytes are.
+    pub source: Source,
+}
+
+/// Reads the tensors in `path`, by extension; `raw` gives dtype and shape for other files.
+pub fn load(path: &Path, raw: Option<(DType, Vec<u64>)>) -> anyhow::Result<Vec<Outgoing>> {
+    let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    match (extension, raw) {
+        (_, Some((dtype, shape))) => load_raw(path, dtype, shape),
+        ("safetensors", None) => load_safetensors(path),
+        ("npy", None) => load_npy(path),
+        ("wav", None) => load_wav(path),
+        (_, None) => bail!(
+            "{}: not .safetensors, .npy or .wav; pass --dtype and --shape to send raw bytes",
+            path.display()
+        ),
+    }
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+fn stem(path: &Path) -> String {
+    path.file_stem()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+fn file_source(path: &Path, offset: u64) -> Source {
+    Source::File {
+        path: PathBuf::from(path),
+        offset,
+    }
+}
+
+fn load_raw(path: &Path, dtype: DType, shape: Vec<u64>) -> anyhow::Result<Vec<Outgoing>> {
+    let meta = TensorMeta::new(shape, dtype)?.with_name(stem(path));
+    let len = std::fs::metadata(path)
+        .with_context(|| path.display().to_string())?
+        .len();
+    if len != meta.byte_len() {
+        bail!(
+            "{}: {len} bytes, but {:?} of {dtype} is {} bytes",
+            path.display(),
+            meta.shape(),
+            meta.byte_len()
+        );
+    }
+    Ok(vec![Outgoing {
+        meta,
+        source: file_source(path, 0),
+    }])
+}
+
+/// Every tensor of a `.safetensors` file, names kept, read in place from the file.
+fn load_safetensors(path: &Path) -> anyhow::Result<Vec<Outgoing>> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).with_context(|| path.display().to_string())?;
+    let file_len = file.metadata()?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .context("safetensors header length")?;
+    let header_len = u64::from_le_bytes(len);
+    if header_len > 100 << 20 || 8 + header_len > file_len {
+        bail!(
+            "{}: header length {header_len} is not plausible",
+            path.display()
+        );
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header)?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+        .with_context(|| format!("{}: header JSON", path.display()))?;
+    let data_start = 8 + header_len;
+    let metadata = header.get("__metadata__").map(|m| m.to_string());
+    let count = header.keys().filter(|k| *k != "__metadata__").count();
+    let mut out = Vec::new();
+    for (name, info) in &header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype_name = info["dtype"].as_str().unwrap_or("");
+        let dtype = DType::from_name(dtype_name).with_context(|| {
+            format!(
+                "{}: tensor {name}: dtype {dtype_name} is not supported",
+                path.display()
+            )
+        })?;
+        let shape: Vec<u64> = info["shape"]
+            .as_array()
+            .context("shape")?
+            .iter()
+            .map(|d| d.as_u64().context("dimension"))
+            .collect::<anyhow::Result<_>>()?;
+        let offsets = info["data_offsets"].as_array().context("data_offsets")?;
+        let (begin, end) = (
+            offsets[0].as_u64().unwrap_or(0),
+            offsets[1].as_u64().unwrap_or(0),
+        );
+        let mut meta = TensorMeta::new(shape, dtype)?
+            .with_name(name.clone())
+            .with_attribute(FILE_ATTR, file_name(path))
+            .with_attribute(FILE_TENSORS_ATTR, count.to_string());
+        if let Some(metadata) = &metadata {
+            meta = meta.with_attribute(FILE_METADATA_ATTR, metadata.clone());
+        }
+        if end - begin != meta.byte_len() || data_start + end > file_len {
+            bail!(
+                "{}: tensor {name}: offsets [{begin}, {end}) disagree with its shape or the file",
+                path.display()
+            );
+        }
+        out.push(Outgoing {
+            meta,
+            source: file_source(path, data_start + begin),
+        });
+    }
+    Ok(out)
+}
+
+/// A `.npy` array (little-endian, C order), read in place from the file.
+fn load_npy(path: &Path) -> anyhow::Result<Vec<Outgoing>> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).with_context(|| path.display().to_string())?;
+    let mut magic = [0u8; 8];
+    file.read_exact(&mut magic)?;
+    if &magic[..6] != b"\x93NUMPY" {
+        bail!("{}: not a .npy file", path.display());
+    }
+    let header_len = if magic[6] == 1 {
+        let mut n = [0u8; 2];
+        file.read_exact(&mut n)?;
+        u16::from_le_bytes(n) as usize
+    } else {
+        let mut n = [0u8; 4];
+        file.read_exact(&mut n)?;
+        u32::from_le_bytes(n) as usize
+    };
+    let data_start = 8 + if magic[6] == 1 { 2 } else { 4 } + header_len;
+    let mut header = vec![0u8; header_len.min(1 << 20)];
+    file.read_exact(&mut header)?;
+    let header = String::from_utf8_lossy(&header);
+    let field = |key: &str| -> anyhow::Result<String> {
+        let at = header
+            .find(&format!("'{key}':"))
+            .with_context(|| format!("{}: no '{key}'", path.display()))?;
+        Ok(header[at + key.len() + 3..].trim_start().to_owned())
+    };
+    let descr = field("descr")?;
+    let descr = descr
+        .trim_start_matches('\'')
+        .split('\'')
+        .next()
+        .unwrap_or("");
+    let dtype = match descr {
+        "|b1" => DType::Bool,
+        "|u1" => DType::U8,
+        "|i1" => DType::I8,
+        "<u2" => DType::U16,
+        "<i2" => DType::I16,
+        "<u4" => DType::U32,
+        "<i4" => DType::I32,
+        "<u8" => DType::U64,
+        "<i8" => DType::I64,
+        "<f2" => DType::F16,
+        "<f4" => DType::F32,
+        "<f8" => DType::F64,
+        other => bail!(
+            "{}: numpy dtype {other} is not supported (little-endian numbers and bool only)",
+            path.display()
+        ),
+    };
+    if field("fortran_order")?.starts_with("True") {
+        bail!(
+            "{}: Fortran-order arrays are not supported; save with np.ascontiguousarray",
+            path.display()
+        );
+    }
+    let shape_text = field("shape")?;
+    let inside = shape_text
+        .trim_start_matches('(')
+        .split(')')
+        .next()
+        .unwrap_or("");
+    let shape: Vec<u64> = inside
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.trim_end_matches('L').parse::<u64>().context("shape"))
+        .collect::<anyhow::Result<_>>()?;
+    let meta = TensorMeta::new(shape, dtype)?.with_name(stem(path));
+    if data_start as u64 + meta.byte_len() > file.metadata()?.len() {
+        bail!("{}: file shorter than its array", path.display());
+    }
+    Ok(vec![Outgoing {
+        meta,
+        source: file_source(path, data_start as u64),
+    }])
+}
+
+/// A `.wav` file as F32 samples, shape [frames] (mono) or [frames, channels], with a
+/// `sample_rate` attribute.
+fn load_wav(path: &Path) -> anyhow::Result<Vec<Outgoing>> {
+    let mut reader = hound::WavReader::open(path).with_context(|| path.display().to_string())?;
+    let spec = reader.spec();
+    let samples: Vec<f32> = match spec.sample_format {
+        hound::SampleFormat::Float => reader.samples::<f32>().collect::<Result<_, _>>()?,
+        hound::SampleFormat::Int => {
+            let scale = 1.0 / (1u64 << (spec.bits_per_sample - 1)) as f32;
+            reader
+                .samples::<i32>()
+                .map(|s| s.map(|s| s as f32 * scale))
+                .collect::<Result<_, _>>()?
+        }
+    };
+    let channels = u64::from(spec.channels);
+    let frames = samples.len() as u64 / channels.max(1);
+    let shape = if channels == 1 {
+        vec![frames]
+    } else {
+        vec![frames, channels]
+    };
+    let meta = TensorMeta::new(shape, DType::F32)?
+        .with_name(stem(path))
+        .with_attribute("sample_rate", spec.sample_rate.to_string())
+        .with_attribute("channels", channels.to_string());
+    let bytes: Vec<u8> = samples.iter().flat_map(|s| s.to_le_bytes()).collect();
+    Ok(vec![Outgoing {
+        meta,
+        source: Source::Bytes(bytes.into()),
+    }])
+}
+
+/// Parses `--shape 2,3,4` (empty for a scalar).
+pub fn parse_shape(text: &str) -> anyhow::Result<Vec<u64>> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<u64>()
+                .with_context(|| format!("shape dimension {s:?}"))
+        })
+        .collect()
+}
