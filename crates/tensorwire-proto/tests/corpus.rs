@@ -31,6 +31,16 @@ fn the_frame_decoder_corpus_replays_cleanly() {
     assert!(n >= 50, "only {n} corpus inputs: run fuzz/seed.sh");
 }
 
+/// Inputs that once crashed a target, kept by name so a fix stays fixed.
+#[test]
+fn past_crashes_stay_fixed() {
+    let n = replay(
+        &root().join("fuzz/regressions/frame_decoder"),
+        decode_round_trip,
+    );
+    assert!(n >= 1);
+}
+
 #[test]
 fn the_receiver_state_corpus_replays_cleanly() {
     let n = replay(&root().join("fuzz/corpus/receiver_state"), receiver_ops);

@@ -40,6 +40,12 @@ async fn a_one_gib_tensor_arrives_intact() {
         "every credit byte returned"
     );
     assert!(budget.peak_outstanding <= budget.budget);
+    let connections = rx.connections();
+    assert_eq!(connections.len(), 1);
+    assert_eq!(
+        connections[0].metrics.payload_bytes, LEN as u64,
+        "per-connection byte counter"
+    );
     let m = tx.metrics();
     assert_eq!((m.tensors_completed, m.payload_bytes), (1, LEN as u64));
     tx.close().await;

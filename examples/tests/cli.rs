@@ -1,0 +1,202 @@
+//! The programs as an operator runs them: `receiver --save` and `sender` on one host with no
+//! certificate flags, a `.safetensors` file coming back bit for bit; and the file loaders.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use tensorwire::proto::DType;
+use tensorwire_examples::files::load;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tensorwire-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn write_model(path: &Path) {
+    let a: Vec<u8> = (0..24u8).map(|i| i.wrapping_mul(7) | 1).collect();
+    let b: Vec<u8> = (0..8u8).map(|i| i ^ 0x5a).collect();
+    let c: Vec<u8> = (0..10u8).collect();
+    let views = vec![
+        (
+            "layer.a",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 3], &a).unwrap(),
+        ),
+        (
+            "layer.b",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![4], &b).unwrap(),
+        ),
+        (
+            "tokens",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![10], &c).unwrap(),
+        ),
+    ];
+    let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+    safetensors::serialize_to_file(views, Some(metadata), path).unwrap();
+}
+
+#[test]
+fn a_safetensors_file_round_trips_through_sender_and_receiver_bit_for_bit() {
+    let dir = temp_dir("roundtrip");
+    let model = dir.join("model.safetensors");
+    write_model(&model);
+    let out = dir.join("out");
+    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
+        .args(["--listen", "127.0.0.1:0", "--count", "3", "--save"])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let addr = first
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("{first}"))
+        .to_owned();
+    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
+        .args(["--connect", &addr, "--quiet"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(
+        sent.status.success(),
+        "sender: {}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    let summary = String::from_utf8_lossy(&sent.stdout);
+    assert!(summary.contains("sent 3 tensors"), "{summary}");
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(receiver.wait().unwrap().success());
+    assert!(rest.iter().any(|l| l.starts_with("saved ")), "{rest:?}");
+    let original = std::fs::read(&model).unwrap();
+    let received = std::fs::read(out.join("model.safetensors")).unwrap();
+    assert_eq!(
+        received, original,
+        "the saved file differs from the sent one"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn the_sender_explains_a_missing_receiver() {
+    let dir = temp_dir("nobody");
+    let model = dir.join("m.safetensors");
+    write_model(&model);
+    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
+        .args(["--connect", "127.0.0.1:9", "--quiet"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(!sent.status.success());
+    let stderr = String::from_utf8_lossy(&sent.stderr);
+    assert!(stderr.contains("no development certificate"), "{stderr}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn safetensors_files_load_every_tensor_in_place() {
+    let dir = temp_dir("load-st");
+    let model = dir.join("model.safetensors");
+    write_model(&model);
+    let tensors = load(&model, None).unwrap();
+    let names: Vec<_> = tensors.iter().map(|t| t.meta.name().to_owned()).collect();
+    assert_eq!(names, ["layer.a", "layer.b", "tokens"]);
+    assert_eq!(tensors[0].meta.dtype(), DType::F32);
+    assert_eq!(tensors[0].meta.shape(), [2, 3]);
+    assert_eq!(
+        tensors[1].meta.attribute("tensorwire.file_tensors"),
+        Some("3")
+    );
+    assert!(matches!(
+        tensors[2].source,
+        tensorwire::quic::Source::File { .. }
+    ));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn npy_files_load_with_dtype_and_shape() {
+    let dir = temp_dir("load-npy");
+    let path = dir.join("weights.npy");
+    let header = "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }";
+    let mut padded = header.to_owned();
+    while (10 + padded.len() + 1) % 64 != 0 {
+        padded.push(' ');
+    }
+    padded.push('\n');
+    let mut file = b"\x93NUMPY\x01\x00".to_vec();
+    file.extend_from_slice(&(padded.len() as u16).to_le_bytes());
+    file.extend_from_slice(padded.as_bytes());
+    file.extend_from_slice(&[0u8; 48]);
+    std::fs::write(&path, &file).unwrap();
+    let tensors = load(&path, None).unwrap();
+    assert_eq!(
+        (tensors[0].meta.dtype(), tensors[0].meta.shape()),
+        (DType::F32, &[3u64, 4][..])
+    );
+    let data_start = 10 + padded.len() as u64;
+    assert_eq!(data_start % 64, 0, "npy pads the header to 64 bytes");
+    assert!(
+        matches!(tensors[0].source, tensorwire::quic::Source::File { offset, .. } if offset == data_start)
+    );
+    let fortran = dir.join("f.npy");
+    std::fs::write(
+        &fortran,
+        String::from_utf8_lossy(&file)
+            .replace("False", "True ")
+            .as_bytes(),
+    )
+    .unwrap();
+    assert!(load(&fortran, None).is_err());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn wav_files_load_as_f32_with_a_sample_rate() {
+    let dir = temp_dir("load-wav");
+    let path = dir.join("speech.wav");
+    let spec = hound::WavSpec {
+        channels: 2,
+        sample_rate: 16_000,
+        bits_per_sample: 16,
+        sample_format: hound::SampleFormat::Int,
+    };
+    let mut writer = hound::WavWriter::create(&path, spec).unwrap();
+    for i in 0..200i16 {
+        writer.write_sample(i * 100).unwrap();
+    }
+    writer.finalize().unwrap();
+    let tensors = load(&path, None).unwrap();
+    let meta = &tensors[0].meta;
+    assert_eq!((meta.dtype(), meta.shape()), (DType::F32, &[100u64, 2][..]));
+    assert_eq!(meta.attribute("sample_rate"), Some("16000"));
+    let tensorwire::quic::Source::Bytes(bytes) = &tensors[0].source else {
+        panic!("not in memory")
+    };
+    let second = f32::from_le_bytes(bytes[4..8].try_into().unwrap());
+    assert!((second - 100.0 / 32768.0).abs() < 1e-6);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn raw_files_need_a_matching_dtype_and_shape() {
+    let dir = temp_dir("load-raw");
+    let path = dir.join("blob.bin");
+    std::fs::write(&path, [0u8; 24]).unwrap();
+    assert!(load(&path, None).is_err(), "no dtype/shape");
+    assert_eq!(
+        load(&path, Some((DType::F32, vec![2, 3]))).unwrap()[0]
+            .meta
+            .byte_len(),
+        24
+    );
+    assert!(
+        load(&path, Some((DType::F32, vec![5]))).is_err(),
+        "20 bytes != 24"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
