@@ -124,7 +124,7 @@ fn npy_files_load_with_dtype_and_shape() {
     let path = dir.join("weights.npy");
     let header = "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }";
     let mut padded = header.to_owned();
-    while (10 + padded.len() + 1) % 64 != 0 {
+    while !(10 + padded.len() + 1).is_multiple_of(64) {
         padded.push(' ');
     }
     padded.push('\n');
@@ -139,7 +139,10 @@ fn npy_files_load_with_dtype_and_shape() {
         (DType::F32, &[3u64, 4][..])
     );
     let data_start = 10 + padded.len() as u64;
-    assert_eq!(data_start % 64, 0, "npy pads the header to 64 bytes");
+    assert!(
+        data_start.is_multiple_of(64),
+        "npy pads the header to 64 bytes"
+    );
     assert!(
         matches!(tensors[0].source, tensorwire::quic::Source::File { offset, .. } if offset == data_start)
     );
