@@ -45,6 +45,15 @@ struct Args {
     /// tensorwire's DATA payload size in KiB.
     #[arg(long, default_value_t = 1024)]
     chunk_kib: u64,
+    /// tensorwire receiver: credit one tensor may hold unused, in MiB.
+    #[arg(long, default_value_t = 16)]
+    window_mib: u64,
+    /// tensorwire receiver: bytes per CREDIT, in MiB.
+    #[arg(long, default_value_t = 4)]
+    grant_mib: u64,
+    /// tensorwire: tensors in flight per connection.
+    #[arg(long, default_value_t = 2)]
+    inflight: usize,
     /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile it.
     #[arg(long)]
     only: Option<String>,
@@ -235,13 +244,30 @@ impl Sink for DiscardSink {
     }
 }
 
-async fn tensorwire_run(
-    connections: usize,
-    bytes_per_conn: u64,
+/// tensorwire's knobs for one throughput run.
+#[derive(Clone, Copy)]
+struct TensorwireRun {
     tensor_bytes: u64,
     mtu: u16,
     chunk: u64,
+    window: u64,
+    grant: u64,
+    inflight: usize,
+}
+
+async fn tensorwire_run(
+    connections: usize,
+    bytes_per_conn: u64,
+    run: TensorwireRun,
 ) -> anyhow::Result<f64> {
+    let TensorwireRun {
+        tensor_bytes,
+        mtu,
+        chunk,
+        window,
+        grant,
+        inflight: in_flight,
+    } = run;
     let tensors_per_conn = bytes_per_conn.div_ceil(tensor_bytes);
     let data = payload(tensor_bytes as usize);
     let mut receivers = Vec::new();
@@ -249,8 +275,11 @@ async fn tensorwire_run(
     for _ in 0..connections {
         // One receiving endpoint (socket) per connection: quinn's receive path is one task
         // per endpoint.
-        let mut config = ReceiverConfig::new("127.0.0.1:0".parse()?);
+        let mut config =
+            ReceiverConfig::new("127.0.0.1:0".parse()?).with_budget((window * 8).max(256 << 20));
         config.transport = transport(mtu);
+        config.stream_window = window;
+        config.grant_unit = grant;
         let mut receiver = Receiver::bind(config).await?;
         let addr = receiver.local_addr()?;
         receivers.push(tokio::spawn(async move {
@@ -275,27 +304,34 @@ async fn tensorwire_run(
         senders.push(Sender::connect(addr, config).await?);
     }
     let meta = TensorMeta::new([tensor_bytes], DType::U8)?.with_name("bench");
+    let senders: Vec<Arc<Sender>> = senders.into_iter().map(Arc::new).collect();
     let started = Instant::now();
     let mut tasks = Vec::new();
     for sender in &senders {
-        // Two tensors in flight per connection keep the pipe full between tensors.
-        let mut inflight = std::collections::VecDeque::new();
-        let mut all = Vec::new();
-        for _ in 0..tensors_per_conn {
-            inflight.push_back(sender.send(meta.clone(), data.clone()));
-            if inflight.len() == 2 {
-                all.push(inflight.pop_front());
+        let (sender, meta, data) = (sender.clone(), meta.clone(), data.clone());
+        // `in_flight` tensors per connection: the next starts as soon as the oldest completes.
+        tasks.push(tokio::spawn(async move {
+            let mut inflight = std::collections::VecDeque::new();
+            for _ in 0..tensors_per_conn {
+                if inflight.len() == in_flight.max(1) {
+                    let oldest: tensorwire::quic::SendHandle =
+                        inflight.pop_front().expect("in flight");
+                    oldest.finished().await?;
+                }
+                inflight.push_back(sender.send(meta.clone(), data.clone()));
             }
-        }
-        tasks.push((all, inflight));
+            for send in inflight {
+                send.finished().await?;
+            }
+            anyhow::Ok(())
+        }));
     }
-    for (all, inflight) in tasks {
-        for send in all.into_iter().flatten().chain(inflight) {
-            send.finished().await?;
-        }
+    for task in tasks {
+        task.await??;
     }
     let seconds = started.elapsed().as_secs_f64();
     for s in senders {
+        let s = Arc::into_inner(s).ok_or_else(|| anyhow::anyhow!("sender still shared"))?;
         if std::env::var_os("BENCH_STATS").is_some() {
             let stats = s.connection_stats();
             eprintln!(
@@ -512,10 +548,17 @@ async fn main() -> anyhow::Result<()> {
             skipped
         };
         let tw_s = if wanted("tensorwire") {
-            best_of(runs, async || {
-                tensorwire_run(n, bytes, tensor_bytes, args.mtu, args.chunk_kib << 10).await
-            })
-            .await?
+            {
+                let run = TensorwireRun {
+                    tensor_bytes,
+                    mtu: args.mtu,
+                    chunk: args.chunk_kib << 10,
+                    window: args.window_mib << 20,
+                    grant: args.grant_mib << 20,
+                    inflight: args.inflight,
+                };
+                best_of(runs, async || tensorwire_run(n, bytes, run).await).await?
+            }
         } else {
             skipped
         };
