@@ -14,8 +14,8 @@ use quinn::VarInt;
 use tensorwire_quic::proto::frame::{Data, End};
 use tensorwire_quic::proto::{ErrorCode, Frame, FrameDecoder, Limits, Payload, ProtocolError};
 use tensorwire_quic::{
-    ClientTls, CreditPermit, Receiver, Sender, SenderConfig, Sink, SinkError, TransportError,
-    TransportSettings,
+    ClientTls, CreditPermit, Receiver, SendHandle, Sender, SenderConfig, Sink, SinkError,
+    TensorHandle, TransportError, TransportSettings,
 };
 use tokio::sync::Notify;
 
@@ -35,6 +35,27 @@ async fn assert_budget_returned(rx: &Receiver) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("budget not returned: {:?}", rx.budget());
+}
+
+/// The sender cancels: it reports CANCELLED, the receiver's handle the peer's CANCELLED, and
+/// every credit byte returns to the budget.
+async fn cancel_sender_and_check<T: std::fmt::Debug>(
+    send: SendHandle,
+    handle: TensorHandle<T>,
+    rx: &Receiver,
+) {
+    send.cancel();
+    assert_eq!(
+        send.finished().await.unwrap_err().code(),
+        Some(ErrorCode::CANCELLED)
+    );
+    let received = handle.finished().await.unwrap_err();
+    assert_eq!(
+        remote_code(&received),
+        Some(ErrorCode::CANCELLED),
+        "{received}"
+    );
+    assert_budget_returned(rx).await;
 }
 
 /// Stores nothing; `finish` waits until the test opens the gate.
@@ -88,18 +109,7 @@ async fn the_sender_cancels_while_sending() {
     while handle.received_bytes() == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    send.cancel();
-    assert_eq!(
-        send.finished().await.unwrap_err().code(),
-        Some(ErrorCode::CANCELLED)
-    );
-    let received = handle.finished().await.unwrap_err();
-    assert_eq!(
-        remote_code(&received),
-        Some(ErrorCode::CANCELLED),
-        "{received}"
-    );
-    assert_budget_returned(&rx).await;
+    cancel_sender_and_check(send, handle, &rx).await;
 }
 
 #[tokio::test]
@@ -117,18 +127,7 @@ async fn the_sender_cancels_while_awaiting_complete() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     tokio::time::sleep(Duration::from_millis(50)).await; // END reaches the receiver
-    send.cancel();
-    assert_eq!(
-        send.finished().await.unwrap_err().code(),
-        Some(ErrorCode::CANCELLED)
-    );
-    let received = handle.finished().await.unwrap_err();
-    assert_eq!(
-        remote_code(&received),
-        Some(ErrorCode::CANCELLED),
-        "{received}"
-    );
-    assert_budget_returned(&rx).await;
+    cancel_sender_and_check(send, handle, &rx).await;
 }
 
 #[tokio::test]
