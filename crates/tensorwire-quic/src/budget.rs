@@ -102,7 +102,8 @@ impl Budget {
 #[derive(Debug)]
 pub struct CreditPermit {
     bytes: u64,
-    budget: Arc<Budget>,
+    /// `None` for a permit that belongs to no receiver (sinks fed without a network).
+    budget: Option<Arc<Budget>>,
     pending: Arc<AtomicU64>,
 }
 
@@ -111,8 +112,20 @@ impl CreditPermit {
         pending.fetch_add(bytes, Ordering::AcqRel);
         Self {
             bytes,
-            budget,
+            budget: Some(budget),
             pending,
+        }
+    }
+
+    /// A permit for `bytes` that returns credit to no receiver: for feeding a [`Sink`]
+    /// directly, without a network (tests, ingest benchmarks).
+    ///
+    /// [`Sink`]: crate::Sink
+    pub fn unbudgeted(bytes: u64) -> Self {
+        Self {
+            bytes,
+            budget: None,
+            pending: Arc::new(AtomicU64::new(bytes)),
         }
     }
 
@@ -121,7 +134,8 @@ impl CreditPermit {
         self.bytes
     }
 
-    /// Takes over `other`'s bytes, so one permit covers a coalesced buffer.
+    /// Takes over `other`'s bytes (both of the same tensor), so one permit covers a
+    /// coalesced buffer.
     pub fn merge(&mut self, mut other: CreditPermit) {
         self.bytes += std::mem::take(&mut other.bytes);
     }
@@ -142,7 +156,9 @@ impl Drop for CreditPermit {
     fn drop(&mut self) {
         if self.bytes > 0 {
             self.pending.fetch_sub(self.bytes, Ordering::AcqRel);
-            self.budget.release(self.bytes);
+            if let Some(budget) = &self.budget {
+                budget.release(self.bytes);
+            }
         }
     }
 }

@@ -25,7 +25,7 @@ pub use config::{
 };
 pub use error::TransportError;
 pub use metrics::MetricsSnapshot;
-pub use receiver::{ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
+pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
 pub use sender::{SendHandle, SendProgress, SendReport, Sender, Source};
 pub use sink::{HostSink, Sink, SinkError};
 pub use tensorwire_proto as proto;

@@ -15,6 +15,7 @@ use quinn::VarInt;
 use tensorwire_proto::{ErrorCode, ProtocolError, ReceiverEvent, TensorMeta, TensorReceiver};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::budget::{Budget, BudgetSnapshot, CreditPermit};
@@ -26,6 +27,10 @@ use crate::stream::FrameStream;
 
 /// Incoming tensors waiting for the application before streams wait in turn.
 const INCOMING_QUEUE: usize = 1024;
+
+/// How long [`Receiver::close`] lets tensors in progress finish, and how long a finished
+/// stream waits for its last frame to be acknowledged.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 /// A listening receiver. Call [`next`](Self::next) to admit incoming tensors.
 pub struct Receiver {
@@ -41,6 +46,7 @@ struct Shared {
     metrics: Metrics,
     connections: DashMap<usize, Arc<ConnectionState>>,
     shutdown: CancellationToken,
+    streams: TaskTracker,
 }
 
 struct ConnectionState {
@@ -92,6 +98,7 @@ impl Receiver {
             metrics: Metrics::default(),
             connections: DashMap::new(),
             shutdown: CancellationToken::new(),
+            streams: TaskTracker::new(),
         });
         let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
         tokio::spawn(accept_connections(endpoint.clone(), shared.clone(), tx));
@@ -136,12 +143,12 @@ impl Receiver {
             .collect()
     }
 
-    /// Closes every connection with SHUTDOWN and waits for the endpoint to go idle.
-    ///
-    /// Frames not yet delivered, such as a last COMPLETE, are abandoned: close once senders
-    /// have their COMPLETEs (for example after they disconnect).
+    /// Stops accepting, lets tensors in progress finish for up to [`CLOSE_GRACE`], then
+    /// closes every connection with SHUTDOWN and waits for the endpoint to go idle.
     pub async fn close(self) {
         self.shared.shutdown.cancel();
+        self.shared.streams.close();
+        let _ = tokio::time::timeout(CLOSE_GRACE, self.shared.streams.wait()).await;
         self.endpoint.close(
             VarInt::from_u32(ErrorCode::SHUTDOWN.0),
             b"receiver shutting down",
@@ -315,7 +322,7 @@ async fn serve_connection(
             Ok((send, recv)) => {
                 let span = info_span!("tensor", stream = %send.id());
                 let stream = FrameStream::new(send, recv, shared.config.limits.clone());
-                tokio::spawn(
+                shared.streams.spawn(
                     serve_stream(shared.clone(), state.clone(), stream, tx.clone())
                         .instrument(span),
                 );
@@ -521,6 +528,8 @@ impl Accepted {
         if !ok {
             self.count_failure();
         }
+        // Credit is already back; keep the stream until the sender has our last frame.
+        self.stream.delivered(CLOSE_GRACE).await;
     }
 
     /// Spec §10: too many failed or cancelled streams in a window closes the connection.

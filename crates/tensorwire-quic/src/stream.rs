@@ -84,6 +84,14 @@ impl FrameStream {
             let _ = self.recv.stop(VarInt::from_u32(code.0));
         }
     }
+
+    /// Waits, at most `grace`, until the peer has acknowledged everything sent (or stopped
+    /// the stream). Dropping the last handle of a connection closes it at once and discards
+    /// frames still buffered, such as a final COMPLETE: holding the stream until then keeps
+    /// the connection open long enough.
+    pub(crate) async fn delivered(&mut self, grace: std::time::Duration) {
+        let _ = tokio::time::timeout(grace, self.send.stopped()).await;
+    }
 }
 
 fn remote(code: VarInt, what: &str) -> TransportError {

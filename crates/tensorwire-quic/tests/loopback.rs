@@ -275,3 +275,32 @@ async fn a_source_shorter_than_its_metadata_cancels_the_tensor() {
         "the receiver is told why: {received}"
     );
 }
+
+/// The receiving application exits right after its last tensor: the sender still gets
+/// COMPLETE, because the stream lives until the COMPLETE is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_arrives_even_when_the_receiver_is_dropped_at_once() {
+    // A race of microseconds: many rounds, several at once.
+    let rounds = (0..8u64).map(|lane| tokio::spawn(drop_after_complete_rounds(lane)));
+    for round in rounds {
+        round.await.unwrap();
+    }
+}
+
+async fn drop_after_complete_rounds(lane: u64) {
+    for i in lane * 100..lane * 100 + 25 {
+        let (mut rx, addr) = receiver(receiver_config()).await;
+        let server = tokio::spawn(async move {
+            let incoming = rx.next().await.unwrap();
+            incoming.accept_host().unwrap().finished().await.unwrap();
+            drop(rx);
+        });
+        let tx = sender(addr).await;
+        let result = tx
+            .send(u8_meta("last", 100_000), pattern(100_000, i))
+            .finished()
+            .await;
+        assert!(result.is_ok(), "round {i}: {:?}", result.err());
+        server.await.unwrap();
+    }
+}

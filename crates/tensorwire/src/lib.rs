@@ -1,14 +1,16 @@
 //! tensorwire: stream tensors over QUIC straight into GPU memory and re-share them locally.
 //!
 //! This facade re-exports the layers; each lives in its own crate, and data flows one way:
-//! [`proto`] (sans-IO protocol) → [`quic`] (QUIC driver, sinks).
+//! [`proto`] (sans-IO protocol) → [`quic`] (QUIC driver, sinks) → [`gpu`] (GPU sink, pools).
 #![forbid(unsafe_code)]
 
+pub use tensorwire_gpu as gpu;
 pub use tensorwire_proto as proto;
 pub use tensorwire_quic as quic;
 
 /// The types most programs need.
 pub mod prelude {
+    pub use tensorwire_gpu::{DeviceRequest, GpuStatus, Placement, TensorBuffer};
     pub use tensorwire_proto::{DType, Device, ErrorCode, ProtocolError, TensorMeta};
     pub use tensorwire_quic::{
         HostSink, IncomingTensor, Receiver, ReceiverConfig, Sender, SenderConfig, Sink, Source,

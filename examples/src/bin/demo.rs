@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use clap::Parser;
+use tensorwire::gpu::{DeviceRequest, Placement, TensorBuffer};
 use tensorwire::proto::{DType, TensorMeta};
 use tensorwire::quic::{Receiver, ReceiverConfig, Sender, SenderConfig, TransportSettings};
 use tensorwire_examples::cli::{init_logging, rate, size};
@@ -19,6 +20,12 @@ struct Args {
     /// Send the set this many times.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// Where tensors land: auto (GPU 0 if present, else host memory), host, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: DeviceRequest,
+    /// Fail instead of falling back to host memory when there is no usable GPU.
+    #[arg(long)]
+    require_gpu: bool,
 }
 
 /// A model-ish set: embeddings, layer weights, KV blocks, audio, tokens, masks, fp8.
@@ -63,6 +70,23 @@ fn fill(len: u64, seed: u64) -> Bytes {
     out.into()
 }
 
+fn check(verified: bool) -> &'static str {
+    if verified {
+        "bytes verified"
+    } else {
+        "MISMATCH"
+    }
+}
+
+fn report(name: &str, dtype: &str, shape: &str, bytes: u64, buffer: &TensorBuffer, verified: bool) {
+    println!(
+        "  {name:<22} {dtype:>7} {shape:<14} {:>10} -> {}, {}",
+        size(bytes),
+        buffer.location(),
+        check(verified)
+    );
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     init_logging("error");
@@ -73,10 +97,12 @@ async fn main() -> anyhow::Result<()> {
     };
     let mut config = ReceiverConfig::new("127.0.0.1:0".parse()?);
     config.transport = transport.clone();
+    let placement = Placement::choose(args.device, args.require_gpu)?;
     let mut receiver = Receiver::bind(config).await?;
     let addr = receiver.local_addr()?;
     println!(
-        "receiver on {addr} (development TLS); no GPU sink in this build: tensors land in host memory"
+        "receiver on {addr} (development TLS); tensors land in {}",
+        placement.describe()
     );
 
     let set = tensor_set()?;
@@ -88,7 +114,8 @@ async fn main() -> anyhow::Result<()> {
                 .next()
                 .await
                 .ok_or_else(|| anyhow::anyhow!("receiver closed"))?;
-            handles.push(tokio::spawn(incoming.accept_host()?.finished()));
+            let sink = placement.sink(incoming.meta())?;
+            handles.push(tokio::spawn(incoming.accept(sink).finished()));
         }
         let mut landed = Vec::with_capacity(count);
         for handle in handles {
@@ -126,46 +153,40 @@ async fn main() -> anyhow::Result<()> {
     let (landed, receiver) = server.await??;
     let budget = receiver.budget();
 
-    let mut kv_blocks = (0, 0, true);
-    for (meta, bytes) in landed.iter().take(set.len()) {
+    // Every tensor is read back (from the GPU, where it landed there) and compared.
+    let mut kv_blocks = (0, 0, true, String::new());
+    for (meta, buffer) in landed.iter().take(set.len()) {
         let expected = payloads
             .iter()
             .find(|(m, _)| m.name() == meta.name())
             .map(|(_, b)| b);
-        let verified = expected == Some(bytes);
+        let verified = expected == Some(&buffer.to_host()?);
         if meta.name().starts_with("kv.block.") {
             kv_blocks = (
                 kv_blocks.0 + 1,
                 kv_blocks.1 + meta.byte_len(),
                 kv_blocks.2 && verified,
+                buffer.location(),
             );
             continue;
         }
-        let check = if verified {
-            "bytes verified"
-        } else {
-            "MISMATCH"
-        };
-        let shape = format!("{:?}", meta.shape());
-        println!(
-            "  {:<22} {:>7} {:<14} {:>10} -> host memory, {check}",
+        report(
             meta.name(),
-            meta.dtype().to_string(),
-            shape,
-            size(meta.byte_len())
+            &meta.dtype().to_string(),
+            &format!("{:?}", meta.shape()),
+            meta.byte_len(),
+            buffer,
+            verified,
         );
     }
-    let check = if kv_blocks.2 {
-        "bytes verified"
-    } else {
-        "MISMATCH"
-    };
+    let (count_kv, bytes_kv, verified_kv, location_kv) = kv_blocks;
+    let name = format!("kv.block.* ({count_kv})");
     println!(
-        "  {:<22} {:>7} {:<14} {:>10} -> host memory, {check}",
-        format!("kv.block.* ({})", kv_blocks.0),
+        "  {name:<22} {:>7} {:<14} {:>10} -> {location_kv}, {}",
         "BF16",
         "[16, 8, 128]",
-        size(kv_blocks.1)
+        size(bytes_kv),
+        check(verified_kv)
     );
     if args.repeat > 1 {
         println!("  (and {} more repeats of the set)", args.repeat - 1);

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
+use tensorwire::gpu::{DeviceRequest, Placement};
 use tensorwire::quic::{Receiver, ReceiverConfig};
 use tensorwire_examples::cli::{ServerTlsArgs, TransportArgs, init_logging, rate, size};
 use tensorwire_examples::save::SaveDir;
@@ -35,6 +36,13 @@ struct Args {
     /// Largest tensor accepted, in MiB.
     #[arg(long, default_value_t = 64 * 1024)]
     max_tensor_mib: u64,
+    /// Where tensors land: auto (GPU 0 if present, else host memory with a warning), host,
+    /// cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: DeviceRequest,
+    /// Fail instead of falling back to host memory when there is no usable GPU.
+    #[arg(long)]
+    require_gpu: bool,
     /// Exit after this many tensors (0: run until interrupted).
     #[arg(long, default_value_t = 0)]
     count: u64,
@@ -56,9 +64,10 @@ async fn main() -> anyhow::Result<()> {
     config.high_watermark = budget / 100 * args.high_percent.min(100);
     config.low_watermark = budget / 100 * args.low_percent.min(args.high_percent).min(100);
     config.limits.max_tensor_len = args.max_tensor_mib << 20;
+    let placement = Placement::choose(args.device, args.require_gpu)?;
     let mut receiver = Receiver::bind(config).await?;
     println!("listening on {}", receiver.local_addr()?);
-    println!("tensors land in host memory (this build has no GPU sink)");
+    println!("tensors land in {}", placement.describe());
     let mut save = args.save.as_deref().map(SaveDir::new).transpose()?;
 
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
@@ -70,11 +79,16 @@ async fn main() -> anyhow::Result<()> {
                 let Some(incoming) = incoming else { break };
                 accepted += 1;
                 let meta = incoming.meta().clone();
-                let Ok(handle) = incoming.accept_host() else {
-                    eprintln!("{}: no host memory for {}", meta.name(), size(meta.byte_len()));
-                    failed += 1;
-                    continue;
+                let sink = match placement.sink(&meta) {
+                    Ok(sink) => sink,
+                    Err(e) => {
+                        eprintln!("{}: no memory for {}: {e}", meta.name(), size(meta.byte_len()));
+                        incoming.reject(e.code, e.message);
+                        failed += 1;
+                        continue;
+                    }
                 };
+                let handle = incoming.accept(sink);
                 let done_tx = done_tx.clone();
                 let started = Instant::now();
                 tokio::spawn(async move {
@@ -84,16 +98,17 @@ async fn main() -> anyhow::Result<()> {
             }
             Some((result, elapsed)) = done_rx.recv() => {
                 match result {
-                    Ok((meta, data)) => {
+                    Ok((meta, buffer)) => {
                         finished += 1;
                         bytes += meta.byte_len();
                         println!(
-                            "received {} {} {:?} {} in {:.3} s ({}) -> host memory",
+                            "received {} {} {:?} {} in {:.3} s ({}) -> {}",
                             meta.name(), meta.dtype(), meta.shape(), size(meta.byte_len()),
-                            elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64())
+                            elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64()),
+                            buffer.location()
                         );
                         if let Some(save) = save.as_mut()
-                            && let Some(path) = save.add(meta, data)?
+                            && let Some(path) = save.add(meta, buffer.to_host()?)?
                         {
                             println!("saved {}", path.display());
                         }

@@ -1,0 +1,330 @@
+//! Where a tensor's bytes live: host memory or a CUDA device.
+
+use bytes::Bytes;
+use tensorwire_proto::{Device, TensorMeta};
+
+use crate::error::GpuError;
+use crate::status::GpuStatus;
+
+/// A tensor's bytes, in host memory or on a GPU.
+#[derive(Debug)]
+pub enum TensorBuffer {
+    /// Host memory.
+    Cpu(Bytes),
+    /// Device memory.
+    Cuda(CudaBuffer),
+}
+
+impl TensorBuffer {
+    /// Host bytes.
+    pub fn cpu(bytes: impl Into<Bytes>) -> Self {
+        TensorBuffer::Cpu(bytes.into())
+    }
+
+    /// `len` zeroed host bytes.
+    pub fn cpu_zeros(len: usize) -> Self {
+        TensorBuffer::Cpu(vec![0u8; len].into())
+    }
+
+    /// `len` bytes on CUDA device `device`; fails if that cannot be had.
+    pub fn allocate_gpu(len: usize, device: usize) -> Result<Self, GpuError> {
+        CudaBuffer::allocate(len, device).map(TensorBuffer::Cuda)
+    }
+
+    /// `len` bytes on CUDA device `device`, or zeroed host bytes with a logged warning when
+    /// the build has no CUDA, the driver or device is missing, or allocation fails.
+    pub fn try_allocate_gpu(len: usize, device: usize) -> Self {
+        match Self::allocate_gpu(len, device) {
+            Ok(buffer) => buffer,
+            Err(e) => {
+                tracing::warn!(error = %e, bytes = len, "no GPU memory; using host memory instead");
+                Self::cpu_zeros(len)
+            }
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            TensorBuffer::Cpu(bytes) => bytes.len(),
+            TensorBuffer::Cuda(buffer) => buffer.len(),
+        }
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the bytes are in host memory.
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, TensorBuffer::Cpu(_))
+    }
+
+    /// Whether the bytes are on a GPU.
+    pub fn is_gpu(&self) -> bool {
+        matches!(self, TensorBuffer::Cuda(_))
+    }
+
+    /// Where the bytes live, for people: "host memory" or "cuda:0 (NVIDIA H200)".
+    pub fn location(&self) -> String {
+        match self {
+            TensorBuffer::Cpu(_) => "host memory".to_owned(),
+            TensorBuffer::Cuda(buffer) => buffer.location(),
+        }
+    }
+
+    /// A host copy of the bytes (free for host buffers).
+    pub fn to_host(&self) -> Result<Bytes, GpuError> {
+        match self {
+            TensorBuffer::Cpu(bytes) => Ok(bytes.clone()),
+            TensorBuffer::Cuda(buffer) => buffer.copy_to_host().map(Bytes::from),
+        }
+    }
+
+    /// A copy of the bytes on CUDA device `device`.
+    pub fn to_gpu(&self, device: usize) -> Result<TensorBuffer, GpuError> {
+        let mut copy = CudaBuffer::allocate(self.len(), device)?;
+        match self {
+            TensorBuffer::Cpu(bytes) => copy.copy_from_host(bytes)?,
+            TensorBuffer::Cuda(buffer) => buffer.copy_to(&mut copy)?,
+        }
+        Ok(TensorBuffer::Cuda(copy))
+    }
+
+    /// A host-memory copy of this buffer.
+    pub fn to_cpu(&self) -> Result<TensorBuffer, GpuError> {
+        self.to_host().map(TensorBuffer::Cpu)
+    }
+
+    /// Overwrites the bytes with `src`, which must be exactly as long.
+    pub fn copy_from_slice(&mut self, src: &[u8]) -> Result<(), GpuError> {
+        if src.len() != self.len() {
+            return Err(GpuError::Bounds(format!(
+                "{} bytes into a {}-byte buffer",
+                src.len(),
+                self.len()
+            )));
+        }
+        match self {
+            TensorBuffer::Cpu(bytes) => *bytes = Bytes::copy_from_slice(src),
+            TensorBuffer::Cuda(buffer) => buffer.copy_from_host(src)?,
+        }
+        Ok(())
+    }
+}
+
+/// Allocates a tensor's buffer where a [`Device`] or [`TensorMeta`] asks for it.
+pub trait AllocateBuffer {
+    /// A zeroed buffer: on the requested GPU if there is one, else in host memory (logged).
+    fn allocate_buffer(&self) -> TensorBuffer;
+}
+
+impl AllocateBuffer for (Device, usize) {
+    fn allocate_buffer(&self) -> TensorBuffer {
+        let (device, len) = *self;
+        match device {
+            Device::Host => TensorBuffer::cpu_zeros(len),
+            Device::Cuda(ordinal) => TensorBuffer::try_allocate_gpu(len, ordinal.into()),
+            Device::Any if GpuStatus::detect().is_available() => {
+                TensorBuffer::try_allocate_gpu(len, 0)
+            }
+            Device::Any => TensorBuffer::cpu_zeros(len),
+        }
+    }
+}
+
+impl AllocateBuffer for TensorMeta {
+    fn allocate_buffer(&self) -> TensorBuffer {
+        let len = usize::try_from(self.byte_len()).unwrap_or(usize::MAX);
+        (self.device(), len).allocate_buffer()
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub use with_cuda::CudaBuffer;
+#[cfg(not(feature = "cuda"))]
+pub use without_cuda::CudaBuffer;
+
+#[cfg(feature = "cuda")]
+mod with_cuda {
+    use crate::cuda::{DeviceAllocation, GpuDevice};
+    use crate::error::GpuError;
+    use crate::pool::Pooled;
+
+    /// Bytes in CUDA device memory, from a pool or allocated for this buffer alone.
+    #[derive(Debug)]
+    pub struct CudaBuffer {
+        memory: Memory,
+        len: usize,
+    }
+
+    #[derive(Debug)]
+    enum Memory {
+        Owned(DeviceAllocation),
+        Pooled(PooledDevice),
+    }
+
+    struct PooledDevice(Pooled<DeviceAllocation>);
+
+    impl std::fmt::Debug for PooledDevice {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "pooled {:?}", *self.0)
+        }
+    }
+
+    impl CudaBuffer {
+        /// `len` bytes on CUDA device `device`.
+        pub fn allocate(len: usize, device: usize) -> Result<Self, GpuError> {
+            let device = GpuDevice::open(device)?;
+            Ok(Self {
+                memory: Memory::Owned(DeviceAllocation::new(&device, len)?),
+                len,
+            })
+        }
+
+        pub(crate) fn from_pool(memory: Pooled<DeviceAllocation>, len: usize) -> Self {
+            Self {
+                memory: Memory::Pooled(PooledDevice(memory)),
+                len,
+            }
+        }
+
+        pub(crate) fn from_owned(memory: DeviceAllocation, len: usize) -> Self {
+            Self {
+                memory: Memory::Owned(memory),
+                len,
+            }
+        }
+
+        pub(crate) fn allocation(&self) -> &DeviceAllocation {
+            match &self.memory {
+                Memory::Owned(a) => a,
+                Memory::Pooled(p) => &p.0,
+            }
+        }
+
+        fn allocation_mut(&mut self) -> &mut DeviceAllocation {
+            match &mut self.memory {
+                Memory::Owned(a) => a,
+                Memory::Pooled(p) => &mut p.0,
+            }
+        }
+
+        /// Length in bytes (a pooled allocation may be larger).
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        /// Whether it holds no bytes.
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+
+        /// The ordinal of the device it lives on.
+        pub fn device_id(&self) -> usize {
+            self.allocation().device().ordinal()
+        }
+
+        /// The device address of the first byte.
+        pub fn device_ptr(&self) -> u64 {
+            self.allocation().device_ptr()
+        }
+
+        /// "cuda:N (name)".
+        pub fn location(&self) -> String {
+            let info = self.allocation().device().info();
+            format!("cuda:{} ({})", info.ordinal, info.name)
+        }
+
+        /// Overwrites the bytes with `src` (at most `len` bytes, from the start).
+        pub fn copy_from_host(&mut self, src: &[u8]) -> Result<(), GpuError> {
+            if src.len() > self.len {
+                return Err(GpuError::Bounds(format!(
+                    "{} bytes into a {}-byte buffer",
+                    src.len(),
+                    self.len
+                )));
+            }
+            self.allocation_mut().copy_from_host(0, src)
+        }
+
+        /// A host copy of the bytes.
+        pub fn copy_to_host(&self) -> Result<Vec<u8>, GpuError> {
+            let mut out = vec![0u8; self.len];
+            self.allocation().copy_to_host(0, &mut out)?;
+            Ok(out)
+        }
+
+        /// Sets every byte to `value` (tests poison destinations with it).
+        pub fn fill(&mut self, value: u8) -> Result<(), GpuError> {
+            self.allocation_mut().fill(value)
+        }
+
+        /// Copies all bytes into `dst` (same length), device to device, across GPUs too.
+        pub fn copy_to(&self, dst: &mut CudaBuffer) -> Result<(), GpuError> {
+            if dst.len != self.len {
+                return Err(GpuError::Bounds(format!(
+                    "{} bytes into a {}-byte buffer",
+                    self.len, dst.len
+                )));
+            }
+            // Exactly `len` bytes: a pooled allocation may be larger than the tensor.
+            self.allocation()
+                .copy_prefix_to(self.len, dst.allocation_mut())
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod without_cuda {
+    use crate::error::GpuError;
+
+    /// Bytes in CUDA device memory; this build has no CUDA, so none can exist.
+    #[derive(Debug)]
+    pub struct CudaBuffer {
+        never: std::convert::Infallible,
+    }
+
+    impl CudaBuffer {
+        /// Fails: this build has no CUDA support.
+        pub fn allocate(_len: usize, _device: usize) -> Result<Self, GpuError> {
+            Err(GpuError::NotCompiled)
+        }
+
+        /// Length in bytes.
+        pub fn len(&self) -> usize {
+            match self.never {}
+        }
+
+        /// Whether it holds no bytes.
+        pub fn is_empty(&self) -> bool {
+            match self.never {}
+        }
+
+        /// The ordinal of the device it lives on.
+        pub fn device_id(&self) -> usize {
+            match self.never {}
+        }
+
+        /// "cuda:N (name)".
+        pub fn location(&self) -> String {
+            match self.never {}
+        }
+
+        /// Overwrites the bytes with `src`.
+        pub fn copy_from_host(&mut self, _src: &[u8]) -> Result<(), GpuError> {
+            match self.never {}
+        }
+
+        /// A host copy of the bytes.
+        pub fn copy_to_host(&self) -> Result<Vec<u8>, GpuError> {
+            match self.never {}
+        }
+
+        /// Copies all bytes into `dst`.
+        pub fn copy_to(&self, _dst: &mut CudaBuffer) -> Result<(), GpuError> {
+            match self.never {}
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! One CUDA device: its primary context, a copy stream, and the completion thread that waits
+//! for copies in order and runs their completion work.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use cudarc::driver::{CudaContext, result, sys};
+
+use super::{cuda, require_driver};
+use crate::error::GpuError;
+
+/// What a device is, for logs and for matching devices across processes (by UUID).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The ordinal in this process.
+    pub ordinal: usize,
+    /// The device's name, e.g. "NVIDIA H200".
+    pub name: String,
+    /// The device's UUID (stable across processes, unlike ordinals).
+    pub uuid: [u8; 16],
+    /// Total memory in bytes.
+    pub total_memory: usize,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+}
+
+/// A copy waiting to complete, and what to do once it has.
+struct Completion {
+    event: sys::CUevent,
+    done: Box<dyn FnOnce(Result<(), GpuError>) + Send>,
+}
+
+// SAFETY: a CUevent is a driver handle usable from any thread on which its context is
+// current; the completion thread binds the context before using it.
+unsafe impl Send for Completion {}
+
+/// A CUDA stream owned by this crate.
+struct CopyStream(sys::CUstream);
+
+// SAFETY: CUDA streams may be used from any thread with their context current; every use
+// below binds the context first.
+unsafe impl Send for CopyStream {}
+// SAFETY: as above; enqueueing work on a stream from several threads is allowed by the driver.
+unsafe impl Sync for CopyStream {}
+
+/// An open device: context, copy stream, completion thread. Shared; see [`GpuDevice::open`].
+pub struct GpuDevice {
+    info: DeviceInfo,
+    ctx: Arc<CudaContext>,
+    stream: CopyStream,
+    completions: Mutex<mpsc::Sender<Completion>>,
+}
+
+impl std::fmt::Debug for GpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "GpuDevice(cuda:{} {})",
+            self.info.ordinal, self.info.name
+        )
+    }
+}
+
+impl GpuDevice {
+    /// The device with this ordinal, opened once per process and shared.
+    pub fn open(ordinal: usize) -> Result<Arc<GpuDevice>, GpuError> {
+        static OPEN: OnceLock<Mutex<HashMap<usize, Arc<GpuDevice>>>> = OnceLock::new();
+        let available = require_driver()?;
+        if ordinal >= available {
+            return Err(GpuError::NoDevice {
+                requested: ordinal,
+                available,
+            });
+        }
+        let mut open = OPEN
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(device) = open.get(&ordinal) {
+            return Ok(device.clone());
+        }
+        let device = Arc::new(Self::create(ordinal)?);
+        open.insert(ordinal, device.clone());
+        Ok(device)
+    }
+
+    fn create(ordinal: usize) -> Result<Self, GpuError> {
+        let ctx = CudaContext::new(ordinal).map_err(cuda("cuDevicePrimaryCtxRetain"))?;
+        let uuid = ctx.uuid().map_err(cuda("cuDeviceGetUuid"))?;
+        let info = DeviceInfo {
+            ordinal,
+            name: ctx.name().map_err(cuda("cuDeviceGetName"))?,
+            uuid: uuid.bytes.map(|b| b as u8),
+            total_memory: ctx.total_mem().map_err(cuda("cuDeviceTotalMem"))?,
+            compute_capability: ctx
+                .compute_capability()
+                .map_err(cuda("cuDeviceGetAttribute"))?,
+        };
+        ctx.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(cuda("cuStreamCreate"))?;
+        let (tx, rx) = mpsc::channel::<Completion>();
+        let thread_ctx = ctx.clone();
+        std::thread::Builder::new()
+            .name(format!("tensorwire-cuda{ordinal}-completions"))
+            .spawn(move || complete_in_order(&thread_ctx, &rx))
+            .map_err(|e| GpuError::Cuda {
+                call: "spawn completion thread",
+                error: e.to_string(),
+            })?;
+        Ok(Self {
+            info,
+            ctx,
+            stream: CopyStream(stream),
+            completions: Mutex::new(tx),
+        })
+    }
+
+    /// The device's description.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The ordinal in this process.
+    pub fn ordinal(&self) -> usize {
+        self.info.ordinal
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize), GpuError> {
+        self.bind()?;
+        result::mem_get_info().map_err(cuda("cuMemGetInfo"))
+    }
+
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub(crate) fn bind(&self) -> Result<(), GpuError> {
+        self.ctx.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))
+    }
+
+    /// Enqueues a copy of `len` bytes from pinned `src` to device address `dst` on the copy
+    /// stream, records an event after it, and runs `done` on the completion thread once the
+    /// event has completed (or the wait failed).
+    ///
+    /// # Safety
+    ///
+    /// `src..src + len` must be pinned host memory and `dst..dst + len` device memory of this
+    /// device; both must stay allocated and `src` unwritten until `done` runs. Callers ensure
+    /// it by moving the owners of both into `done`.
+    pub(crate) unsafe fn copy_to_device_async(
+        &self,
+        src: *const u8,
+        dst: sys::CUdeviceptr,
+        len: usize,
+        done: Box<dyn FnOnce(Result<(), GpuError>) + Send>,
+    ) -> Result<(), GpuError> {
+        self.bind()?;
+        // SAFETY: the caller guarantees `src` points to `len` live bytes of pinned memory.
+        let src = unsafe { std::slice::from_raw_parts(src, len) };
+        // SAFETY: `dst` is device memory of this context with room for `len` bytes (caller);
+        // the stream belongs to this context, which is current.
+        unsafe { result::memcpy_htod_async(dst, src, self.stream.0) }
+            .map_err(cuda("cuMemcpyHtoDAsync"))?;
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(cuda("cuEventCreate"))?;
+        // SAFETY: the event and the stream are live handles of the current context.
+        if let Err(e) = unsafe { result::event::record(event, self.stream.0) } {
+            // SAFETY: the event was created above and is not recorded anywhere.
+            let _ = unsafe { result::event::destroy(event) };
+            // The copy is enqueued but cannot be tracked: wait for the stream instead.
+            // SAFETY: the stream is live and its context current.
+            let _ = unsafe { result::stream::synchronize(self.stream.0) };
+            done(Err(cuda("cuEventRecord")(e)));
+            return Ok(());
+        }
+        let sender = self
+            .completions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Err(mpsc::SendError(job)) = sender.send(Completion { event, done }) {
+            // The completion thread is gone (it never exits while the device lives): wait here.
+            // SAFETY: the event is live and was recorded on this context's stream.
+            let waited = unsafe { result::event::synchronize(job.event) };
+            // SAFETY: the event is no longer waited on by anyone.
+            let _ = unsafe { result::event::destroy(job.event) };
+            (job.done)(waited.map_err(cuda("cuEventSynchronize")));
+        }
+        Ok(())
+    }
+
+    /// Waits until every copy enqueued so far has completed.
+    pub(crate) fn synchronize_copies(&self) -> Result<(), GpuError> {
+        self.bind()?;
+        // SAFETY: the stream is live and its context current.
+        unsafe { result::stream::synchronize(self.stream.0) }.map_err(cuda("cuStreamSynchronize"))
+    }
+}
+
+/// The completion thread: copies on one stream finish in order, so waiting on each event in
+/// turn runs every completion as soon as its copy is done.
+fn complete_in_order(ctx: &CudaContext, jobs: &mpsc::Receiver<Completion>) {
+    let bound = ctx.bind_to_thread();
+    for job in jobs {
+        let waited = match &bound {
+            Ok(()) => {
+                // SAFETY: the event was recorded on this context's stream and is destroyed
+                // only below.
+                unsafe { result::event::synchronize(job.event) }.map_err(cuda("cuEventSynchronize"))
+            }
+            Err(e) => Err(GpuError::Cuda {
+                call: "cuCtxSetCurrent",
+                error: e.to_string(),
+            }),
+        };
+        // SAFETY: nothing waits on the event any more.
+        let _ = unsafe { result::event::destroy(job.event) };
+        (job.done)(waited);
+    }
+}

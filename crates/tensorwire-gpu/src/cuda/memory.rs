@@ -1,0 +1,224 @@
+//! RAII device and pinned host allocations.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys};
+
+use super::{GpuDevice, cuda};
+use crate::error::GpuError;
+use crate::pool::Allocation;
+
+/// `len` bytes of device memory from `cuMemAlloc`, freed on drop.
+pub struct DeviceAllocation {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    device: Arc<GpuDevice>,
+}
+
+impl std::fmt::Debug for DeviceAllocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DeviceAllocation({} bytes on cuda:{})",
+            self.len,
+            self.device.ordinal()
+        )
+    }
+}
+
+impl DeviceAllocation {
+    /// Allocates `len` bytes on `device` (no memory for `len == 0`).
+    pub fn new(device: &Arc<GpuDevice>, len: usize) -> Result<Self, GpuError> {
+        let ptr = if len == 0 {
+            0
+        } else {
+            device.bind()?;
+            // SAFETY: the device's context is current; the pointer is freed exactly once, in Drop.
+            unsafe { result::malloc_sync(len) }.map_err(|e| {
+                if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+                    GpuError::OutOfMemory {
+                        what: "device",
+                        bytes: len,
+                    }
+                } else {
+                    cuda("cuMemAlloc")(e)
+                }
+            })?
+        };
+        Ok(Self {
+            ptr,
+            len,
+            device: device.clone(),
+        })
+    }
+
+    /// The device address.
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    /// The device it lives on.
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.device
+    }
+
+    /// Sets every byte to `value`.
+    pub fn fill(&mut self, value: u8) -> Result<(), GpuError> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.device.synchronize_copies()?;
+        // SAFETY: `ptr..ptr + len` is this allocation, on the context bound just above.
+        unsafe { result::memset_d8_sync(self.ptr, value, self.len) }.map_err(cuda("cuMemsetD8"))
+    }
+
+    /// Copies `src` to byte `offset` (synchronously).
+    pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), GpuError> {
+        check_range(offset, src.len(), self.len)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.device.synchronize_copies()?;
+        // SAFETY: the range was checked to lie inside this allocation; the context is current.
+        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }
+            .map_err(cuda("cuMemcpyHtoD"))
+    }
+
+    /// Copies bytes from `offset` into `dst` (synchronously, after pending copies).
+    pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), GpuError> {
+        check_range(offset, dst.len(), self.len)?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.device.synchronize_copies()?;
+        // SAFETY: the range was checked to lie inside this allocation; the context is current.
+        unsafe { result::memcpy_dtoh_sync(dst, self.ptr + offset as u64) }
+            .map_err(cuda("cuMemcpyDtoH"))
+    }
+
+    /// Copies the first `len` bytes of `self` to the start of `dst`, across devices if they
+    /// differ (synchronously, after pending copies on both).
+    pub fn copy_prefix_to(&self, len: usize, dst: &mut DeviceAllocation) -> Result<(), GpuError> {
+        check_range(0, len, self.len)?;
+        check_range(0, len, dst.len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.device.synchronize_copies()?;
+        dst.device.synchronize_copies()?;
+        self.device.bind()?;
+        if Arc::ptr_eq(&self.device, &dst.device) {
+            // SAFETY: both ranges were checked to lie inside live allocations of the current
+            // context; the synchronous copy completes before returning.
+            unsafe { result::memcpy_dtod_sync(dst.ptr, self.ptr, len) }
+                .map_err(cuda("cuMemcpyDtoD"))
+        } else {
+            let (src_ctx, dst_ctx) = (self.device.context(), dst.device.context());
+            // SAFETY: both ranges were checked to lie inside live allocations of their own
+            // contexts; cuMemcpyPeer is synchronous with respect to the host.
+            unsafe { sys::cuMemcpyPeer(dst.ptr, dst_ctx.cu_ctx(), self.ptr, src_ctx.cu_ctx(), len) }
+                .result()
+                .map_err(cuda("cuMemcpyPeer"))
+        }
+    }
+}
+
+fn check_range(offset: usize, len: usize, size: usize) -> Result<(), GpuError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(GpuError::Bounds(format!(
+            "bytes [{offset}, {offset}+{len}) outside a {size}-byte buffer"
+        ))),
+    }
+}
+
+impl Allocation for DeviceAllocation {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for DeviceAllocation {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return;
+        }
+        // Pending copies into this memory must finish before it is freed.
+        let _ = self.device.synchronize_copies();
+        // SAFETY: allocated by cuMemAlloc in `new`, freed only here; the context is bound above.
+        if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+            tracing::error!(error = %e, "cuMemFree failed");
+        }
+    }
+}
+
+/// `len` bytes of page-locked host memory (portable, not write-combined), freed on drop.
+pub struct PinnedAllocation {
+    ptr: *mut u8,
+    len: usize,
+    device: Arc<GpuDevice>,
+}
+
+// SAFETY: a plain host memory region owned by this value; access goes through `&`/`&mut`.
+unsafe impl Send for PinnedAllocation {}
+// SAFETY: shared access only reads through `&[u8]`.
+unsafe impl Sync for PinnedAllocation {}
+
+impl PinnedAllocation {
+    /// Allocates `len` pinned bytes (usable by every context: CU_MEMHOSTALLOC_PORTABLE).
+    pub fn new(device: &Arc<GpuDevice>, len: usize) -> Result<Self, GpuError> {
+        device.bind()?;
+        // Flags: PORTABLE only. Write-combined memory would make CPU reads ~70x slower.
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: the context is current; the pointer is freed exactly once, in Drop.
+        let ptr = unsafe { result::malloc_host(len.max(1), flags) }.map_err(|e| {
+            if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+                GpuError::OutOfMemory {
+                    what: "pinned host",
+                    bytes: len,
+                }
+            } else {
+                cuda("cuMemHostAlloc")(e)
+            }
+        })?;
+        Ok(Self {
+            ptr: ptr.cast(),
+            len,
+            device: device.clone(),
+        })
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` bytes this value owns; no copy reads or writes them
+        // while a `&self` exists, because in-flight copies own their buffer.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as `as_slice`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    pub(crate) fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+}
+
+impl Allocation for PinnedAllocation {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for PinnedAllocation {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        // SAFETY: allocated by cuMemHostAlloc in `new`, freed only here; no copy uses it
+        // any more (copies own their source buffer until their event completes).
+        if let Err(e) = unsafe { result::free_host(self.ptr.cast()) } {
+            tracing::error!(error = %e, "cuMemFreeHost failed");
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! Typed GPU errors; none panics, and each maps to a wire code when it ends a tensor.
+
+use tensorwire_proto::ErrorCode;
+use tensorwire_quic::SinkError;
+
+/// Why a GPU operation failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GpuError {
+    /// This build has no CUDA support (the `cuda` feature is off).
+    #[error("this build has no CUDA support (cargo feature `cuda` is off)")]
+    NotCompiled,
+    /// No usable CUDA driver (libcuda) on this machine.
+    #[error("no CUDA driver: {0}")]
+    NoDriver(String),
+    /// The requested device does not exist.
+    #[error("no CUDA device {requested} (this machine has {available})")]
+    NoDevice {
+        /// The ordinal asked for.
+        requested: usize,
+        /// How many devices there are.
+        available: usize,
+    },
+    /// The device (or host, for pinned memory) is out of memory.
+    #[error("out of {what} memory: {bytes} bytes")]
+    OutOfMemory {
+        /// "device" or "pinned host".
+        what: &'static str,
+        /// How much was asked for.
+        bytes: usize,
+    },
+    /// A pool reached its byte limit.
+    #[error("{pool} pool exhausted: {requested} bytes asked, {in_use} of {max} bytes in use")]
+    PoolExhausted {
+        /// Which pool.
+        pool: &'static str,
+        /// Bytes asked for.
+        requested: usize,
+        /// Bytes held by callers.
+        in_use: usize,
+        /// The pool's limit.
+        max: usize,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA {call} failed: {error}")]
+    Cuda {
+        /// The driver call.
+        call: &'static str,
+        /// The driver's error name and text.
+        error: String,
+    },
+    /// Lengths or offsets do not fit.
+    #[error("{0}")]
+    Bounds(String),
+}
+
+impl GpuError {
+    /// The wire code a tensor ended by this error carries.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            GpuError::OutOfMemory { .. } | GpuError::PoolExhausted { .. } => {
+                ErrorCode::RESOURCE_EXHAUSTED
+            }
+            GpuError::NotCompiled | GpuError::NoDriver(_) | GpuError::NoDevice { .. } => {
+                ErrorCode::UNSUPPORTED_DEVICE
+            }
+            GpuError::Cuda { .. } | GpuError::Bounds(_) => ErrorCode::SINK_FAILED,
+        }
+    }
+}
+
+impl From<GpuError> for SinkError {
+    fn from(e: GpuError) -> Self {
+        SinkError {
+            code: e.code(),
+            message: e.to_string(),
+        }
+    }
+}

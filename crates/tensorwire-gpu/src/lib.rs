@@ -1,0 +1,37 @@
+//! The GPU receive path of tensorwire: tensors stream from the network through pinned
+//! staging buffers into GPU memory with async copies, and everything falls back to host
+//! memory, with a clear message, where there is no GPU.
+//!
+//! - [`GpuStatus::detect`] says what CUDA this process has, and never panics.
+//! - [`TensorBuffer`] / [`CudaBuffer`]: tensor bytes in host or device memory.
+//! - [`MemoryPool`], [`PinnedMemoryPool`], [`GpuMemoryPool`]: size-class pools, so nothing is
+//!   allocated or registered on the data path after warm-up.
+//! - [`GpuSink`] (from a [`PooledGpuReceiver`]) implements `tensorwire_quic::Sink`; credit for
+//!   a chunk is granted again only after its copy to the device has completed, and COMPLETE
+//!   is sent only after the last copy has.
+//! - [`Placement`] picks GPU or host for a receiver and hands out [`TensorSink`]s.
+//!
+//! This is the one crate with `unsafe`: FFI is layered raw (`cudarc::driver::sys`) →
+//! checked (`cudarc::driver::result`) → the safe RAII types of the `cuda` module, and every
+//! block says why it is sound.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod buffer;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod error;
+mod placement;
+mod pool;
+#[cfg(feature = "cuda")]
+mod sink;
+mod status;
+
+pub use buffer::{AllocateBuffer, CudaBuffer, TensorBuffer};
+#[cfg(feature = "cuda")]
+pub use cuda::{DeviceAllocation, DeviceInfo, GpuDevice, PinnedAllocation};
+pub use error::GpuError;
+pub use placement::{DeviceRequest, Placement, TensorSink};
+pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
+#[cfg(feature = "cuda")]
+pub use sink::{GpuMemoryPool, GpuSink, PinnedMemoryPool, PooledGpuReceiver, STAGING_BUFFER};
+pub use status::GpuStatus;

@@ -1,0 +1,358 @@
+//! The GPU sink: DATA chunks are copied into pinned staging buffers, coalesced to about
+//! 4 MiB, and copied to the destination on the device's copy stream; a staging buffer and
+//! the credit of its bytes come back only once its copy's event has completed.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tensorwire_proto::{Payload, TensorMeta};
+use tensorwire_quic::{CreditPermit, Sink, SinkError};
+use tokio::sync::Notify;
+
+use crate::buffer::CudaBuffer;
+use crate::cuda::{DeviceAllocation, GpuDevice, PinnedAllocation};
+use crate::error::GpuError;
+use crate::pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
+
+/// Staging buffer size: H2D copies of 4 MiB reach ~54 GB/s on an H200, 64 KiB only ~18.
+pub const STAGING_BUFFER: usize = 4 << 20;
+
+/// Pinned host memory buffers by size class.
+#[derive(Clone)]
+pub struct PinnedMemoryPool(MemoryPool<PinnedAllocation>);
+
+impl PinnedMemoryPool {
+    /// A pool of pinned memory registered with `device`'s context.
+    pub fn new(device: &Arc<GpuDevice>, config: PoolConfig) -> Result<Self, GpuError> {
+        let device = device.clone();
+        MemoryPool::new("pinned", config, move |size| {
+            PinnedAllocation::new(&device, size)
+        })
+        .map(Self)
+    }
+
+    /// A buffer of at least `size` bytes (see [`MemoryPool::acquire`]).
+    pub fn acquire(&self, size: usize) -> Result<Pooled<PinnedAllocation>, GpuError> {
+        self.0.acquire(size)
+    }
+
+    /// Waits for a buffer while the pool is exhausted.
+    pub async fn acquire_wait(&self, size: usize) -> Result<Pooled<PinnedAllocation>, GpuError> {
+        self.0.acquire_wait(size).await
+    }
+
+    /// The pool's counters.
+    pub fn stats(&self) -> PoolStats {
+        self.0.stats()
+    }
+}
+
+/// Device memory buffers by size class, from `cuMemAlloc` (exportable for sharing later).
+#[derive(Clone)]
+pub struct GpuMemoryPool(MemoryPool<DeviceAllocation>);
+
+impl GpuMemoryPool {
+    /// A pool of memory on `device`.
+    pub fn new(device: &Arc<GpuDevice>, config: PoolConfig) -> Result<Self, GpuError> {
+        let device = device.clone();
+        MemoryPool::new("device", config, move |size| {
+            DeviceAllocation::new(&device, size)
+        })
+        .map(Self)
+    }
+
+    /// A buffer of at least `size` bytes (see [`MemoryPool::acquire`]).
+    pub fn acquire(&self, size: usize) -> Result<Pooled<DeviceAllocation>, GpuError> {
+        self.0.acquire(size)
+    }
+
+    /// The pool's counters.
+    pub fn stats(&self) -> PoolStats {
+        self.0.stats()
+    }
+
+    fn config(&self) -> &PoolConfig {
+        self.0.config()
+    }
+}
+
+/// A receiver's GPU side: one device, a pinned staging pool and a device memory pool, from
+/// which each incoming tensor gets a [`GpuSink`].
+#[derive(Clone)]
+pub struct PooledGpuReceiver {
+    device: Arc<GpuDevice>,
+    staging: PinnedMemoryPool,
+    memory: GpuMemoryPool,
+}
+
+impl PooledGpuReceiver {
+    /// Opens CUDA device `ordinal` with the given pool sizes; staging buffers are at least
+    /// [`STAGING_BUFFER`] bytes.
+    pub fn new(ordinal: usize, staging: PoolConfig, memory: PoolConfig) -> Result<Self, GpuError> {
+        let device = GpuDevice::open(ordinal)?;
+        let staging = PoolConfig {
+            min_buffer: staging.min_buffer.max(STAGING_BUFFER),
+            max_buffer: staging.max_buffer.max(STAGING_BUFFER),
+            ..staging
+        };
+        Ok(Self {
+            staging: PinnedMemoryPool::new(&device, staging)?,
+            memory: GpuMemoryPool::new(&device, memory)?,
+            device,
+        })
+    }
+
+    /// Defaults: 128 MiB of pinned staging allocated up front, the default device pool.
+    pub fn with_defaults(ordinal: usize) -> Result<Self, GpuError> {
+        let staging = PoolConfig {
+            max_pool_bytes: 128 << 20,
+            preallocate: true,
+            ..PoolConfig::default()
+        };
+        Self::new(ordinal, staging, PoolConfig::default())
+    }
+
+    /// The device tensors land on.
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.device
+    }
+
+    /// The staging pool's counters.
+    pub fn staging_stats(&self) -> PoolStats {
+        self.staging.stats()
+    }
+
+    /// The device pool's counters.
+    pub fn memory_stats(&self) -> PoolStats {
+        self.memory.stats()
+    }
+
+    /// A sink for `meta`: its destination comes from the device pool when it fits a pool
+    /// buffer, else from its own allocation.
+    pub fn sink(&self, meta: &TensorMeta) -> Result<GpuSink, GpuError> {
+        let len = usize::try_from(meta.byte_len())
+            .map_err(|_| GpuError::Bounds("tensor larger than the address space".into()))?;
+        let dest = if len <= self.memory.config().max_buffer {
+            CudaBuffer::from_pool(self.memory.acquire(len)?, len)
+        } else {
+            CudaBuffer::from_owned(DeviceAllocation::new(&self.device, len)?, len)
+        };
+        Ok(GpuSink::new(
+            self.device.clone(),
+            dest,
+            self.staging.clone(),
+        ))
+    }
+}
+
+/// Copies in flight for one sink, and the first error any of them hit.
+#[derive(Default)]
+struct InFlight {
+    copies: AtomicUsize,
+    idle: Notify,
+    error: Mutex<Option<GpuError>>,
+}
+
+impl InFlight {
+    fn finished(&self, result: Result<(), GpuError>) {
+        if let Err(e) = result {
+            self.error
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get_or_insert(e);
+        }
+        if self.copies.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.idle.notify_waiters();
+        }
+    }
+
+    fn error(&self) -> Option<GpuError> {
+        self.error
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    async fn wait_idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.copies.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// A staging buffer being filled with contiguous tensor bytes.
+struct Fill {
+    buffer: Pooled<PinnedAllocation>,
+    start: u64,
+    filled: usize,
+    permit: Option<CreditPermit>,
+}
+
+/// Receives one tensor into device memory (see the module docs).
+pub struct GpuSink {
+    device: Arc<GpuDevice>,
+    /// Taken by `finish`; `None` only afterwards.
+    dest: Option<CudaBuffer>,
+    staging: PinnedMemoryPool,
+    fill: Option<Fill>,
+    in_flight: Arc<InFlight>,
+}
+
+impl GpuSink {
+    /// A sink writing into `dest` through buffers of `staging`.
+    pub fn new(device: Arc<GpuDevice>, dest: CudaBuffer, staging: PinnedMemoryPool) -> Self {
+        Self {
+            device,
+            dest: Some(dest),
+            staging,
+            fill: None,
+            in_flight: Arc::default(),
+        }
+    }
+
+    fn dest(&self) -> Result<&CudaBuffer, GpuError> {
+        self.dest
+            .as_ref()
+            .ok_or_else(|| GpuError::Bounds("sink already finished".into()))
+    }
+
+    /// Sets every destination byte to `value` first (tests poison destinations with it).
+    pub fn poison(&mut self, value: u8) -> Result<(), GpuError> {
+        match self.dest.as_mut() {
+            Some(dest) => dest.fill(value),
+            None => Err(GpuError::Bounds("sink already finished".into())),
+        }
+    }
+
+    /// Enqueues the copy of the current staging buffer; its buffer and credit come back
+    /// when the copy's event completes.
+    fn flush(&mut self) -> Result<(), GpuError> {
+        let Some(fill) = self.fill.take() else {
+            return Ok(());
+        };
+        if fill.filled == 0 {
+            return Ok(());
+        }
+        let dst = self.dest()?.device_ptr() + fill.start;
+        let (src, len) = (fill.buffer.as_ptr(), fill.filled);
+        let in_flight = self.in_flight.clone();
+        in_flight.copies.fetch_add(1, Ordering::AcqRel);
+        let done = Box::new(move |result: Result<(), GpuError>| {
+            // Dropping `fill` returns the staging buffer to its pool and the bytes' credit to
+            // the receiver's budget, in that order, only now that the copy has completed.
+            let Fill { buffer, permit, .. } = fill;
+            drop(buffer);
+            drop(permit);
+            in_flight.finished(result);
+        });
+        // SAFETY: `src..src + len` lies in the pinned staging buffer owned by `done`, which the
+        // device runs only after the copy completed; `dst..dst + len` lies inside `self.dest`
+        // (write() checked `start + filled <= len`), which outlives every copy because
+        // `finish` and `Drop` wait for all of them.
+        unsafe { self.device.copy_to_device_async(src, dst, len, done) }
+    }
+
+    /// Starts a new staging buffer at tensor offset `at`, flushing the current one.
+    async fn start_fill(&mut self, at: u64) -> Result<(), GpuError> {
+        self.flush()?;
+        let buffer = self.staging.acquire_wait(STAGING_BUFFER).await?;
+        self.fill = Some(Fill {
+            buffer,
+            start: at,
+            filled: 0,
+            permit: None,
+        });
+        Ok(())
+    }
+
+    async fn write_part(
+        &mut self,
+        mut at: u64,
+        mut part: &[u8],
+        permit: &mut CreditPermit,
+    ) -> Result<(), GpuError> {
+        while !part.is_empty() {
+            let contiguous = self
+                .fill
+                .as_ref()
+                .is_some_and(|f| f.start + f.filled as u64 == at && f.filled < f.buffer.len());
+            if !contiguous {
+                self.start_fill(at).await?;
+            }
+            let Some(fill) = self.fill.as_mut() else {
+                return Err(GpuError::Bounds("no staging buffer".into()));
+            };
+            let n = part.len().min(fill.buffer.len() - fill.filled);
+            fill.buffer.as_mut_slice()[fill.filled..fill.filled + n].copy_from_slice(&part[..n]);
+            fill.filled += n;
+            let piece = permit.split_off(n as u64);
+            match &mut fill.permit {
+                Some(held) => held.merge(piece),
+                None => fill.permit = Some(piece),
+            }
+            if fill.filled == fill.buffer.len() {
+                self.flush()?;
+            }
+            at += n as u64;
+            part = &part[n..];
+        }
+        Ok(())
+    }
+}
+
+impl Sink for GpuSink {
+    type Output = CudaBuffer;
+
+    async fn write(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        mut permit: CreditPermit,
+    ) -> Result<(), SinkError> {
+        if let Some(e) = self.in_flight.error() {
+            return Err(e.into());
+        }
+        let end = offset.checked_add(payload.len() as u64);
+        let len = self.dest()?.len() as u64;
+        if end.is_none_or(|end| end > len) {
+            return Err(
+                GpuError::Bounds(format!("write at {offset} past a {len}-byte tensor")).into(),
+            );
+        }
+        let mut at = offset;
+        for part in payload.parts() {
+            self.write_part(at, part, &mut permit).await?;
+            at += part.len() as u64;
+        }
+        Ok(())
+    }
+
+    async fn finish(mut self) -> Result<CudaBuffer, SinkError> {
+        self.flush()?;
+        self.in_flight.wait_idle().await;
+        if let Some(e) = self.in_flight.error() {
+            return Err(e.into());
+        }
+        // Every copy completed: the destination holds all the bytes.
+        Ok(self
+            .dest
+            .take()
+            .ok_or_else(|| GpuError::Bounds("sink already finished".into()))?)
+    }
+}
+
+impl Drop for GpuSink {
+    /// A cancelled sink must not free its destination under a running copy.
+    fn drop(&mut self) {
+        self.fill = None;
+        if self.in_flight.copies.load(Ordering::Acquire) > 0 {
+            let _ = self.device.synchronize_copies();
+        }
+    }
+}

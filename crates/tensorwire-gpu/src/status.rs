@@ -1,0 +1,60 @@
+//! Whether this process can use CUDA, found without ever panicking.
+
+use std::fmt;
+
+/// What CUDA support this process has.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GpuStatus {
+    /// Built without the `cuda` feature.
+    NotCompiled,
+    /// No usable driver: libcuda is missing or failed to initialize.
+    NoCuda(String),
+    /// The driver works but reports no devices.
+    NoDevices,
+    /// This many devices are usable.
+    Available {
+        /// Number of CUDA devices.
+        device_count: usize,
+    },
+}
+
+impl GpuStatus {
+    /// Probes the driver. Never panics: cudarc panics on the first driver call when libcuda
+    /// is missing, so its presence is checked first and every failure becomes a variant.
+    pub fn detect() -> GpuStatus {
+        #[cfg(feature = "cuda")]
+        {
+            crate::cuda::detect()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            GpuStatus::NotCompiled
+        }
+    }
+
+    /// Whether at least one device is usable.
+    pub fn is_available(&self) -> bool {
+        matches!(self, GpuStatus::Available { .. })
+    }
+
+    /// Usable devices (0 unless available).
+    pub fn device_count(&self) -> usize {
+        match self {
+            GpuStatus::Available { device_count } => *device_count,
+            _ => 0,
+        }
+    }
+}
+
+impl fmt::Display for GpuStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GpuStatus::NotCompiled => {
+                f.write_str("no GPU support in this build (cargo feature `cuda` off)")
+            }
+            GpuStatus::NoCuda(reason) => write!(f, "no CUDA driver ({reason})"),
+            GpuStatus::NoDevices => f.write_str("CUDA driver found, but no GPU"),
+            GpuStatus::Available { device_count } => write!(f, "{device_count} CUDA device(s)"),
+        }
+    }
+}

@@ -1,0 +1,434 @@
+//! The GPU path. Without a GPU each GPU test prints why it skipped and passes, and the
+//! fallbacks are tested for real; with `TENSORWIRE_REQUIRE_GPU=1` a missing GPU fails.
+//! On a GPU: random data (never zeros) into poisoned destinations, sizes that are not
+//! multiples of the chunk or staging size, many tensors at once, a single staging buffer
+//! reused under in-flight copies, two devices when there are two, pools back to all-free.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::io::Write;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tensorwire_gpu::{DeviceRequest, GpuError, GpuStatus, Placement, TensorBuffer};
+use tensorwire_proto::{DType, Device, TensorMeta};
+use tensorwire_quic::{Receiver, ReceiverConfig, Sender, SenderConfig, TransportSettings};
+
+/// The number of GPUs, or `None` after printing why the test skips.
+fn gpus(test: &str) -> Option<usize> {
+    let status = GpuStatus::detect();
+    if status.is_available() {
+        return Some(status.device_count());
+    }
+    if std::env::var("TENSORWIRE_REQUIRE_GPU").as_deref() == Ok("1") {
+        panic!("TENSORWIRE_REQUIRE_GPU=1 but {status}");
+    }
+    // Written past the test harness's capture, so CI logs show every skip and its reason.
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {status}");
+    None
+}
+
+/// Deterministic bytes, different per seed, never all zero.
+fn random(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.extend_from_slice(&state.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+#[test]
+fn detection_never_panics_and_agrees_with_itself() {
+    let status = GpuStatus::detect();
+    assert_eq!(status, GpuStatus::detect());
+    assert_eq!(status.is_available(), status.device_count() > 0);
+    assert!(!status.to_string().is_empty());
+}
+
+#[test]
+fn without_a_gpu_buffers_fall_back_to_host_memory() {
+    if GpuStatus::detect().is_available() {
+        let buffer = TensorBuffer::try_allocate_gpu(1000, 0);
+        assert!(buffer.is_gpu() && buffer.len() == 1000);
+        return;
+    }
+    let err = TensorBuffer::allocate_gpu(1000, 0).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            GpuError::NoDriver(_) | GpuError::NoDevice { .. } | GpuError::NotCompiled
+        ),
+        "{err}"
+    );
+    let buffer = TensorBuffer::try_allocate_gpu(1000, 0);
+    assert!(buffer.is_cpu());
+    assert_eq!(buffer.len(), 1000);
+    assert_eq!(buffer.location(), "host memory");
+    use tensorwire_gpu::AllocateBuffer;
+    let meta = TensorMeta::new([10, 10], DType::F32)
+        .unwrap()
+        .with_device(Device::Cuda(3));
+    assert!(meta.allocate_buffer().is_cpu());
+    assert_eq!(meta.allocate_buffer().len(), 400);
+}
+
+#[test]
+fn without_a_gpu_placement_falls_back_unless_a_gpu_is_required() {
+    let auto = Placement::choose(DeviceRequest::Auto, false).unwrap();
+    let required = Placement::choose(DeviceRequest::Auto, true);
+    if GpuStatus::detect().is_available() {
+        assert!(
+            auto.describe().starts_with("GPU cuda:0"),
+            "{}",
+            auto.describe()
+        );
+        assert!(required.is_ok());
+    } else {
+        assert!(
+            auto.describe().starts_with("host memory ("),
+            "{}",
+            auto.describe()
+        );
+        assert!(required.is_err(), "--require-gpu without a GPU is an error");
+    }
+    let host = Placement::choose(DeviceRequest::Host, false).unwrap();
+    assert_eq!(host.describe(), "host memory (host memory was requested)");
+    assert!(Placement::choose(DeviceRequest::Cuda(99), true).is_err());
+    assert_eq!(
+        "cuda:1".parse::<DeviceRequest>(),
+        Ok(DeviceRequest::Cuda(1))
+    );
+    assert_eq!("auto".parse::<DeviceRequest>(), Ok(DeviceRequest::Auto));
+    assert!("gpu7".parse::<DeviceRequest>().is_err());
+}
+
+#[test]
+fn host_buffers_copy_and_convert() {
+    let mut buffer = TensorBuffer::cpu_zeros(4);
+    buffer.copy_from_slice(&[1, 2, 3, 4]).unwrap();
+    assert_eq!(&buffer.to_host().unwrap()[..], &[1, 2, 3, 4]);
+    assert!(buffer.copy_from_slice(&[1]).is_err());
+    assert!(buffer.to_cpu().unwrap().is_cpu());
+}
+
+/// Streams `tensors` over loopback QUIC into `placement`; returns what landed, after checking
+/// every byte and that the receiver's budget is whole again.
+async fn stream_into(
+    placement: &Placement,
+    tensors: &[(TensorMeta, Vec<u8>)],
+) -> Vec<TensorBuffer> {
+    let mut config = ReceiverConfig::new("127.0.0.1:0".parse().unwrap()).with_budget(64 << 20);
+    config.transport = TransportSettings::jumbo();
+    config.progress_timeout = Duration::from_secs(20);
+    let mut receiver = Receiver::bind(config).await.unwrap();
+    let addr = receiver.local_addr().unwrap();
+    let placement = placement.clone();
+    let count = tensors.len();
+    let server = tokio::spawn(async move {
+        let mut handles = Vec::new();
+        for _ in 0..count {
+            let incoming = receiver.next().await.unwrap();
+            let mut sink = placement.sink(incoming.meta()).unwrap();
+            if let tensorwire_gpu::TensorSink::Gpu(gpu) = &mut sink {
+                gpu.poison(0xAB).unwrap();
+            }
+            handles.push(incoming.accept(sink));
+        }
+        let mut landed = Vec::new();
+        for handle in handles {
+            landed.push(handle.finished().await.unwrap());
+        }
+        (landed, receiver)
+    });
+    let transport = TransportSettings::jumbo();
+    let sender = Sender::connect(
+        addr,
+        SenderConfig {
+            transport,
+            ..SenderConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let sends: Vec<_> = tensors
+        .iter()
+        .map(|(m, b)| sender.send(m.clone(), Bytes::from(b.clone())))
+        .collect();
+    for send in sends {
+        send.finished().await.unwrap();
+    }
+    let (landed, receiver) = server.await.unwrap();
+    let mut out = Vec::new();
+    for (meta, buffer) in landed {
+        let (_, expected) = tensors
+            .iter()
+            .find(|(m, _)| m.name() == meta.name())
+            .unwrap();
+        assert_eq!(buffer.len(), expected.len(), "{}", meta.name());
+        assert!(
+            buffer.to_host().unwrap() == expected[..],
+            "{}: bytes differ after landing in {}",
+            meta.name(),
+            buffer.location()
+        );
+        out.push(buffer);
+    }
+    let budget = receiver.budget();
+    assert_eq!(
+        (budget.in_flight, budget.held),
+        (0, 0),
+        "credit returned only after copies completed"
+    );
+    sender.close().await;
+    receiver.close().await;
+    out
+}
+
+fn odd_tensors(count: usize) -> Vec<(TensorMeta, Vec<u8>)> {
+    // Sizes around the 1 MiB chunk and 4 MiB staging boundaries, and tiny ones.
+    let sizes = [
+        1usize,
+        7,
+        4095,
+        (1 << 20) + 3,
+        (4 << 20) - 1,
+        (4 << 20) + 1,
+        (9 << 20) + 333,
+        65_537,
+    ];
+    (0..count)
+        .map(|i| {
+            let len = sizes[i % sizes.len()];
+            let meta = TensorMeta::new([len as u64], DType::U8)
+                .unwrap()
+                .with_name(format!("t{i}"));
+            (meta, random(len, i as u64 + 1))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tensors_land_where_the_placement_says() {
+    // With no GPU this exercises the host fallback end to end; with one, the GPU sink.
+    let placement = Placement::choose(DeviceRequest::Auto, false).unwrap();
+    let landed = stream_into(&placement, &odd_tensors(24)).await;
+    let on_gpu = GpuStatus::detect().is_available();
+    assert!(landed.iter().all(|b| b.is_gpu() == on_gpu));
+}
+
+#[cfg(feature = "cuda")]
+mod on_gpu {
+    use std::sync::Arc;
+
+    use tensorwire_gpu::{
+        CudaBuffer, GpuDevice, GpuSink, PinnedMemoryPool, PoolConfig, PooledGpuReceiver,
+        STAGING_BUFFER,
+    };
+    use tensorwire_proto::Payload;
+    use tensorwire_quic::{CreditPermit, Sink};
+
+    use super::*;
+
+    #[test]
+    fn device_buffers_round_trip_exact_bytes() {
+        let Some(_) = gpus("device_buffers_round_trip_exact_bytes") else {
+            return;
+        };
+        for (i, len) in [1usize, 4095, (4 << 20) + 3, (17 << 20) + 1]
+            .into_iter()
+            .enumerate()
+        {
+            let data = random(len, i as u64 + 7);
+            let mut buffer = CudaBuffer::allocate(len, 0).unwrap();
+            buffer.fill(0xAB).unwrap();
+            buffer.copy_from_host(&data).unwrap();
+            assert!(buffer.copy_to_host().unwrap() == data, "{len} bytes");
+            let mut other = CudaBuffer::allocate(len, 0).unwrap();
+            other.fill(0xCD).unwrap();
+            buffer.copy_to(&mut other).unwrap();
+            assert!(
+                other.copy_to_host().unwrap() == data,
+                "device to device, {len} bytes"
+            );
+            let tensor = TensorBuffer::Cuda(buffer);
+            assert!(tensor.is_gpu() && tensor.location().starts_with("cuda:0"));
+            assert!(tensor.to_cpu().unwrap().to_host().unwrap() == data);
+            assert!(
+                TensorBuffer::cpu(data.clone())
+                    .to_gpu(0)
+                    .unwrap()
+                    .to_host()
+                    .unwrap()
+                    == data
+            );
+        }
+        assert!(
+            CudaBuffer::allocate(1 << 60, 0).is_err(),
+            "an impossible allocation is an error"
+        );
+    }
+
+    #[test]
+    fn two_devices_copy_across() {
+        let Some(count) = gpus("two_devices_copy_across") else {
+            return;
+        };
+        if count < 2 {
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED two_devices_copy_across: this host has {count} GPU"
+            );
+            return;
+        }
+        let data = random((5 << 20) + 11, 99);
+        let a = TensorBuffer::cpu(data.clone()).to_gpu(0).unwrap();
+        let b = a.to_gpu(1).unwrap();
+        let TensorBuffer::Cuda(on_one) = &b else {
+            panic!("not on a GPU")
+        };
+        assert_eq!(on_one.device_id(), 1);
+        assert!(b.to_host().unwrap() == data);
+    }
+
+    /// Feeds `chunks` (offset, bytes) straight into a sink, as the receiver would.
+    async fn feed(sink: &mut GpuSink, chunks: &[(u64, Vec<u8>)]) {
+        for (offset, bytes) in chunks {
+            let payload = Payload::from(bytes.clone());
+            sink.write(
+                *offset,
+                payload,
+                CreditPermit::unbudgeted(bytes.len() as u64),
+            )
+            .await
+            .unwrap();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn out_of_order_chunks_land_exactly() {
+        let Some(_) = gpus("out_of_order_chunks_land_exactly") else {
+            return;
+        };
+        let gpu = PooledGpuReceiver::with_defaults(0).unwrap();
+        let len = (13 << 20) + 17;
+        let data = random(len, 3);
+        let meta = TensorMeta::new([len as u64], DType::U8).unwrap();
+        let mut sink = gpu.sink(&meta).unwrap();
+        sink.poison(0xAB).unwrap();
+        // Chunks of 1 MiB - 1 bytes, sent back to front: every one starts a new staging fill.
+        let step = (1 << 20) - 1;
+        let mut chunks: Vec<(u64, Vec<u8>)> = (0..len)
+            .step_by(step)
+            .map(|at| (at as u64, data[at..(at + step).min(len)].to_vec()))
+            .collect();
+        chunks.reverse();
+        feed(&mut sink, &chunks).await;
+        let landed = sink.finish().await.unwrap();
+        assert!(landed.copy_to_host().unwrap() == data);
+        drop(landed);
+        assert_eq!(
+            gpu.staging_stats().in_use_buffers,
+            0,
+            "staging back to all-free"
+        );
+        assert_eq!(
+            gpu.memory_stats().in_use_buffers,
+            0,
+            "device pool back to all-free"
+        );
+    }
+
+    /// With one staging buffer, every new fill must wait for the previous copy: a buffer
+    /// refilled while its copy is in flight would corrupt the destination.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_staging_buffer_is_never_refilled_while_its_copy_is_in_flight() {
+        let Some(_) = gpus("a_staging_buffer_is_never_refilled_while_its_copy_is_in_flight") else {
+            return;
+        };
+        let device = GpuDevice::open(0).unwrap();
+        let one_buffer = PoolConfig {
+            max_pool_bytes: STAGING_BUFFER,
+            min_buffer: STAGING_BUFFER,
+            max_buffer: STAGING_BUFFER,
+            preallocate: true,
+        };
+        let staging = PinnedMemoryPool::new(&device, one_buffer).unwrap();
+        for round in 0..3u64 {
+            let len = 48 << 20;
+            let mut dest = CudaBuffer::allocate(len, 0).unwrap();
+            dest.fill(0xAB).unwrap();
+            let mut sink = GpuSink::new(device.clone(), dest, staging.clone());
+            // Alternating patterns, each a full staging buffer, so each copy's source is the
+            // same pinned buffer refilled with the next pattern right after the copy is enqueued.
+            let chunks: Vec<(u64, Vec<u8>)> = (0..12u64)
+                .map(|i| {
+                    (
+                        i * STAGING_BUFFER as u64,
+                        random(STAGING_BUFFER, round * 100 + i),
+                    )
+                })
+                .collect();
+            feed(&mut sink, &chunks).await;
+            let landed = sink.finish().await.unwrap().copy_to_host().unwrap();
+            for (offset, bytes) in &chunks {
+                let at = *offset as usize;
+                assert!(
+                    landed[at..at + bytes.len()] == bytes[..],
+                    "round {round}: chunk at {at} corrupted"
+                );
+            }
+            let stats = staging.stats();
+            assert_eq!(
+                (stats.in_use_buffers, stats.misses),
+                (0, 0),
+                "one preallocated buffer served every fill"
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn many_tensors_stream_into_gpu_memory_at_once() {
+        let Some(_) = gpus("many_tensors_stream_into_gpu_memory_at_once") else {
+            return;
+        };
+        let placement = Placement::choose(DeviceRequest::Cuda(0), true).unwrap();
+        let landed = stream_into(&placement, &odd_tensors(96)).await;
+        assert!(landed.iter().all(TensorBuffer::is_gpu));
+        drop(landed);
+        let Placement::Gpu(gpu) = &placement else {
+            panic!("not a GPU placement")
+        };
+        assert_eq!(gpu.staging_stats().in_use_buffers, 0);
+        assert_eq!(gpu.memory_stats().in_use_buffers, 0);
+        assert!(
+            gpu.staging_stats().hit_rate() > 0.9,
+            "{:?}",
+            gpu.staging_stats()
+        );
+    }
+
+    #[test]
+    fn device_info_names_the_device_by_uuid() {
+        let Some(_) = gpus("device_info_names_the_device_by_uuid") else {
+            return;
+        };
+        let device: Arc<GpuDevice> = GpuDevice::open(0).unwrap();
+        let info = device.info();
+        assert!(!info.name.is_empty());
+        assert_ne!(info.uuid, [0; 16]);
+        assert!(info.total_memory > 0 && info.compute_capability.0 >= 5);
+        let (free, total) = device.memory().unwrap();
+        assert!(free <= total && total == info.total_memory);
+        assert!(matches!(
+            GpuDevice::open(1000),
+            Err(GpuError::NoDevice {
+                requested: 1000,
+                ..
+            })
+        ));
+    }
+}

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Builds the GPU test suite and the programs in release mode into one self-contained folder
+# (default: gpu-bundle/) that runs on a GPU host with only the NVIDIA driver: no Rust
+# toolchain, no network. Copy the folder there and run its run.sh.
+#
+#   scripts/gpu-bundle.sh [OUT_DIR]
+#   OUT_DIR/run.sh [LOG_DIR]        # on the GPU host; exits non-zero on any failure or skip
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-bundle}
+rm -rf "$out"
+mkdir -p "$out/tests" "$out/bin"
+
+echo "building programs" >&2
+cargo build --release --locked -p tensorwire-examples -p tensorwire-bench --bins
+for program in demo receiver sender bench; do
+  cp "target/release/$program" "$out/bin/"
+done
+
+echo "building test binaries" >&2
+cargo test --release --locked -p tensorwire-gpu --no-run --message-format=json 2>/dev/null \
+  | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/' \
+  | while read -r exe; do
+      name=$(basename "$exe" | sed 's/-[0-9a-f]*$//')
+      cp "$exe" "$out/tests/$name"
+    done
+strip "$out"/bin/* "$out"/tests/* 2>/dev/null || true
+
+cat > "$out/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs the GPU tests with TENSORWIRE_REQUIRE_GPU=1 (no test may skip), then the demo on the
+# GPU. Logs go to LOG_DIR (default: ./logs). Exit status: 0 only if everything passed.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+logs=${1:-$here/logs}
+mkdir -p "$logs"
+export TENSORWIRE_REQUIRE_GPU=1
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$logs/gpus.txt" 2>&1 || true
+for test in "$here"/tests/*; do
+  name=$(basename "$test")
+  echo "== $name"
+  "$test" --test-threads 1 2>&1 | tee "$logs/test-$name.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+echo "== demo --require-gpu"
+"$here/bin/demo" --require-gpu 2>&1 | tee "$logs/demo.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+grep -h "test result" "$logs"/test-*.log
+exit $status
+RUN
+chmod +x "$out/run.sh"
+du -sh "$out" >&2
