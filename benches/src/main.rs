@@ -54,6 +54,10 @@ struct Args {
     /// tensorwire: tensors in flight per connection.
     #[arg(long, default_value_t = 2)]
     inflight: usize,
+    /// Also measure the GPU path: pinned H2D peak, ingest from memory into GPU sinks, and
+    /// network→GPU beside network→host (needs a CUDA GPU).
+    #[arg(long)]
+    gpu: bool,
     /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile it.
     #[arg(long)]
     only: Option<String>,
@@ -84,6 +88,18 @@ struct Latency {
 }
 
 #[derive(Serialize, Debug)]
+struct GpuReport {
+    device: String,
+    pinned_h2d_gb_per_s: f64,
+    ingest_tensors: usize,
+    ingest_gb_per_s: f64,
+    /// (connections, network→host Gbit/s, network→GPU Gbit/s, GPU / host)
+    network: Vec<(usize, f64, f64, f64)>,
+    staging_hit_rate: f64,
+    device_pool_hit_rate: f64,
+}
+
+#[derive(Serialize, Debug)]
 struct Report {
     host: String,
     cores: usize,
@@ -91,6 +107,7 @@ struct Report {
     throughput: Vec<Throughput>,
     ratio_tensorwire_over_quinn: Vec<(usize, f64)>,
     latency: Vec<Latency>,
+    gpu: Option<GpuReport>,
 }
 
 fn transport(mtu: u16) -> TransportSettings {
@@ -222,6 +239,53 @@ async fn raw_quinn(connections: usize, bytes_per_conn: u64, mtu: u16) -> anyhow:
 
 // ---------------------------------------------------------------- (b) tensorwire
 
+/// Where tensorwire's throughput runs put the bytes.
+#[derive(Clone)]
+enum SinkKind {
+    /// Drop them: the transport alone.
+    Discard,
+    /// A placement: host memory or a GPU.
+    Placed(tensorwire::gpu::Placement),
+}
+
+/// The sink a [`SinkKind`] makes for one tensor.
+enum BenchSink {
+    Discard(DiscardSink),
+    Placed(tensorwire::gpu::TensorSink),
+}
+
+impl SinkKind {
+    fn sink(&self, meta: &TensorMeta) -> anyhow::Result<BenchSink> {
+        Ok(match self {
+            SinkKind::Discard => BenchSink::Discard(DiscardSink),
+            SinkKind::Placed(placement) => BenchSink::Placed(placement.sink(meta)?),
+        })
+    }
+}
+
+impl Sink for BenchSink {
+    type Output = ();
+
+    async fn write(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<(), SinkError> {
+        match self {
+            BenchSink::Discard(sink) => sink.write(offset, payload, permit).await,
+            BenchSink::Placed(sink) => sink.write(offset, payload, permit).await,
+        }
+    }
+
+    async fn finish(self) -> Result<(), SinkError> {
+        match self {
+            BenchSink::Discard(sink) => sink.finish().await,
+            BenchSink::Placed(sink) => sink.finish().await.map(drop),
+        }
+    }
+}
+
 /// Counts bytes and drops them: measures the transport, not a memcpy into a buffer.
 struct DiscardSink;
 
@@ -245,8 +309,9 @@ impl Sink for DiscardSink {
 }
 
 /// tensorwire's knobs for one throughput run.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct TensorwireRun {
+    sink: SinkKind,
     tensor_bytes: u64,
     mtu: u16,
     chunk: u64,
@@ -261,6 +326,7 @@ async fn tensorwire_run(
     run: TensorwireRun,
 ) -> anyhow::Result<f64> {
     let TensorwireRun {
+        sink,
         tensor_bytes,
         mtu,
         chunk,
@@ -282,6 +348,7 @@ async fn tensorwire_run(
         config.grant_unit = grant;
         let mut receiver = Receiver::bind(config).await?;
         let addr = receiver.local_addr()?;
+        let sink = sink.clone();
         receivers.push(tokio::spawn(async move {
             let mut handles = Vec::new();
             for _ in 0..tensors_per_conn {
@@ -289,7 +356,8 @@ async fn tensorwire_run(
                     .next()
                     .await
                     .ok_or_else(|| anyhow::anyhow!("closed"))?;
-                handles.push(incoming.accept(DiscardSink));
+                let tensor_sink = sink.sink(incoming.meta())?;
+                handles.push(incoming.accept(tensor_sink));
             }
             for h in handles {
                 h.finished().await?;
@@ -517,6 +585,125 @@ fn latency_row(transport: &'static str, size: usize, h: &Histogram<u64>) -> Late
     }
 }
 
+// ---------------------------------------------------------------- GPU
+
+/// Pinned host → device copies of 256 MiB, the ceiling for every GPU figure.
+fn pinned_h2d_peak() -> anyhow::Result<f64> {
+    use tensorwire::gpu::{DeviceAllocation, GpuDevice, PinnedAllocation};
+    let len = 256 << 20;
+    let device = GpuDevice::open(0)?;
+    let mut pinned = PinnedAllocation::new(&device, len)?;
+    pinned.as_mut_slice().fill(7);
+    let mut dst = DeviceAllocation::new(&device, len)?;
+    dst.copy_from_host(0, pinned.as_slice())?; // warm-up
+    let rounds = 8;
+    let started = Instant::now();
+    for _ in 0..rounds {
+        dst.copy_from_host(0, pinned.as_slice())?;
+    }
+    Ok((rounds * len) as f64 / started.elapsed().as_secs_f64() / 1e9)
+}
+
+/// `tensors` GPU sinks at once, fed 1 MiB chunks from host memory, four batches, no network:
+/// the ceiling of the sink (memcpy into pinned staging + async H2D + completion).
+async fn ingest_from_memory(
+    placement: &tensorwire::gpu::Placement,
+    tensors: usize,
+    tensor_bytes: usize,
+) -> anyhow::Result<f64> {
+    const BATCHES: usize = 4;
+    let data = payload(tensor_bytes);
+    let meta = TensorMeta::new([tensor_bytes as u64], DType::U8)?;
+    let run = async || -> anyhow::Result<f64> {
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for _ in 0..tensors * BATCHES {
+            if tasks.len() == tensors {
+                let oldest: tokio::task::JoinHandle<Result<(), SinkError>> = tasks.remove(0);
+                oldest.await??;
+            }
+            let mut sink = placement.sink(&meta)?;
+            let data = data.clone();
+            tasks.push(tokio::spawn(async move {
+                for at in (0..data.len()).step_by(1 << 20) {
+                    let piece = data.slice(at..(at + (1 << 20)).min(data.len()));
+                    let n = piece.len() as u64;
+                    sink.write(at as u64, Payload::from(piece), CreditPermit::unbudgeted(n))
+                        .await?;
+                }
+                sink.finish().await.map(drop)
+            }));
+        }
+        for task in tasks {
+            task.await??;
+        }
+        Ok((BATCHES * tensors * tensor_bytes) as f64 / started.elapsed().as_secs_f64() / 1e9)
+    };
+    run().await
+}
+
+/// Share of pool requests served without allocating between two snapshots.
+fn hit_rate_since(before: tensorwire::gpu::PoolStats, after: tensorwire::gpu::PoolStats) -> f64 {
+    let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
+    if hits + misses == 0 {
+        1.0
+    } else {
+        hits as f64 / (hits + misses) as f64
+    }
+}
+
+async fn gpu_section(
+    args: &Args,
+    bytes: u64,
+    tensor_bytes: u64,
+    runs: usize,
+) -> anyhow::Result<GpuReport> {
+    use tensorwire::gpu::{DeviceRequest, Placement};
+    let gpu = Placement::choose(DeviceRequest::Cuda(0), true)?;
+    let host = Placement::choose(DeviceRequest::Host, false)?;
+    let Placement::Gpu(pools) = &gpu else {
+        anyhow::bail!("not a GPU placement")
+    };
+    let pinned_h2d_gb_per_s = pinned_h2d_peak()?;
+    let ingest_tensors = 4;
+    ingest_from_memory(&gpu, ingest_tensors, 64 << 20).await?; // warm-up: fills the pools
+    let (staging_before, device_before) = (pools.staging_stats(), pools.memory_stats());
+    let ingest_gb_per_s = ingest_from_memory(&gpu, ingest_tensors, 64 << 20).await?;
+    let mut network = Vec::new();
+    for &n in &args.connections {
+        let run_with = |sink: SinkKind| TensorwireRun {
+            sink,
+            tensor_bytes,
+            mtu: args.mtu,
+            chunk: args.chunk_kib << 10,
+            window: args.window_mib << 20,
+            grant: args.grant_mib << 20,
+            inflight: args.inflight,
+        };
+        let to_host = run_with(SinkKind::Placed(host.clone()));
+        let to_gpu = run_with(SinkKind::Placed(gpu.clone()));
+        let host_s = best_of(runs, async || {
+            tensorwire_run(n, bytes, to_host.clone()).await
+        })
+        .await?;
+        let gpu_s = best_of(runs, async || {
+            tensorwire_run(n, bytes, to_gpu.clone()).await
+        })
+        .await?;
+        let gbit = |s: f64| (bytes * n as u64) as f64 * 8.0 / s / 1e9;
+        network.push((n, gbit(host_s), gbit(gpu_s), host_s / gpu_s));
+    }
+    Ok(GpuReport {
+        device: gpu.describe(),
+        pinned_h2d_gb_per_s,
+        ingest_tensors,
+        ingest_gb_per_s,
+        network,
+        staging_hit_rate: hit_rate_since(staging_before, pools.staging_stats()),
+        device_pool_hit_rate: hit_rate_since(device_before, pools.memory_stats()),
+    })
+}
+
 // ---------------------------------------------------------------- main
 
 async fn best_of(
@@ -550,6 +737,7 @@ async fn main() -> anyhow::Result<()> {
         let tw_s = if wanted("tensorwire") {
             {
                 let run = TensorwireRun {
+                    sink: SinkKind::Discard,
                     tensor_bytes,
                     mtu: args.mtu,
                     chunk: args.chunk_kib << 10,
@@ -557,7 +745,7 @@ async fn main() -> anyhow::Result<()> {
                     grant: args.grant_mib << 20,
                     inflight: args.inflight,
                 };
-                best_of(runs, async || tensorwire_run(n, bytes, run).await).await?
+                best_of(runs, async || tensorwire_run(n, bytes, run.clone()).await).await?
             }
         } else {
             skipped
@@ -627,6 +815,31 @@ async fn main() -> anyhow::Result<()> {
             l.transport, l.p50_us, l.p99_us
         );
     }
+    let gpu = if args.gpu {
+        Some(gpu_section(&args, bytes, tensor_bytes, runs).await?)
+    } else {
+        None
+    };
+    if let Some(g) = &gpu {
+        println!("GPU path, {}:", g.device);
+        println!(
+            "  pinned host → device, 256 MiB copies: {:.1} GB/s",
+            g.pinned_h2d_gb_per_s
+        );
+        println!(
+            "  ingest from memory, {} tensors of 64 MiB at once: {:.1} GB/s",
+            g.ingest_tensors, g.ingest_gb_per_s
+        );
+        for (n, host, gpu, ratio) in &g.network {
+            println!(
+                "  network → host {host:.2} Gbit/s, network → GPU {gpu:.2} Gbit/s ({n} conn; GPU/host {ratio:.3})"
+            );
+        }
+        println!(
+            "  pool hit rate after warm-up (ingest and network runs): staging {:.4}, device {:.4}",
+            g.staging_hit_rate, g.device_pool_hit_rate
+        );
+    }
     let report = Report {
         host: std::fs::read_to_string("/proc/cpuinfo")
             .ok()
@@ -643,6 +856,7 @@ async fn main() -> anyhow::Result<()> {
         throughput,
         ratio_tensorwire_over_quinn: ratios,
         latency,
+        gpu,
     };
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;

@@ -70,10 +70,6 @@ impl GpuMemoryPool {
     pub fn stats(&self) -> PoolStats {
         self.0.stats()
     }
-
-    fn config(&self) -> &PoolConfig {
-        self.0.config()
-    }
 }
 
 /// A receiver's GPU side: one device, a pinned staging pool and a device memory pool, from
@@ -127,15 +123,27 @@ impl PooledGpuReceiver {
         self.memory.stats()
     }
 
-    /// A sink for `meta`: its destination comes from the device pool when it fits a pool
-    /// buffer, else from its own allocation.
+    /// A sink for `meta`. Its destination comes from the device pool when it fits a pool
+    /// buffer and the pool has room; otherwise from an allocation of its own (the pool bounds
+    /// what is cached, not what the device may hold). Fails only when the device is out of
+    /// memory.
     pub fn sink(&self, meta: &TensorMeta) -> Result<GpuSink, GpuError> {
         let len = usize::try_from(meta.byte_len())
             .map_err(|_| GpuError::Bounds("tensor larger than the address space".into()))?;
-        let dest = if len <= self.memory.config().max_buffer {
-            CudaBuffer::from_pool(self.memory.acquire(len)?, len)
-        } else {
-            CudaBuffer::from_owned(DeviceAllocation::new(&self.device, len)?, len)
+        let pooled = match self.memory.acquire(len) {
+            Ok(buffer) => Some(buffer),
+            Err(GpuError::PoolExhausted { .. } | GpuError::Bounds(_)) => None,
+            Err(e) => return Err(e),
+        };
+        let dest = match pooled {
+            Some(buffer) => CudaBuffer::from_pool(buffer, len),
+            None => {
+                tracing::debug!(
+                    bytes = len,
+                    "device pool full or buffer too large: allocating directly"
+                );
+                CudaBuffer::from_owned(DeviceAllocation::new(&self.device, len)?, len)
+            }
         };
         Ok(GpuSink::new(
             self.device.clone(),
