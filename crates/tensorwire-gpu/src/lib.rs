@@ -10,6 +10,7 @@
 //!   a chunk is granted again only after its copy to the device has completed, and COMPLETE
 //!   is sent only after the last copy has.
 //! - [`Placement`] picks GPU or host for a receiver and hands out [`TensorSink`]s.
+//! - [`GpuTensorReceiver`] lands one tensor from frames that arrive by any means, no QUIC.
 //!
 //! This is the one crate with `unsafe`: FFI is layered raw (`cudarc::driver::sys`) →
 //! checked (`cudarc::driver::result`) → the safe RAII types of the `cuda` module, and every
@@ -22,6 +23,7 @@ mod cuda;
 mod error;
 mod placement;
 mod pool;
+mod receiver;
 #[cfg(feature = "cuda")]
 mod sink;
 mod status;
@@ -32,6 +34,7 @@ pub use cuda::{DeviceAllocation, DeviceInfo, GpuDevice, PinnedAllocation};
 pub use error::GpuError;
 pub use placement::{DeviceRequest, Placement, TensorSink};
 pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
+pub use receiver::{GpuReceiverEvent, GpuTensorReceiver};
 #[cfg(feature = "cuda")]
 pub use sink::{GpuMemoryPool, GpuSink, PinnedMemoryPool, PooledGpuReceiver, STAGING_BUFFER};
 pub use status::GpuStatus;

@@ -432,3 +432,115 @@ mod on_gpu {
         ));
     }
 }
+
+/// Encodes METADATA, `data` as DATA chunks of `chunk` bytes, then END (or CANCEL).
+fn frames(meta: &TensorMeta, data: &[u8], chunk: usize, cancel_after: Option<usize>) -> Bytes {
+    use tensorwire_proto::frame::{Cancel, Data, End};
+    use tensorwire_proto::{ErrorCode, Frame};
+    let mut wire = bytes::BytesMut::new();
+    Frame::from(meta.clone()).encode(&mut wire);
+    for (i, at) in (0..data.len()).step_by(chunk).enumerate() {
+        if cancel_after == Some(i) {
+            Frame::from(Cancel::new(ErrorCode::CANCELLED, "sender gave up")).encode(&mut wire);
+            return wire.freeze();
+        }
+        Frame::from(Data::new(
+            at as u64,
+            data[at..(at + chunk).min(data.len())].to_vec(),
+        ))
+        .encode(&mut wire);
+    }
+    Frame::from(End {
+        checksum: tensorwire_proto::checksum::crc32c(data).into(),
+    })
+    .encode(&mut wire);
+    wire.freeze()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tensor_from_raw_bytes_lands_where_the_placement_says() {
+    use tensorwire_gpu::{GpuReceiverEvent, GpuTensorReceiver};
+    use tensorwire_proto::{Frame, Limits};
+    let placement = Placement::choose(DeviceRequest::Auto, false).unwrap();
+    let data = random((5 << 20) + 123, 5);
+    let meta = TensorMeta::new([data.len() as u64], DType::U8)
+        .unwrap()
+        .with_name("raw");
+    let wire = frames(&meta, &data, 1 << 20, None);
+    let mut rx = GpuTensorReceiver::new(placement, Limits::default());
+    let (mut events, mut needed_more) = (Vec::new(), 0);
+    for at in (0..wire.len()).step_by(64 << 10) {
+        rx.push(wire.slice(at..(at + (64 << 10)).min(wire.len())));
+        loop {
+            match rx.next_event().await.unwrap() {
+                GpuReceiverEvent::NeedMoreData => {
+                    needed_more += 1;
+                    break;
+                }
+                event => events.push(event),
+            }
+        }
+    }
+    assert!(needed_more > 0);
+    assert_eq!(
+        events.first(),
+        Some(&GpuReceiverEvent::Metadata(meta.clone()))
+    );
+    assert_eq!(events.last(), Some(&GpuReceiverEvent::End));
+    let data_bytes: u64 = events
+        .iter()
+        .map(|e| {
+            if let GpuReceiverEvent::Data { size, .. } = e {
+                *size
+            } else {
+                0
+            }
+        })
+        .sum();
+    assert_eq!(data_bytes, data.len() as u64);
+    assert!(rx.is_complete());
+    assert_eq!(
+        (rx.expected_bytes(), rx.received_bytes()),
+        (data.len() as u64, data.len() as u64)
+    );
+    let replies: Vec<Frame> = std::iter::from_fn(|| rx.poll_frame()).collect();
+    assert!(
+        matches!(replies.last(), Some(Frame::Complete(_))),
+        "{replies:?}"
+    );
+    let (landed_meta, buffer) = rx.take().unwrap();
+    assert_eq!(landed_meta, meta);
+    assert_eq!(
+        buffer.is_gpu(),
+        GpuStatus::detect().is_available(),
+        "{}",
+        buffer.location()
+    );
+    assert!(buffer.to_host().unwrap() == data[..]);
+    assert!(rx.take().is_none(), "taken once");
+}
+
+#[tokio::test]
+async fn a_cancelled_tensor_reports_the_senders_reason() {
+    use tensorwire_gpu::{GpuReceiverEvent, GpuTensorReceiver};
+    use tensorwire_proto::Limits;
+    let placement = Placement::choose(DeviceRequest::Auto, false).unwrap();
+    let data = random(3 << 20, 9);
+    let meta = TensorMeta::new([data.len() as u64], DType::U8).unwrap();
+    let mut rx = GpuTensorReceiver::new(placement, Limits::default());
+    rx.push(frames(&meta, &data, 1 << 20, Some(2)));
+    let mut last = None;
+    loop {
+        match rx.next_event().await.unwrap() {
+            GpuReceiverEvent::NeedMoreData => break,
+            event => last = Some(event),
+        }
+    }
+    assert_eq!(
+        last,
+        Some(GpuReceiverEvent::Cancelled("sender gave up".into()))
+    );
+    assert!(!rx.is_complete());
+    assert_eq!(rx.received_bytes(), 2 << 20);
+    assert!(rx.take_tensor().unwrap().is_none());
+}
