@@ -21,7 +21,7 @@ pub struct PoolConfig {
     pub min_buffer: usize,
     /// Largest buffer handed out.
     pub max_buffer: usize,
-    /// Allocate the whole pool in `min_buffer`-or-larger buffers up front.
+    /// Allocate the whole pool in `min_buffer`-sized buffers up front.
     pub preallocate: bool,
 }
 
@@ -170,20 +170,13 @@ impl<A: Allocation> MemoryPool<A> {
         Ok(pool)
     }
 
+    /// Fills the pool with buffers of its smallest class, the size its users ask for most.
     fn preallocate(&self) -> Result<(), GpuError> {
-        let class = self
-            .inner
-            .config
-            .max_buffer
-            .min(self.inner.config.max_pool_bytes)
-            .max(self.inner.config.min_buffer);
-        let class = self
-            .inner
-            .config
-            .size_class(class)
-            .unwrap_or(self.inner.config.min_buffer);
-        let count = self.inner.config.max_pool_bytes / class;
-        for _ in 0..count {
+        let config = &self.inner.config;
+        let class = config
+            .size_class(config.min_buffer)
+            .unwrap_or(config.min_buffer);
+        for _ in 0..config.max_pool_bytes / class {
             let buffer = (self.inner.allocate)(class)?;
             let mut state = self.lock();
             state.stats.pool_bytes += class;

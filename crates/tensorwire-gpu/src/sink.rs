@@ -82,13 +82,13 @@ pub struct PooledGpuReceiver {
 }
 
 impl PooledGpuReceiver {
-    /// Opens CUDA device `ordinal` with the given pool sizes; staging buffers are at least
-    /// [`STAGING_BUFFER`] bytes.
+    /// Opens CUDA device `ordinal` with the given pool sizes; staging buffers are all
+    /// [`STAGING_BUFFER`] bytes, the only size the sink asks for.
     pub fn new(ordinal: usize, staging: PoolConfig, memory: PoolConfig) -> Result<Self, GpuError> {
         let device = GpuDevice::open(ordinal)?;
         let staging = PoolConfig {
-            min_buffer: staging.min_buffer.max(STAGING_BUFFER),
-            max_buffer: staging.max_buffer.max(STAGING_BUFFER),
+            min_buffer: STAGING_BUFFER,
+            max_buffer: STAGING_BUFFER,
             ..staging
         };
         Ok(Self {

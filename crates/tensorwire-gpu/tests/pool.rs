@@ -123,11 +123,21 @@ fn preallocation_fills_the_pool_up_front() {
         preallocate: true,
     };
     let (pool, allocations) = pool(config);
-    assert_eq!(allocations.load(Ordering::SeqCst), 4);
+    assert_eq!(
+        allocations.load(Ordering::SeqCst),
+        8,
+        "eight buffers of the smallest class"
+    );
     let stats = pool.stats();
-    assert_eq!((stats.available_buffers, stats.pool_bytes), (4, 8 << 20));
-    let _buffer = pool.acquire(2 << 20).unwrap();
-    assert_eq!(pool.stats().hits, 1);
+    assert_eq!((stats.available_buffers, stats.pool_bytes), (8, 8 << 20));
+    let buffers: Vec<_> = (0..8).map(|_| pool.acquire(1 << 20).unwrap()).collect();
+    let stats = pool.stats();
+    assert_eq!(
+        (stats.hits, stats.misses, stats.drops),
+        (8, 0, 0),
+        "warm from the start"
+    );
+    drop(buffers);
     assert!(
         MemoryPool::new(
             "bad",
