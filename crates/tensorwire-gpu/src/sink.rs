@@ -18,57 +18,28 @@ use crate::pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 pub const STAGING_BUFFER: usize = 4 << 20;
 
 /// Pinned host memory buffers by size class.
-#[derive(Clone)]
-pub struct PinnedMemoryPool(MemoryPool<PinnedAllocation>);
+pub type PinnedMemoryPool = MemoryPool<PinnedAllocation>;
 
-impl PinnedMemoryPool {
+/// Device memory buffers by size class, from `cuMemAlloc` (exportable for sharing later).
+pub type GpuMemoryPool = MemoryPool<DeviceAllocation>;
+
+impl MemoryPool<PinnedAllocation> {
     /// A pool of pinned memory registered with `device`'s context.
-    pub fn new(device: &Arc<GpuDevice>, config: PoolConfig) -> Result<Self, GpuError> {
+    pub fn for_device(device: &Arc<GpuDevice>, config: PoolConfig) -> Result<Self, GpuError> {
         let device = device.clone();
         MemoryPool::new("pinned", config, move |size| {
             PinnedAllocation::new(&device, size)
         })
-        .map(Self)
-    }
-
-    /// A buffer of at least `size` bytes (see [`MemoryPool::acquire`]).
-    pub fn acquire(&self, size: usize) -> Result<Pooled<PinnedAllocation>, GpuError> {
-        self.0.acquire(size)
-    }
-
-    /// Waits for a buffer while the pool is exhausted.
-    pub async fn acquire_wait(&self, size: usize) -> Result<Pooled<PinnedAllocation>, GpuError> {
-        self.0.acquire_wait(size).await
-    }
-
-    /// The pool's counters.
-    pub fn stats(&self) -> PoolStats {
-        self.0.stats()
     }
 }
 
-/// Device memory buffers by size class, from `cuMemAlloc` (exportable for sharing later).
-#[derive(Clone)]
-pub struct GpuMemoryPool(MemoryPool<DeviceAllocation>);
-
-impl GpuMemoryPool {
+impl MemoryPool<DeviceAllocation> {
     /// A pool of memory on `device`.
-    pub fn new(device: &Arc<GpuDevice>, config: PoolConfig) -> Result<Self, GpuError> {
+    pub fn for_device(device: &Arc<GpuDevice>, config: PoolConfig) -> Result<Self, GpuError> {
         let device = device.clone();
         MemoryPool::new("device", config, move |size| {
             DeviceAllocation::new(&device, size)
         })
-        .map(Self)
-    }
-
-    /// A buffer of at least `size` bytes (see [`MemoryPool::acquire`]).
-    pub fn acquire(&self, size: usize) -> Result<Pooled<DeviceAllocation>, GpuError> {
-        self.0.acquire(size)
-    }
-
-    /// The pool's counters.
-    pub fn stats(&self) -> PoolStats {
-        self.0.stats()
     }
 }
 
@@ -92,8 +63,8 @@ impl PooledGpuReceiver {
             ..staging
         };
         Ok(Self {
-            staging: PinnedMemoryPool::new(&device, staging)?,
-            memory: GpuMemoryPool::new(&device, memory)?,
+            staging: PinnedMemoryPool::for_device(&device, staging)?,
+            memory: GpuMemoryPool::for_device(&device, memory)?,
             device,
         })
     }

@@ -14,6 +14,7 @@ use tensorwire_proto::{DType, Device, TensorMeta};
 use tensorwire_quic::{Receiver, ReceiverConfig, Sender, SenderConfig, TransportSettings};
 
 /// The number of GPUs, or `None` after printing why the test skips.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // Only the GPU tests call it.
 fn gpus(test: &str) -> Option<usize> {
     let status = GpuStatus::detect();
     if status.is_available() {
@@ -115,6 +116,17 @@ fn host_buffers_copy_and_convert() {
     assert!(buffer.to_cpu().unwrap().is_cpu());
 }
 
+/// Fills a GPU sink's destination with 0xAB first, so bytes that never landed show.
+fn poisoned(
+    #[allow(unused_mut)] mut sink: tensorwire_gpu::TensorSink,
+) -> tensorwire_gpu::TensorSink {
+    #[cfg(feature = "cuda")]
+    if let tensorwire_gpu::TensorSink::Gpu(gpu) = &mut sink {
+        gpu.poison(0xAB).unwrap();
+    }
+    sink
+}
+
 /// Streams `tensors` over loopback QUIC into `placement`; returns what landed, after checking
 /// every byte and that the receiver's budget is whole again.
 async fn stream_into(
@@ -132,10 +144,7 @@ async fn stream_into(
         let mut handles = Vec::new();
         for _ in 0..count {
             let incoming = receiver.next().await.unwrap();
-            let mut sink = placement.sink(incoming.meta()).unwrap();
-            if let tensorwire_gpu::TensorSink::Gpu(gpu) = &mut sink {
-                gpu.poison(0xAB).unwrap();
-            }
+            let sink = poisoned(placement.sink(incoming.meta()).unwrap());
             handles.push(incoming.accept(sink));
         }
         let mut landed = Vec::new();
@@ -356,7 +365,7 @@ mod on_gpu {
             max_buffer: STAGING_BUFFER,
             preallocate: true,
         };
-        let staging = PinnedMemoryPool::new(&device, one_buffer).unwrap();
+        let staging = PinnedMemoryPool::for_device(&device, one_buffer).unwrap();
         for round in 0..3u64 {
             let len = 48 << 20;
             let mut dest = CudaBuffer::allocate(len, 0).unwrap();

@@ -34,16 +34,11 @@ impl DeviceAllocation {
         } else {
             device.bind()?;
             // SAFETY: the device's context is current; the pointer is freed exactly once, in Drop.
-            unsafe { result::malloc_sync(len) }.map_err(|e| {
-                if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
-                    GpuError::OutOfMemory {
-                        what: "device",
-                        bytes: len,
-                    }
-                } else {
-                    cuda("cuMemAlloc")(e)
-                }
-            })?
+            unsafe { result::malloc_sync(len) }.map_err(allocation_error(
+                "device",
+                len,
+                "cuMemAlloc",
+            ))?
         };
         Ok(Self {
             ptr,
@@ -123,6 +118,21 @@ impl DeviceAllocation {
     }
 }
 
+/// Out of memory as its own error, so callers can fall back; anything else names the call.
+fn allocation_error(
+    what: &'static str,
+    bytes: usize,
+    call: &'static str,
+) -> impl FnOnce(result::DriverError) -> GpuError {
+    move |e| {
+        if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+            GpuError::OutOfMemory { what, bytes }
+        } else {
+            cuda(call)(e)
+        }
+    }
+}
+
 fn check_range(offset: usize, len: usize, size: usize) -> Result<(), GpuError> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
@@ -171,16 +181,11 @@ impl PinnedAllocation {
         // Flags: PORTABLE only. Write-combined memory would make CPU reads ~70x slower.
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: the context is current; the pointer is freed exactly once, in Drop.
-        let ptr = unsafe { result::malloc_host(len.max(1), flags) }.map_err(|e| {
-            if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
-                GpuError::OutOfMemory {
-                    what: "pinned host",
-                    bytes: len,
-                }
-            } else {
-                cuda("cuMemHostAlloc")(e)
-            }
-        })?;
+        let ptr = unsafe { result::malloc_host(len.max(1), flags) }.map_err(allocation_error(
+            "pinned host",
+            len,
+            "cuMemHostAlloc",
+        ))?;
         Ok(Self {
             ptr: ptr.cast(),
             len,
