@@ -309,6 +309,12 @@ impl Sink for GpuSink {
             self.write_part(at, part, &mut permit).await?;
             at += part.len() as u64;
         }
+        // Liveness: with every staging buffer taken, a partial fill parked until this
+        // tensor's next bytes arrive could starve other tensors (and hold their credit), so
+        // copy it now.
+        if self.staging.stats().available_buffers == 0 {
+            self.flush()?;
+        }
         Ok(())
     }
 

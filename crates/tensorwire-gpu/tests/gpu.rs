@@ -421,6 +421,38 @@ mod on_gpu {
         );
     }
 
+    /// Far more tensors at once than staging buffers: sinks under pool pressure copy partial
+    /// fills instead of parking them, and every byte still lands exactly.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn more_tensors_than_staging_buffers_all_complete() {
+        let Some(_) = gpus("more_tensors_than_staging_buffers_all_complete") else {
+            return;
+        };
+        let two_buffers = PoolConfig {
+            max_pool_bytes: 2 * STAGING_BUFFER,
+            preallocate: true,
+            ..PoolConfig::default()
+        };
+        let gpu = PooledGpuReceiver::new(0, two_buffers, PoolConfig::default()).unwrap();
+        let placement = Placement::Gpu(gpu.clone());
+        let tensors: Vec<_> = (0..16)
+            .map(|i| {
+                let len = (6 << 20) + 1000 * i;
+                let meta = TensorMeta::new([len as u64], DType::U8)
+                    .unwrap()
+                    .with_name(format!("p{i}"));
+                (meta, random(len, 500 + i as u64))
+            })
+            .collect();
+        let landed =
+            tokio::time::timeout(Duration::from_secs(60), stream_into(&placement, &tensors)).await;
+        assert!(
+            landed.is_ok(),
+            "stalled with 16 tensors sharing 2 staging buffers"
+        );
+        assert_eq!(gpu.staging_stats().in_use_buffers, 0);
+    }
+
     #[test]
     fn device_info_names_the_device_by_uuid() {
         let Some(_) = gpus("device_info_names_the_device_by_uuid") else {
