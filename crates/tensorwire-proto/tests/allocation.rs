@@ -1,35 +1,9 @@
 //! A METADATA frame claiming a 1 TB tensor is refused without touching the allocator.
 //!
-//! This binary counts every allocation with a global allocator; it holds one test so no
-//! other thread allocates while it measures.
+//! `allocation-counter` counts this thread's allocations while the closure runs.
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use tensorwire_proto::{ErrorCode, FrameDecoder, Limits};
-
-struct Counting;
-
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator unchanged; only counts calls.
-#[allow(unsafe_code)]
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::SeqCst);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
 
 #[test]
 fn a_one_terabyte_claim_is_refused_without_allocating() {
@@ -46,13 +20,22 @@ fn a_one_terabyte_claim_is_refused_without_allocating() {
 
     let mut decoder = FrameDecoder::new(Limits::default());
     decoder.push(frame.into());
-    let before = ALLOCATIONS.load(Ordering::SeqCst);
-    let result = decoder.next_frame();
-    let allocations = ALLOCATIONS.load(Ordering::SeqCst) - before;
+    let mut result = None;
+    let allocations = allocation_counter::measure(|| result = Some(decoder.next_frame()));
 
-    assert_eq!(result.unwrap_err().code(), ErrorCode::TENSOR_TOO_LARGE);
     assert_eq!(
-        allocations, 0,
-        "refusing the claim allocated {allocations} times"
+        result.unwrap().unwrap_err().code(),
+        ErrorCode::TENSOR_TOO_LARGE
     );
+    assert_eq!(
+        allocations.count_total, 0,
+        "refusing the claim allocated: {allocations:?}"
+    );
+}
+
+/// The counter sees allocations, so the zero above means something.
+#[test]
+fn the_counter_counts() {
+    let allocations = allocation_counter::measure(|| drop(std::hint::black_box(vec![0u8; 100])));
+    assert_eq!(allocations.count_total, 1);
 }

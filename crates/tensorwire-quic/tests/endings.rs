@@ -14,8 +14,8 @@ use quinn::VarInt;
 use tensorwire_quic::proto::frame::{Data, End};
 use tensorwire_quic::proto::{ErrorCode, Frame, FrameDecoder, Limits, Payload, ProtocolError};
 use tensorwire_quic::{
-    ClientTls, CreditPermit, Receiver, SendHandle, Sender, SenderConfig, Sink, SinkError,
-    TensorHandle, TransportError, TransportSettings,
+    ClientTls, CreditPermit, Receiver, ReceiverConfig, SendHandle, Sender, SenderConfig, Sink,
+    SinkError, TensorHandle, TransportError, TransportSettings,
 };
 use tokio::sync::Notify;
 
@@ -56,6 +56,21 @@ async fn cancel_sender_and_check<T: std::fmt::Debug>(
         "{received}"
     );
     assert_budget_returned(rx).await;
+}
+
+/// A 256 MiB tensor under way (a 2 MiB budget keeps it so): the receiver, the sender, and
+/// both sides' handles, once the first bytes have arrived.
+async fn tensor_in_flight(
+    config: ReceiverConfig,
+) -> (Receiver, Sender, SendHandle, TensorHandle<Bytes>) {
+    let (mut rx, addr) = receiver(config.with_budget(2 << 20)).await;
+    let tx = sender(addr).await;
+    let send = tx.send(u8_meta("t", 256 << 20), pattern(256 << 20, 1));
+    let handle = rx.next().await.unwrap().accept_host().unwrap();
+    while handle.received_bytes() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    (rx, tx, send, handle)
 }
 
 /// Stores nothing; `finish` waits until the test opens the gate.
@@ -102,13 +117,7 @@ async fn the_sender_cancels_before_the_tensor_is_accepted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sender_cancels_while_sending() {
-    let (mut rx, addr) = receiver(receiver_config().with_budget(2 << 20)).await;
-    let tx = sender(addr).await;
-    let send = tx.send(u8_meta("t", 256 << 20), pattern(256 << 20, 1));
-    let handle = rx.next().await.unwrap().accept_host().unwrap();
-    while handle.received_bytes() == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let (rx, tx, send, handle) = tensor_in_flight(receiver_config()).await;
     cancel_sender_and_check(send, handle, &rx).await;
 }
 
@@ -159,13 +168,7 @@ async fn the_receiver_rejects_with_a_code_and_reason() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_receiver_cancels_while_receiving() {
-    let (mut rx, addr) = receiver(receiver_config().with_budget(2 << 20)).await;
-    let tx = sender(addr).await;
-    let send = tx.send(u8_meta("t", 256 << 20), pattern(256 << 20, 1));
-    let handle = rx.next().await.unwrap().accept_host().unwrap();
-    while handle.received_bytes() == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let (rx, tx, send, handle) = tensor_in_flight(receiver_config()).await;
     handle.cancel();
     assert_eq!(
         handle.finished().await.unwrap_err().code(),
@@ -414,15 +417,9 @@ async fn a_stalled_sender_times_out_and_its_credit_returns() {
 /// arrives, else from its progress timeout; either way the tensor fails and credit returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vanished_sender_fails_the_tensor_and_returns_its_credit() {
-    let mut config = receiver_config().with_budget(2 << 20);
+    let mut config = receiver_config();
     config.progress_timeout = Duration::from_millis(500);
-    let (mut rx, addr) = receiver(config).await;
-    let tx = sender(addr).await;
-    let send = tx.send(u8_meta("t", 256 << 20), pattern(256 << 20, 1));
-    let handle = rx.next().await.unwrap().accept_host().unwrap();
-    while handle.received_bytes() == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let (rx, tx, send, handle) = tensor_in_flight(config).await;
     tx.close().await;
     let err = handle.finished().await.unwrap_err();
     let timed_out = err.code() == Some(ErrorCode::PROGRESS_TIMEOUT);
