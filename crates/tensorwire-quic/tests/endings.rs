@@ -117,7 +117,7 @@ async fn the_sender_cancels_before_the_tensor_is_accepted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sender_cancels_while_sending() {
-    let (rx, tx, send, handle) = tensor_in_flight(receiver_config()).await;
+    let (rx, _tx, send, handle) = tensor_in_flight(receiver_config()).await;
     cancel_sender_and_check(send, handle, &rx).await;
 }
 
@@ -168,7 +168,7 @@ async fn the_receiver_rejects_with_a_code_and_reason() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_receiver_cancels_while_receiving() {
-    let (rx, tx, send, handle) = tensor_in_flight(receiver_config()).await;
+    let (rx, _tx, send, handle) = tensor_in_flight(receiver_config()).await;
     handle.cancel();
     assert_eq!(
         handle.finished().await.unwrap_err().code(),
