@@ -1,0 +1,38 @@
+//! Errors of the sharing layer.
+
+use crate::message::ErrorCode;
+
+/// Why a sharing operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum IpcError {
+    /// The socket or its directory is unusable.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// Could not reach the producer.
+    #[error("connect: {0}")]
+    Connect(String),
+    /// A malformed or oversized message.
+    #[error("bad message: {0}")]
+    BadMessage(String),
+    /// The producer answered with an error.
+    #[error("producer refused: {code:?}: {message}")]
+    Refused {
+        /// The error code (spec/ipc.md §2).
+        code: ErrorCode,
+        /// The producer's explanation.
+        message: String,
+    },
+    /// The connection closed.
+    #[error("the producer closed the connection")]
+    Closed,
+    /// A system call failed.
+    #[error("IO: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl From<rustix::io::Errno> for IpcError {
+    fn from(e: rustix::io::Errno) -> Self {
+        IpcError::Io(e.into())
+    }
+}

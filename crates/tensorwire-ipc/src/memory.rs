@@ -1,0 +1,60 @@
+//! Host memory that another process can map: a memfd and a shared mapping of it.
+
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use memmap2::{MmapMut, MmapOptions};
+
+use crate::error::IpcError;
+
+/// A memfd holding a tensor's bytes, mapped shared: writes through any mapping of it are seen
+/// by every process that maps it.
+pub(crate) struct SharedMemory {
+    file: File,
+    map: MmapMut,
+}
+
+impl SharedMemory {
+    /// A new memfd named `name`, holding a copy of `bytes`.
+    pub(crate) fn with_bytes(name: &str, bytes: &[u8]) -> Result<Self, IpcError> {
+        let fd = rustix::fs::memfd_create(
+            format!("tensorwire:{name}"),
+            rustix::fs::MemfdFlags::CLOEXEC,
+        )?;
+        let file = File::from(fd);
+        file.set_len(bytes.len().max(1) as u64)?;
+        let mut memory = Self::map(file)?;
+        memory.map[..bytes.len()].copy_from_slice(bytes);
+        Ok(memory)
+    }
+
+    /// Maps a memfd received from the producer.
+    pub(crate) fn from_fd(fd: OwnedFd) -> Result<Self, IpcError> {
+        Self::map(File::from(fd))
+    }
+
+    fn map(file: File) -> Result<Self, IpcError> {
+        // SAFETY: the mapping is shared memory that other processes may write at any time;
+        // it is only ever exposed as bytes (`&[u8]`/`&mut [u8]`), for which any value is
+        // valid, and the producer never shrinks a published memfd, so the mapping cannot be
+        // truncated under us.
+        let map = unsafe { MmapOptions::new().map_mut(&file)? };
+        Ok(Self { file, map })
+    }
+
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
+}

@@ -1,0 +1,197 @@
+//! The messages of the sharing protocol (spec/ipc.md §2): one JSON object per packet.
+
+use serde::{Deserialize, Serialize};
+
+/// The protocol version this crate speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest message in bytes (spec/ipc.md §1).
+pub const MAX_MESSAGE: usize = 64 * 1024;
+
+/// A consumer's request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// First request on a connection.
+    Hello {
+        /// The consumer's protocol version.
+        version: u32,
+    },
+    /// All published tensors.
+    List,
+    /// One tensor, by UUID or name.
+    Info {
+        /// UUID or name.
+        tensor: String,
+    },
+    /// Map a tensor: takes a lease; the reply carries an fd.
+    Open {
+        /// UUID or name.
+        tensor: String,
+    },
+    /// Ends a lease.
+    Release {
+        /// The lease from `open`.
+        lease: u64,
+    },
+    /// Removes a tensor (deferred while leased).
+    Delete {
+        /// UUID or name.
+        tensor: String,
+    },
+}
+
+/// How a tensor's memory is exported (spec/ipc.md §3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Export {
+    /// A memfd of host memory.
+    Host,
+    /// A CUDA VMM allocation exported as a POSIX fd.
+    Vmm,
+    /// A legacy CUDA IPC handle plus offset.
+    CudaIpc,
+}
+
+/// What a listing shows of a tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Info {
+    /// Registry id.
+    pub id: uuid::Uuid,
+    /// Name (unique in the registry).
+    pub name: String,
+    /// dtype name, as in protocol.md §5.1.
+    pub dtype: String,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Bytes.
+    pub byte_len: u64,
+    /// Export mode.
+    pub export: Export,
+    /// Leases held now.
+    pub leases: u64,
+    /// Deleted, waiting for its last lease.
+    pub deleting: bool,
+}
+
+/// What a consumer needs to map a tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Descriptor {
+    /// Registry id.
+    pub id: uuid::Uuid,
+    /// Name.
+    pub name: String,
+    /// dtype name.
+    pub dtype: String,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Bytes of the tensor.
+    pub byte_len: u64,
+    /// Export mode.
+    pub export: Export,
+    /// Where the tensor starts in the exported memory.
+    pub offset: u64,
+    /// Bytes of the exported memory (what to map).
+    pub alloc_len: u64,
+    /// The GPU's UUID in hex; `None` for host memory.
+    pub device_uuid: Option<String>,
+    /// Reuses of the underlying buffer.
+    pub generation: u64,
+}
+
+/// An error reply's code (spec/ipc.md §2). Open: unknown codes are kept.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ErrorCode(pub String);
+
+impl ErrorCode {
+    /// The request could not be parsed or is not allowed here.
+    pub fn bad_request() -> Self {
+        Self("bad_request".into())
+    }
+    /// The versions do not match.
+    pub fn unsupported_version() -> Self {
+        Self("unsupported_version".into())
+    }
+    /// No such tensor or lease.
+    pub fn not_found() -> Self {
+        Self("not_found".into())
+    }
+    /// The consumer holds too many leases.
+    pub fn lease_limit() -> Self {
+        Self("lease_limit".into())
+    }
+    /// The peer's credentials are not allowed.
+    pub fn forbidden() -> Self {
+        Self("forbidden".into())
+    }
+    /// A fault of the producer.
+    pub fn internal() -> Self {
+        Self("internal".into())
+    }
+}
+
+/// The error part of a reply.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// The code.
+    pub code: ErrorCode,
+    /// What went wrong, for people.
+    pub message: String,
+}
+
+/// A reply: `ok` plus the fields of the request's answer, or an error.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reply {
+    /// Whether the request succeeded.
+    pub ok: bool,
+    /// With `ok: false`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+    /// `hello`'s answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u32>,
+    /// `list`'s answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensors: Option<Vec<Info>>,
+    /// `info`'s answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor: Option<Info>,
+    /// `open`'s lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<u64>,
+    /// `open`'s descriptor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub descriptor: Option<Descriptor>,
+    /// `delete`'s answer: the tensor waits for its last lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deferred: Option<bool>,
+}
+
+impl Reply {
+    /// A success with no fields yet.
+    pub fn ok() -> Self {
+        Self {
+            ok: true,
+            error: None,
+            version: None,
+            tensors: None,
+            tensor: None,
+            lease: None,
+            descriptor: None,
+            deferred: None,
+        }
+    }
+
+    /// A failure.
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            ok: false,
+            error: Some(ErrorBody {
+                code,
+                message: message.into(),
+            }),
+            ..Self::ok()
+        }
+    }
+}

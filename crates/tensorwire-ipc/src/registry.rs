@@ -1,0 +1,230 @@
+//! Published tensors and their leases (spec/ipc.md §4). Pure bookkeeping: no IO.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tensorwire_proto::TensorMeta;
+use uuid::Uuid;
+
+use crate::memory::SharedMemory;
+use crate::message::{Descriptor, ErrorBody, ErrorCode, Export, Info};
+
+/// A consumer connection's id.
+pub(crate) type ClientId = u64;
+
+struct Entry {
+    meta: TensorMeta,
+    memory: Arc<SharedMemory>,
+    leases: u64,
+    deleting: bool,
+    generation: u64,
+}
+
+struct Lease {
+    tensor: Uuid,
+    client: ClientId,
+}
+
+/// Every published tensor, by id and name, and every lease.
+pub(crate) struct Registry {
+    tensors: HashMap<Uuid, Entry>,
+    names: HashMap<String, Uuid>,
+    leases: HashMap<u64, Lease>,
+    next_lease: u64,
+    max_leases_per_client: usize,
+}
+
+/// Why a request was refused, as its error reply carries it.
+pub(crate) type Refusal = ErrorBody;
+
+fn refuse(code: ErrorCode, message: impl Into<String>) -> Refusal {
+    ErrorBody {
+        code,
+        message: message.into(),
+    }
+}
+
+impl Registry {
+    pub(crate) fn new(max_leases_per_client: usize) -> Self {
+        Self {
+            tensors: HashMap::new(),
+            names: HashMap::new(),
+            leases: HashMap::new(),
+            next_lease: 1,
+            max_leases_per_client,
+        }
+    }
+
+    /// Adds a tensor under its (unique) name.
+    pub(crate) fn publish(
+        &mut self,
+        meta: TensorMeta,
+        memory: Arc<SharedMemory>,
+    ) -> Result<Uuid, Refusal> {
+        if self.names.contains_key(meta.name()) {
+            return Err(refuse(
+                ErrorCode::bad_request(),
+                format!("a tensor named {:?} is already published", meta.name()),
+            ));
+        }
+        let id = Uuid::new_v4();
+        self.names.insert(meta.name().to_owned(), id);
+        self.tensors.insert(
+            id,
+            Entry {
+                meta,
+                memory,
+                leases: 0,
+                deleting: false,
+                generation: 0,
+            },
+        );
+        Ok(id)
+    }
+
+    fn resolve(&self, tensor: &str) -> Option<Uuid> {
+        Uuid::parse_str(tensor)
+            .ok()
+            .filter(|id| self.tensors.contains_key(id))
+            .or_else(|| self.names.get(tensor).copied())
+    }
+
+    fn info(id: Uuid, entry: &Entry) -> Info {
+        Info {
+            id,
+            name: entry.meta.name().to_owned(),
+            dtype: entry.meta.dtype().name().to_owned(),
+            shape: entry.meta.shape().to_vec(),
+            byte_len: entry.meta.byte_len(),
+            export: Export::Host,
+            leases: entry.leases,
+            deleting: entry.deleting,
+        }
+    }
+
+    pub(crate) fn list(&self) -> Vec<Info> {
+        let mut all: Vec<Info> = self
+            .tensors
+            .iter()
+            .map(|(id, e)| Self::info(*id, e))
+            .collect();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        all
+    }
+
+    pub(crate) fn lookup(&self, tensor: &str) -> Result<Info, Refusal> {
+        let id = self
+            .resolve(tensor)
+            .ok_or_else(|| refuse(ErrorCode::not_found(), format!("no tensor {tensor:?}")))?;
+        Ok(Self::info(id, &self.tensors[&id]))
+    }
+
+    /// Takes a lease on a live tensor for `client`.
+    pub(crate) fn open(
+        &mut self,
+        tensor: &str,
+        client: ClientId,
+    ) -> Result<(u64, Descriptor, Arc<SharedMemory>), Refusal> {
+        let id = self
+            .resolve(tensor)
+            .filter(|id| !self.tensors[id].deleting)
+            .ok_or_else(|| refuse(ErrorCode::not_found(), format!("no tensor {tensor:?}")))?;
+        let held = self.leases.values().filter(|l| l.client == client).count();
+        if held >= self.max_leases_per_client {
+            return Err(refuse(
+                ErrorCode::lease_limit(),
+                format!(
+                    "{held} leases held; the limit is {}",
+                    self.max_leases_per_client
+                ),
+            ));
+        }
+        let entry = self
+            .tensors
+            .get_mut(&id)
+            .ok_or_else(|| refuse(ErrorCode::internal(), "entry vanished"))?;
+        entry.leases += 1;
+        let lease = self.next_lease;
+        self.next_lease += 1;
+        self.leases.insert(lease, Lease { tensor: id, client });
+        let descriptor = Descriptor {
+            id,
+            name: entry.meta.name().to_owned(),
+            dtype: entry.meta.dtype().name().to_owned(),
+            shape: entry.meta.shape().to_vec(),
+            byte_len: entry.meta.byte_len(),
+            export: Export::Host,
+            offset: 0,
+            alloc_len: entry.memory.len() as u64,
+            device_uuid: None,
+            generation: entry.generation,
+        };
+        Ok((lease, descriptor, entry.memory.clone()))
+    }
+
+    /// Ends `client`'s lease.
+    pub(crate) fn release(&mut self, lease: u64, client: ClientId) -> Result<(), Refusal> {
+        match self.leases.get(&lease) {
+            Some(l) if l.client == client => {}
+            _ => {
+                return Err(refuse(
+                    ErrorCode::not_found(),
+                    format!("no lease {lease} held by this consumer"),
+                ));
+            }
+        }
+        if let Some(l) = self.leases.remove(&lease) {
+            self.drop_lease(l.tensor);
+        }
+        Ok(())
+    }
+
+    fn drop_lease(&mut self, id: Uuid) {
+        let Some(entry) = self.tensors.get_mut(&id) else {
+            return;
+        };
+        entry.leases -= 1;
+        if entry.deleting && entry.leases == 0 {
+            self.remove(id);
+        }
+    }
+
+    fn remove(&mut self, id: Uuid) {
+        if let Some(entry) = self.tensors.remove(&id) {
+            self.names.remove(entry.meta.name());
+        }
+    }
+
+    /// Removes a tensor now, or when its last lease ends; `Ok(true)` if deferred.
+    pub(crate) fn delete(&mut self, tensor: &str) -> Result<bool, Refusal> {
+        let id = self
+            .resolve(tensor)
+            .ok_or_else(|| refuse(ErrorCode::not_found(), format!("no tensor {tensor:?}")))?;
+        let entry = self
+            .tensors
+            .get_mut(&id)
+            .ok_or_else(|| refuse(ErrorCode::internal(), "entry vanished"))?;
+        if entry.leases == 0 {
+            self.remove(id);
+            Ok(false)
+        } else {
+            entry.deleting = true;
+            Ok(true)
+        }
+    }
+
+    /// A consumer's connection closed: all its leases end.
+    pub(crate) fn client_gone(&mut self, client: ClientId) {
+        let gone: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.client == client)
+            .map(|(k, _)| *k)
+            .collect();
+        for lease in gone {
+            if let Some(l) = self.leases.remove(&lease) {
+                self.drop_lease(l.tensor);
+            }
+        }
+    }
+}

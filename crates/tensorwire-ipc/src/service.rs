@@ -1,0 +1,324 @@
+//! The producer's side: a registry served on a checked Unix socket (spec/ipc.md).
+
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use tensorwire_proto::TensorMeta;
+use uuid::Uuid;
+
+use crate::error::IpcError;
+use crate::memory::SharedMemory;
+use crate::message::{ErrorBody, ErrorCode, Info, PROTOCOL_VERSION, Reply, Request};
+use crate::registry::{ClientId, Registry};
+use crate::socket::{Packets, listen};
+
+/// Who may connect and how much they may hold.
+#[derive(Clone, Debug)]
+pub struct ShareConfig {
+    /// Uids allowed to connect (`SO_PEERCRED`); default: this process's effective uid.
+    pub allowed_uids: Vec<u32>,
+    /// Most leases one consumer connection may hold.
+    pub max_leases_per_client: usize,
+}
+
+impl Default for ShareConfig {
+    fn default() -> Self {
+        Self {
+            allowed_uids: vec![rustix::process::geteuid().as_raw()],
+            max_leases_per_client: 1024,
+        }
+    }
+}
+
+struct Shared {
+    registry: Mutex<Registry>,
+    config: ShareConfig,
+    next_client: AtomicU64,
+    stopping: AtomicBool,
+}
+
+impl Shared {
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A running sharing service: publish tensors; consumers connect to [`path`](Self::path).
+pub struct ShareService {
+    shared: Arc<Shared>,
+    listener: Arc<OwnedFd>,
+    path: PathBuf,
+}
+
+/// A tensor this process published; reads see consumers' in-place writes.
+pub struct PublishedTensor {
+    id: Uuid,
+    memory: Arc<SharedMemory>,
+    len: usize,
+}
+
+impl PublishedTensor {
+    /// The registry id.
+    pub fn id(&self) -> Uuid {
+        self.id
+    }
+
+    /// The tensor's bytes as they are now (consumers may write them).
+    pub fn bytes(&self) -> &[u8] {
+        &self.memory.bytes()[..self.len]
+    }
+}
+
+impl ShareService {
+    /// Listens at `path`, creating its directory with mode 0700 (spec/ipc.md §1).
+    pub fn start(path: impl AsRef<Path>, config: ShareConfig) -> Result<Self, IpcError> {
+        let path = path.as_ref().to_owned();
+        let listener = Arc::new(listen(&path)?);
+        let shared = Arc::new(Shared {
+            registry: Mutex::new(Registry::new(config.max_leases_per_client)),
+            config,
+            next_client: AtomicU64::new(1),
+            stopping: AtomicBool::new(false),
+        });
+        let (accept_shared, accept_listener) = (shared.clone(), listener.clone());
+        std::thread::Builder::new()
+            .name("tensorwire-share-accept".into())
+            .spawn(move || accept_loop(&accept_shared, &accept_listener))?;
+        tracing::info!(path = %path.display(), "sharing tensors");
+        Ok(Self {
+            shared,
+            listener,
+            path,
+        })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Publishes a host tensor: copies `bytes` into shared memory under `meta`'s name.
+    pub fn publish_host(
+        &self,
+        meta: &TensorMeta,
+        bytes: &[u8],
+    ) -> Result<PublishedTensor, IpcError> {
+        if bytes.len() as u64 != meta.byte_len() {
+            return Err(IpcError::BadMessage(format!(
+                "{} bytes for a {}-byte tensor",
+                bytes.len(),
+                meta.byte_len()
+            )));
+        }
+        let memory = Arc::new(SharedMemory::with_bytes(meta.name(), bytes)?);
+        let id = self
+            .shared
+            .registry()
+            .publish(meta.clone(), memory.clone())
+            .map_err(refused)?;
+        Ok(PublishedTensor {
+            id,
+            memory,
+            len: bytes.len(),
+        })
+    }
+
+    /// Every published tensor.
+    pub fn list(&self) -> Vec<Info> {
+        self.shared.registry().list()
+    }
+
+    /// Deletes a tensor by id or name; `Ok(true)` if deferred until its leases end.
+    pub fn delete(&self, tensor: &str) -> Result<bool, IpcError> {
+        self.shared.registry().delete(tensor).map_err(refused)
+    }
+}
+
+impl Drop for ShareService {
+    fn drop(&mut self) {
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn refused(body: ErrorBody) -> IpcError {
+    IpcError::Refused {
+        code: body.code,
+        message: body.message,
+    }
+}
+
+fn error_reply(body: ErrorBody) -> Reply {
+    Reply {
+        ok: false,
+        error: Some(body),
+        ..Reply::ok()
+    }
+}
+
+fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
+    loop {
+        let accepted = rustix::net::accept_with(listener, rustix::net::SocketFlags::CLOEXEC);
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(fd) = accepted else { continue };
+        let client = shared.next_client.fetch_add(1, Ordering::Relaxed);
+        let shared = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("tensorwire-share-client-{client}"))
+            .spawn(move || serve_client(&shared, Packets::from_fd(fd), client));
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot serve a consumer");
+        }
+    }
+}
+
+fn send(
+    packets: &Packets,
+    reply: &Reply,
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+) -> Result<(), IpcError> {
+    let bytes = serde_json::to_vec(reply).map_err(|e| IpcError::BadMessage(e.to_string()))?;
+    packets.send(&bytes, fd)
+}
+
+fn serve_client(shared: &Shared, packets: Packets, client: ClientId) {
+    let peer = rustix::net::sockopt::socket_peercred(packets.as_fd());
+    let allowed = peer
+        .as_ref()
+        .is_ok_and(|cred| shared.config.allowed_uids.contains(&cred.uid.as_raw()));
+    if !allowed {
+        let who = peer
+            .map(|c| format!("uid {}", c.uid.as_raw()))
+            .unwrap_or_else(|e| e.to_string());
+        tracing::warn!(%who, "refusing a consumer");
+        // Read its first request before answering: closing with unread data would reset the
+        // connection and the peer would never see why. A silent peer waits at most 2 s.
+        let timeout = Some(std::time::Duration::from_secs(2));
+        let _ = rustix::net::sockopt::set_socket_timeout(
+            packets.as_fd(),
+            rustix::net::sockopt::Timeout::Recv,
+            timeout,
+        );
+        let _ = packets.recv();
+        let _ = send(
+            &packets,
+            &Reply::error(ErrorCode::forbidden(), format!("{who} may not connect")),
+            None,
+        );
+        return;
+    }
+    let mut greeted = false;
+    loop {
+        let received = match packets.recv() {
+            Ok(Some(received)) => received,
+            Ok(None) => break,
+            Err(IpcError::BadMessage(why)) => {
+                if send(&packets, &Reply::error(ErrorCode::bad_request(), why), None).is_err() {
+                    break;
+                }
+                continue;
+            }
+            Err(_) => break,
+        };
+        drop(received.fd); // Consumers send no descriptors; close any that came.
+        let request: Request = match serde_json::from_slice(&received.bytes) {
+            Ok(request) => request,
+            Err(e) => {
+                if send(
+                    &packets,
+                    &Reply::error(ErrorCode::bad_request(), e.to_string()),
+                    None,
+                )
+                .is_err()
+                {
+                    break;
+                }
+                continue;
+            }
+        };
+        let sent = match (&request, greeted) {
+            (Request::Hello { version }, _) if *version == PROTOCOL_VERSION => {
+                greeted = true;
+                send(
+                    &packets,
+                    &Reply {
+                        version: Some(PROTOCOL_VERSION),
+                        ..Reply::ok()
+                    },
+                    None,
+                )
+            }
+            (Request::Hello { version }, _) => send(
+                &packets,
+                &Reply::error(
+                    ErrorCode::unsupported_version(),
+                    format!("version {version}; this producer speaks {PROTOCOL_VERSION}"),
+                ),
+                None,
+            ),
+            (_, false) => send(
+                &packets,
+                &Reply::error(ErrorCode::bad_request(), "send hello first"),
+                None,
+            ),
+            (request, true) => handle(shared, &packets, request, client),
+        };
+        if sent.is_err() {
+            break;
+        }
+    }
+    shared.registry().client_gone(client);
+}
+
+fn handle(
+    shared: &Shared,
+    packets: &Packets,
+    request: &Request,
+    client: ClientId,
+) -> Result<(), IpcError> {
+    let mut registry = shared.registry();
+    let reply = match request {
+        Request::Hello { .. } => Reply::ok(),
+        Request::List => Reply {
+            tensors: Some(registry.list()),
+            ..Reply::ok()
+        },
+        Request::Info { tensor } => match registry.lookup(tensor) {
+            Ok(info) => Reply {
+                tensor: Some(info),
+                ..Reply::ok()
+            },
+            Err(refusal) => error_reply(refusal),
+        },
+        Request::Open { tensor } => match registry.open(tensor, client) {
+            Ok((lease, descriptor, memory)) => {
+                drop(registry);
+                let reply = Reply {
+                    lease: Some(lease),
+                    descriptor: Some(descriptor),
+                    ..Reply::ok()
+                };
+                return send(packets, &reply, Some(memory.fd()));
+            }
+            Err(refusal) => error_reply(refusal),
+        },
+        Request::Release { lease } => match registry.release(*lease, client) {
+            Ok(()) => Reply::ok(),
+            Err(refusal) => error_reply(refusal),
+        },
+        Request::Delete { tensor } => match registry.delete(tensor) {
+            Ok(deferred) => Reply {
+                deferred: Some(deferred),
+                ..Reply::ok()
+            },
+            Err(refusal) => error_reply(refusal),
+        },
+    };
+    drop(registry);
+    send(packets, &reply, None)
+}

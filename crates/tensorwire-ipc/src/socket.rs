@@ -1,0 +1,149 @@
+//! A `SOCK_SEQPACKET` Unix socket carrying one message (and at most one fd) per packet, in a
+//! directory only its owner may enter (spec/ipc.md §1).
+
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::Path;
+
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
+    SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+};
+
+use crate::error::IpcError;
+use crate::message::MAX_MESSAGE;
+
+/// One end of a connection.
+#[derive(Debug)]
+pub(crate) struct Packets {
+    fd: OwnedFd,
+}
+
+/// A received packet.
+pub(crate) struct Received {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) fd: Option<OwnedFd>,
+}
+
+impl Packets {
+    /// Connects to the socket at `path`.
+    pub(crate) fn connect(path: &Path) -> Result<Self, IpcError> {
+        let fd = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )?;
+        rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)
+            .map_err(|e| IpcError::Connect(format!("{}: {e}", path.display())))?;
+        Ok(Self { fd })
+    }
+
+    pub(crate) fn from_fd(fd: OwnedFd) -> Self {
+        Self { fd }
+    }
+
+    pub(crate) fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Sends one message, with `fd` attached if given.
+    pub(crate) fn send(&self, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> Result<(), IpcError> {
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut ancillary = SendAncillaryBuffer::new(&mut space);
+        let fds;
+        if let Some(fd) = fd {
+            fds = [fd];
+            ancillary.push(SendAncillaryMessage::ScmRights(&fds));
+        }
+        rustix::net::sendmsg(
+            &self.fd,
+            &[IoSlice::new(bytes)],
+            &mut ancillary,
+            SendFlags::NOSIGNAL,
+        )?;
+        Ok(())
+    }
+
+    /// Receives one message; `None` when the peer closed the connection.
+    ///
+    /// A packet longer than [`MAX_MESSAGE`] or with more descriptors than one is refused
+    /// (`MSG_TRUNC` / `MSG_CTRUNC`): any descriptors that did arrive are closed.
+    pub(crate) fn recv(&self) -> Result<Option<Received>, IpcError> {
+        let mut buf = vec![0u8; MAX_MESSAGE + 1];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut ancillary = RecvAncillaryBuffer::new(&mut space);
+        let msg = rustix::net::recvmsg(
+            &self.fd,
+            &mut [IoSliceMut::new(&mut buf)],
+            &mut ancillary,
+            RecvFlags::CMSG_CLOEXEC,
+        )?;
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        for message in ancillary.drain() {
+            if let RecvAncillaryMessage::ScmRights(received) = message {
+                fds.extend(received);
+            }
+        }
+        if msg.bytes == 0 && fds.is_empty() {
+            return Ok(None);
+        }
+        if msg.flags.contains(ReturnFlags::TRUNC) || msg.bytes > MAX_MESSAGE {
+            return Err(IpcError::BadMessage(format!(
+                "message longer than {MAX_MESSAGE} bytes"
+            )));
+        }
+        if msg.flags.contains(ReturnFlags::CTRUNC) || fds.len() > 1 {
+            return Err(IpcError::BadMessage(
+                "more than one descriptor in a message".into(),
+            ));
+        }
+        buf.truncate(msg.bytes);
+        Ok(Some(Received {
+            bytes: buf,
+            fd: fds.pop(),
+        }))
+    }
+}
+
+/// A listening socket at `path`, in a directory created (or checked to be) mode 0700 and
+/// owned by this process's user.
+pub(crate) fn listen(path: &Path) -> Result<OwnedFd, IpcError> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .ok_or_else(|| {
+            IpcError::Config(format!(
+                "{}: the socket needs its own directory",
+                path.display()
+            ))
+        })?;
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
+    }
+    let meta = std::fs::metadata(dir)?;
+    let uid = rustix::process::geteuid().as_raw();
+    if meta.uid() != uid || meta.mode() & 0o777 != 0o700 {
+        return Err(IpcError::Config(format!(
+            "{} must be a directory owned by uid {uid} with mode 0700 (it is uid {}, mode {:o})",
+            dir.display(),
+            meta.uid(),
+            meta.mode() & 0o777
+        )));
+    }
+    let _ = std::fs::remove_file(path);
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    rustix::net::bind(&fd, &SocketAddrUnix::new(path)?)?;
+    rustix::net::listen(&fd, 64)?;
+    Ok(fd)
+}

@@ -1,0 +1,338 @@
+//! Host-tensor sharing across processes, end to end: publish, list, open in a child process,
+//! write in place, observe; deletes deferred by leases; a consumer killed mid-lease;
+//! malformed requests; peers that may not connect.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::io::{BufRead, BufReader, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tensorwire_ipc::{IpcError, ShareClient, ShareConfig, ShareService};
+use tensorwire_proto::{DType, TensorMeta};
+
+fn socket_path(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tensorwire-ipc-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir.join("share.sock")
+}
+
+fn publish(
+    service: &ShareService,
+    name: &str,
+    len: usize,
+) -> (tensorwire_ipc::PublishedTensor, Vec<u8>) {
+    let bytes: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(13) | 1).collect();
+    let meta = TensorMeta::new([len as u64], DType::U8)
+        .unwrap()
+        .with_name(name);
+    (service.publish_host(&meta, &bytes).unwrap(), bytes)
+}
+
+fn refused_code(result: Result<impl Sized, IpcError>) -> String {
+    match result {
+        Err(IpcError::Refused { code, .. }) => code.0,
+        Err(other) => panic!("expected a refusal, got {other}"),
+        Ok(_) => panic!("expected a refusal, got success"),
+    }
+}
+
+/// Runs this test binary's `child_consumer` in a new process with `mode`.
+fn child(path: &Path, mode: &str) -> Command {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .args([
+            "--exact",
+            "child_consumer",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("TENSORWIRE_IPC_CHILD", format!("{mode}:{}", path.display()))
+        .stdout(Stdio::piped());
+    command
+}
+
+/// Not a test of its own: the consumer process the cross-process tests start.
+#[test]
+fn child_consumer() {
+    let Ok(spec) = std::env::var("TENSORWIRE_IPC_CHILD") else {
+        return;
+    };
+    let (mode, path) = spec.split_once(':').unwrap();
+    let client = match ShareClient::connect(path) {
+        Ok(client) => client,
+        Err(e) => {
+            println!("CONNECT-FAILED {e}");
+            return;
+        }
+    };
+    let mut tensor = client.open("weights").unwrap();
+    match mode {
+        "write" => {
+            let expected: Vec<u8> = (0..tensor.bytes().len())
+                .map(|i| (i as u8).wrapping_mul(13) | 1)
+                .collect();
+            assert_eq!(
+                tensor.bytes(),
+                &expected[..],
+                "the child maps the producer's bytes"
+            );
+            tensor
+                .bytes_mut()
+                .iter_mut()
+                .for_each(|b| *b = b.wrapping_mul(3));
+            println!("WROTE");
+        }
+        "hold" => {
+            println!("HOLDING");
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        other => panic!("unknown child mode {other}"),
+    }
+}
+
+fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_child_process_maps_the_tensor_and_its_writes_are_seen() {
+    let path = socket_path("child-write");
+    let service = ShareService::start(&path, ShareConfig::default()).unwrap();
+    let (published, bytes) = publish(&service, "weights", 3 * 4096 + 5);
+    let output = child(&path, "write").output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && stdout.contains("WROTE"),
+        "{stdout}"
+    );
+    let tripled: Vec<u8> = bytes.iter().map(|b| b.wrapping_mul(3)).collect();
+    assert_eq!(
+        published.bytes(),
+        &tripled[..],
+        "the producer sees the consumer's in-place write"
+    );
+    wait_for("the exited child's lease to end", || {
+        service.list()[0].leases == 0
+    });
+}
+
+#[test]
+fn a_consumer_killed_mid_lease_loses_it_and_a_deferred_delete_completes() {
+    let path = socket_path("child-killed");
+    let service = ShareService::start(&path, ShareConfig::default()).unwrap();
+    let _ = publish(&service, "weights", 100_000);
+    let mut holder = child(&path, "hold").spawn().unwrap();
+    let mut lines = BufReader::new(holder.stdout.take().unwrap()).lines();
+    assert!(lines.any(|l| l.unwrap().contains("HOLDING")));
+    assert_eq!(service.list()[0].leases, 1);
+    assert!(
+        service.delete("weights").unwrap(),
+        "deleting a leased tensor is deferred"
+    );
+    let listed = service.list();
+    assert!(listed[0].deleting, "still listed while leased: {listed:?}");
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    wait_for(
+        "the killed consumer's lease to end and the tensor to go",
+        || service.list().is_empty(),
+    );
+}
+
+#[test]
+fn leases_defer_deletes_and_are_limited_per_consumer() {
+    let path = socket_path("leases");
+    let config = ShareConfig {
+        max_leases_per_client: 2,
+        ..ShareConfig::default()
+    };
+    let service = ShareService::start(&path, config).unwrap();
+    let _ = publish(&service, "a", 64);
+    let _ = publish(&service, "b", 64);
+    let client = ShareClient::connect(&path).unwrap();
+    let names: Vec<String> = client.list().unwrap().into_iter().map(|i| i.name).collect();
+    assert_eq!(names, ["a", "b"]);
+    let first = client.open("a").unwrap();
+    let by_id = client.open(&first.descriptor().id.to_string()).unwrap();
+    assert_eq!(by_id.bytes(), first.bytes());
+    assert_eq!(refused_code(client.open("b")), "lease_limit");
+    assert_eq!(client.info("a").unwrap().leases, 2);
+    assert!(client.delete("a").unwrap(), "deferred while leased");
+    assert_eq!(
+        refused_code(client.open("a")),
+        "not_found",
+        "a deleting tensor cannot be opened"
+    );
+    drop(first);
+    assert_eq!(client.list().unwrap().len(), 2, "one lease still holds it");
+    drop(by_id);
+    let names: Vec<String> = client.list().unwrap().into_iter().map(|i| i.name).collect();
+    assert_eq!(names, ["b"], "gone with its last lease");
+    assert!(
+        !client.delete("b").unwrap(),
+        "an unleased tensor goes at once"
+    );
+    assert_eq!(refused_code(client.info("b")), "not_found");
+    assert!(
+        service
+            .publish_host(
+                &TensorMeta::new([3], DType::U8).unwrap().with_name("x"),
+                &[1, 2]
+            )
+            .is_err()
+    );
+}
+
+/// A raw SEQPACKET connection, for requests no well-behaved client sends.
+struct Raw(std::os::fd::OwnedFd);
+
+impl Raw {
+    fn connect(path: &Path) -> Self {
+        use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+        let fd = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        rustix::net::connect(&fd, &SocketAddrUnix::new(path).unwrap()).unwrap();
+        Self(fd)
+    }
+
+    fn ask(&self, bytes: &[u8]) -> serde_json::Value {
+        use rustix::net::{RecvAncillaryBuffer, RecvFlags, SendAncillaryBuffer, SendFlags};
+        let mut space: [MaybeUninit<u8>; 0] = [];
+        rustix::net::sendmsg(
+            &self.0,
+            &[IoSlice::new(bytes)],
+            &mut SendAncillaryBuffer::new(&mut space),
+            SendFlags::NOSIGNAL,
+        )
+        .unwrap();
+        let mut buf = vec![0u8; 70_000];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let msg = rustix::net::recvmsg(
+            &self.0,
+            &mut [IoSliceMut::new(&mut buf)],
+            &mut RecvAncillaryBuffer::new(&mut space),
+            RecvFlags::empty(),
+        )
+        .unwrap();
+        serde_json::from_slice(&buf[..msg.bytes]).unwrap()
+    }
+}
+
+#[test]
+fn malformed_requests_get_errors_and_the_service_goes_on() {
+    let path = socket_path("malformed");
+    let service = ShareService::start(&path, ShareConfig::default()).unwrap();
+    let _ = publish(&service, "t", 16);
+    let raw = Raw::connect(&path);
+    let code = |reply: serde_json::Value| reply["error"]["code"].as_str().unwrap_or("").to_owned();
+    assert_eq!(
+        code(raw.ask(br#"{"op":"list"}"#)),
+        "bad_request",
+        "hello comes first"
+    );
+    assert_eq!(
+        code(raw.ask(br#"{"op":"hello","version":99}"#)),
+        "unsupported_version"
+    );
+    assert_eq!(raw.ask(br#"{"op":"hello","version":1}"#)["ok"], true);
+    assert_eq!(code(raw.ask(b"\xff\xfe not json")), "bad_request");
+    assert_eq!(code(raw.ask(br#"{"op":"format_disk"}"#)), "bad_request");
+    assert_eq!(
+        code(raw.ask(br#"{"op":"open"}"#)),
+        "bad_request",
+        "missing field"
+    );
+    assert_eq!(
+        code(raw.ask(&vec![b' '; 65 * 1024])),
+        "bad_request",
+        "oversized"
+    );
+    assert_eq!(
+        code(raw.ask(br#"{"op":"release","lease":12345}"#)),
+        "not_found"
+    );
+    assert_eq!(
+        raw.ask(br#"{"op":"list"}"#)["tensors"][0]["name"],
+        "t",
+        "the connection still works"
+    );
+    assert_eq!(
+        ShareClient::connect(&path).unwrap().list().unwrap().len(),
+        1,
+        "and the service serves others"
+    );
+}
+
+#[test]
+fn peers_of_another_uid_are_refused() {
+    let path = socket_path("peercred");
+    let config = ShareConfig {
+        allowed_uids: vec![rustix::process::geteuid().as_raw() + 4242],
+        ..ShareConfig::default()
+    };
+    let _service = ShareService::start(&path, config).unwrap();
+    assert_eq!(
+        refused_code(ShareClient::connect(&path)),
+        "forbidden",
+        "SO_PEERCRED checked"
+    );
+}
+
+#[test]
+fn the_socket_directory_must_be_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let path = socket_path("loose-dir");
+    let dir = path.parent().unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let err = ShareService::start(&path, ShareConfig::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("mode 0700"), "{err}");
+    let fresh = socket_path("fresh-dir");
+    let _service = ShareService::start(&fresh, ShareConfig::default()).unwrap();
+    let mode = std::fs::metadata(fresh.parent().unwrap())
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o700);
+}
+
+#[test]
+fn a_process_of_another_uid_cannot_reach_the_socket() {
+    use std::os::unix::process::CommandExt;
+    if rustix::process::geteuid().as_raw() != 0 {
+        eprintln!(
+            "SKIPPED a_process_of_another_uid_cannot_reach_the_socket: needs root to start a process as another uid"
+        );
+        return;
+    }
+    let path = socket_path("other-uid");
+    let service = ShareService::start(&path, ShareConfig::default()).unwrap();
+    let _ = publish(&service, "weights", 10);
+    let output = child(&path, "write")
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("CONNECT-FAILED"),
+        "the 0700 directory stops it: {stdout}"
+    );
+    assert_eq!(service.list()[0].leases, 0);
+}
