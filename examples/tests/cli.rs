@@ -203,3 +203,98 @@ fn raw_files_need_a_matching_dtype_and_shape() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn received_tensors_are_shared_with_local_processes() {
+    let dir = temp_dir("share");
+    let model = dir.join("model.safetensors");
+    write_model(&model);
+    let blob = dir.join("last.bin");
+    std::fs::write(&blob, [9u8; 10]).unwrap();
+    let socket = dir.join("sock").join("share.sock");
+    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--count",
+            "4",
+            "--device",
+            "host",
+            "--share",
+        ])
+        .arg(&socket)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(receiver.stdout.take().unwrap())
+        .lines()
+        .map(Result::unwrap);
+    let first = lines.next().unwrap();
+    let addr = first.strip_prefix("listening on ").unwrap().to_owned();
+    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
+        .args(["--connect", &addr, "--quiet"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(
+        sent.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    let shared: Vec<String> = lines
+        .by_ref()
+        .filter(|l| l.starts_with("shared "))
+        .take(3)
+        .collect();
+    assert_eq!(shared.len(), 3, "{shared:?}");
+
+    let listed = Command::new(env!("CARGO_BIN_EXE_tensorwire-share"))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("list")
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    for name in ["layer.a", "layer.b", "tokens"] {
+        assert!(listing.contains(name), "{listing}");
+    }
+
+    let python = Command::new("python3")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../python/consume.py"))
+        .arg(&socket)
+        .arg("tokens")
+        .output();
+    match python {
+        Ok(out) => {
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                stdout.contains("tokens U8 (10,) 00010203040506070809"),
+                "{stdout}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Err(_) => eprintln!("SKIPPED the Python part: no python3"),
+    }
+
+    let last = Command::new(env!("CARGO_BIN_EXE_sender"))
+        .args([
+            "--connect",
+            &addr,
+            "--quiet",
+            "--dtype",
+            "U8",
+            "--shape",
+            "10",
+        ])
+        .arg(&blob)
+        .output()
+        .unwrap();
+    assert!(last.status.success());
+    assert!(receiver.wait().unwrap().success());
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use tensorwire::gpu::{DeviceRequest, Placement};
+use tensorwire::ipc::{ShareConfig, ShareService};
 use tensorwire::quic::{Receiver, ReceiverConfig};
 use tensorwire_examples::cli::{ServerTlsArgs, TransportArgs, init_logging, rate, size};
 use tensorwire_examples::save::SaveDir;
@@ -43,6 +44,11 @@ struct Args {
     /// Fail instead of falling back to host memory when there is no usable GPU.
     #[arg(long)]
     require_gpu: bool,
+    /// Share every received tensor with local processes on this Unix socket (its directory
+    /// is created with mode 0700). Tensors are published as host-memory copies: GPU export
+    /// is not implemented yet.
+    #[arg(long)]
+    share: Option<PathBuf>,
     /// Exit after this many tensors (0: run until interrupted).
     #[arg(long, default_value_t = 0)]
     count: u64,
@@ -69,6 +75,14 @@ async fn main() -> anyhow::Result<()> {
     println!("listening on {}", receiver.local_addr()?);
     println!("tensors land in {}", placement.describe());
     let mut save = args.save.as_deref().map(SaveDir::new).transpose()?;
+    let share = match &args.share {
+        Some(path) => {
+            let service = ShareService::start(path, ShareConfig::default())?;
+            println!("sharing tensors on {}", path.display());
+            Some(service)
+        }
+        None => None,
+    };
 
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let started = Instant::now();
@@ -107,6 +121,12 @@ async fn main() -> anyhow::Result<()> {
                             elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64()),
                             buffer.location()
                         );
+                        if let Some(service) = &share {
+                            match service.publish_host(&meta, &buffer.to_host()?) {
+                                Ok(shared) => println!("shared {} as {} (host memory)", meta.name(), shared.id()),
+                                Err(e) => eprintln!("not shared: {}: {e}", meta.name()),
+                            }
+                        }
                         if let Some(save) = save.as_mut()
                             && let Some(path) = save.add(meta, buffer.to_host()?)?
                         {

@@ -1,0 +1,81 @@
+//! The pure-Python consumer (`python/tensorwire_ipc`) against a real producer: it lists,
+//! maps a host tensor, writes it in place, and the producer sees the write.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tensorwire_ipc::{ShareConfig, ShareService};
+use tensorwire_proto::{DType, TensorMeta};
+
+fn consume_py() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../python/consume.py")
+}
+
+#[test]
+fn the_python_consumer_lists_maps_and_writes_in_place() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED the_python_consumer_lists_maps_and_writes_in_place: no python3"
+        );
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tensorwire-ipc-python-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = dir.join("share.sock");
+    let service = ShareService::start(&path, ShareConfig::default()).unwrap();
+    let bytes: Vec<u8> = (0..5000u32)
+        .map(|i| (i as u8).wrapping_mul(7) | 1)
+        .collect();
+    let meta = TensorMeta::new([50, 100], DType::U8)
+        .unwrap()
+        .with_name("weights");
+    let published = service.publish_host(&meta, &bytes).unwrap();
+
+    let listed = Command::new("python3")
+        .arg(consume_py())
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        listed.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    assert!(
+        stdout.contains("weights U8 [50, 100] 5000 leases 0"),
+        "{stdout}"
+    );
+
+    let wrote = Command::new("python3")
+        .arg(consume_py())
+        .arg(&path)
+        .args(["weights", "--triple"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&wrote.stdout);
+    assert!(
+        wrote.status.success() && stdout.contains("TRIPLED 5000"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&wrote.stderr)
+    );
+    let tripled: Vec<u8> = bytes.iter().map(|b| b.wrapping_mul(3)).collect();
+    assert_eq!(
+        published.bytes(),
+        &tripled[..],
+        "the producer sees the Python consumer's write"
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while service.list()[0].leases != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the Python consumer's lease never ended"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,102 @@
+//! Operator commands for a receiver's sharing socket: list, info, delete; and the local GPUs.
+//!
+//! `tensorwire-share --socket /run/tensorwire/share.sock list`
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use tensorwire::gpu::{GpuDevice, GpuStatus};
+use tensorwire::ipc::ShareClient;
+use tensorwire_examples::cli::size;
+
+/// Inspect and manage the tensors a receiver shares.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// The receiver's sharing socket (`receiver --share`).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Every shared tensor.
+    List,
+    /// One tensor, by name or id.
+    Info {
+        /// Name or id.
+        tensor: String,
+    },
+    /// Remove a tensor (deferred while consumers hold leases).
+    Delete {
+        /// Name or id.
+        tensor: String,
+    },
+    /// The GPUs of this host: name, memory, compute capability, UUID.
+    Devices,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let client = || -> anyhow::Result<ShareClient> {
+        let socket = args
+            .socket
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("--socket is required for this command"))?;
+        Ok(ShareClient::connect(socket)?)
+    };
+    match &args.command {
+        Command::List => {
+            for t in client()?.list()? {
+                let state = if t.deleting { " (deleting)" } else { "" };
+                println!(
+                    "{}  {:<32} {:>8} {:<16} {:>10}  leases {}{state}",
+                    t.id,
+                    t.name,
+                    t.dtype,
+                    format!("{:?}", t.shape),
+                    size(t.byte_len),
+                    t.leases
+                );
+            }
+        }
+        Command::Info { tensor } => println!(
+            "{}",
+            serde_json::to_string_pretty(&client()?.info(tensor)?)?
+        ),
+        Command::Delete { tensor } => {
+            let deferred = client()?.delete(tensor)?;
+            println!(
+                "{}",
+                if deferred {
+                    "deleted once its leases end"
+                } else {
+                    "deleted"
+                }
+            );
+        }
+        Command::Devices => {
+            let status = GpuStatus::detect();
+            if !status.is_available() {
+                println!("{status}");
+            }
+            for ordinal in 0..status.device_count() {
+                let device = GpuDevice::open(ordinal)?;
+                let info = device.info();
+                let (free, total) = device.memory()?;
+                let uuid: String = info.uuid.iter().map(|b| format!("{b:02x}")).collect();
+                println!(
+                    "cuda:{ordinal}  {}  {} free of {}  compute {}.{}  GPU-{uuid}",
+                    info.name,
+                    size(free as u64),
+                    size(total as u64),
+                    info.compute_capability.0,
+                    info.compute_capability.1
+                );
+            }
+        }
+    }
+    Ok(())
+}
