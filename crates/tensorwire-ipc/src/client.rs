@@ -83,7 +83,7 @@ impl ShareClient {
             ));
         };
         let memory = SharedMemory::from_fd(fd)?;
-        let end = descriptor.offset.checked_add(descriptor.byte_len);
+        let end = descriptor.offset.checked_add(descriptor.tensor.byte_len);
         if end.is_none_or(|end| end > memory.len() as u64) {
             return Err(IpcError::BadMessage(
                 "descriptor past the end of the shared memory".into(),
@@ -133,13 +133,13 @@ impl SharedTensor {
     /// The tensor's bytes (the producer and other consumers see the same memory).
     pub fn bytes(&self) -> &[u8] {
         let start = self.descriptor.offset as usize;
-        &self.memory.bytes()[start..start + self.descriptor.byte_len as usize]
+        &self.memory.bytes()[start..start + self.descriptor.tensor.byte_len as usize]
     }
 
     /// The tensor's bytes, writable in place.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         let start = self.descriptor.offset as usize;
-        let len = self.descriptor.byte_len as usize;
+        let len = self.descriptor.tensor.byte_len as usize;
         &mut self.memory.bytes_mut()[start..start + len]
     }
 }

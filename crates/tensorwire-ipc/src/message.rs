@@ -53,9 +53,9 @@ pub enum Export {
     CudaIpc,
 }
 
-/// What a listing shows of a tensor.
+/// What every listing and descriptor says about a tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Info {
+pub struct TensorFields {
     /// Registry id.
     pub id: uuid::Uuid,
     /// Name (unique in the registry).
@@ -64,10 +64,18 @@ pub struct Info {
     pub dtype: String,
     /// Shape.
     pub shape: Vec<u64>,
-    /// Bytes.
+    /// Bytes of the tensor.
     pub byte_len: u64,
     /// Export mode.
     pub export: Export,
+}
+
+/// What a listing shows of a tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Info {
+    /// Id, name, dtype, shape, length, export.
+    #[serde(flatten)]
+    pub tensor: TensorFields,
     /// Leases held now.
     pub leases: u64,
     /// Deleted, waiting for its last lease.
@@ -77,18 +85,9 @@ pub struct Info {
 /// What a consumer needs to map a tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Descriptor {
-    /// Registry id.
-    pub id: uuid::Uuid,
-    /// Name.
-    pub name: String,
-    /// dtype name.
-    pub dtype: String,
-    /// Shape.
-    pub shape: Vec<u64>,
-    /// Bytes of the tensor.
-    pub byte_len: u64,
-    /// Export mode.
-    pub export: Export,
+    /// Id, name, dtype, shape, length, export.
+    #[serde(flatten)]
+    pub tensor: TensorFields,
     /// Where the tensor starts in the exported memory.
     pub offset: u64,
     /// Bytes of the exported memory (what to map).

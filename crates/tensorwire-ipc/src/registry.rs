@@ -7,7 +7,7 @@ use tensorwire_proto::TensorMeta;
 use uuid::Uuid;
 
 use crate::memory::SharedMemory;
-use crate::message::{Descriptor, ErrorBody, ErrorCode, Export, Info};
+use crate::message::{Descriptor, ErrorBody, ErrorCode, Export, Info, TensorFields};
 
 /// A consumer connection's id.
 pub(crate) type ClientId = u64;
@@ -89,14 +89,20 @@ impl Registry {
             .or_else(|| self.names.get(tensor).copied())
     }
 
-    fn info(id: Uuid, entry: &Entry) -> Info {
-        Info {
+    fn fields(id: Uuid, entry: &Entry) -> TensorFields {
+        TensorFields {
             id,
             name: entry.meta.name().to_owned(),
             dtype: entry.meta.dtype().name().to_owned(),
             shape: entry.meta.shape().to_vec(),
             byte_len: entry.meta.byte_len(),
             export: Export::Host,
+        }
+    }
+
+    fn info(id: Uuid, entry: &Entry) -> Info {
+        Info {
+            tensor: Self::fields(id, entry),
             leases: entry.leases,
             deleting: entry.deleting,
         }
@@ -108,7 +114,7 @@ impl Registry {
             .iter()
             .map(|(id, e)| Self::info(*id, e))
             .collect();
-        all.sort_by(|a, b| a.name.cmp(&b.name));
+        all.sort_by(|a, b| a.tensor.name.cmp(&b.tensor.name));
         all
     }
 
@@ -148,12 +154,7 @@ impl Registry {
         self.next_lease += 1;
         self.leases.insert(lease, Lease { tensor: id, client });
         let descriptor = Descriptor {
-            id,
-            name: entry.meta.name().to_owned(),
-            dtype: entry.meta.dtype().name().to_owned(),
-            shape: entry.meta.shape().to_vec(),
-            byte_len: entry.meta.byte_len(),
-            export: Export::Host,
+            tensor: Self::fields(id, entry),
             offset: 0,
             alloc_len: entry.memory.len() as u64,
             device_uuid: None,

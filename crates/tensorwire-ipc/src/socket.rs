@@ -30,12 +30,7 @@ pub(crate) struct Received {
 impl Packets {
     /// Connects to the socket at `path`.
     pub(crate) fn connect(path: &Path) -> Result<Self, IpcError> {
-        let fd = rustix::net::socket_with(
-            AddressFamily::UNIX,
-            SocketType::SEQPACKET,
-            SocketFlags::CLOEXEC,
-            None,
-        )?;
+        let fd = seqpacket()?;
         rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)
             .map_err(|e| IpcError::Connect(format!("{}: {e}", path.display())))?;
         Ok(Self { fd })
@@ -108,6 +103,16 @@ impl Packets {
     }
 }
 
+/// A new close-on-exec Unix `SOCK_SEQPACKET` socket.
+fn seqpacket() -> Result<OwnedFd, IpcError> {
+    Ok(rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?)
+}
+
 /// A listening socket at `path`, in a directory created (or checked to be) mode 0700 and
 /// owned by this process's user.
 pub(crate) fn listen(path: &Path) -> Result<OwnedFd, IpcError> {
@@ -137,12 +142,7 @@ pub(crate) fn listen(path: &Path) -> Result<OwnedFd, IpcError> {
         )));
     }
     let _ = std::fs::remove_file(path);
-    let fd = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )?;
+    let fd = seqpacket()?;
     rustix::net::bind(&fd, &SocketAddrUnix::new(path)?)?;
     rustix::net::listen(&fd, 64)?;
     Ok(fd)

@@ -157,10 +157,17 @@ fn leases_defer_deletes_and_are_limited_per_consumer() {
     let _ = publish(&service, "a", 64);
     let _ = publish(&service, "b", 64);
     let client = ShareClient::connect(&path).unwrap();
-    let names: Vec<String> = client.list().unwrap().into_iter().map(|i| i.name).collect();
+    let names: Vec<String> = client
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|i| i.tensor.name)
+        .collect();
     assert_eq!(names, ["a", "b"]);
     let first = client.open("a").unwrap();
-    let by_id = client.open(&first.descriptor().id.to_string()).unwrap();
+    let by_id = client
+        .open(&first.descriptor().tensor.id.to_string())
+        .unwrap();
     assert_eq!(by_id.bytes(), first.bytes());
     assert_eq!(refused_code(client.open("b")), "lease_limit");
     assert_eq!(client.info("a").unwrap().leases, 2);
@@ -173,7 +180,12 @@ fn leases_defer_deletes_and_are_limited_per_consumer() {
     drop(first);
     assert_eq!(client.list().unwrap().len(), 2, "one lease still holds it");
     drop(by_id);
-    let names: Vec<String> = client.list().unwrap().into_iter().map(|i| i.name).collect();
+    let names: Vec<String> = client
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|i| i.tensor.name)
+        .collect();
     assert_eq!(names, ["b"], "gone with its last lease");
     assert!(
         !client.delete("b").unwrap(),

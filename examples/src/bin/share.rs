@@ -53,11 +53,11 @@ fn main() -> anyhow::Result<()> {
                 let state = if t.deleting { " (deleting)" } else { "" };
                 println!(
                     "{}  {:<32} {:>8} {:<16} {:>10}  leases {}{state}",
-                    t.id,
-                    t.name,
-                    t.dtype,
-                    format!("{:?}", t.shape),
-                    size(t.byte_len),
+                    t.tensor.id,
+                    t.tensor.name,
+                    t.tensor.dtype,
+                    format!("{:?}", t.tensor.shape),
+                    size(t.tensor.byte_len),
                     t.leases
                 );
             }
