@@ -123,8 +123,9 @@ pub struct TensorSender {
 impl TensorSender {
     /// Starts sending `meta`; queues METADATA. Fails if `meta` does not fit the wire format.
     pub fn new(meta: TensorMeta) -> Result<Self, ProtocolError> {
-        check_fits_wire(&meta)?;
-        let outgoing = VecDeque::from([Frame::Metadata(Metadata { meta: meta.clone() })]);
+        let metadata = Frame::Metadata(Metadata { meta: meta.clone() });
+        check_fits_wire(&meta, &metadata)?;
+        let outgoing = VecDeque::from([metadata]);
         Ok(Self {
             meta,
             state: SenderState::AwaitingDecision,
@@ -341,13 +342,13 @@ impl TensorSender {
 }
 
 /// Checks that `meta` fits the METADATA layout's field widths (spec §6.1).
-fn check_fits_wire(meta: &TensorMeta) -> Result<(), ProtocolError> {
+fn check_fits_wire(meta: &TensorMeta, metadata: &Frame) -> Result<(), ProtocolError> {
     let short = |s: &str| s.len() <= u16::MAX as usize;
     let fits = meta.shape().len() <= u8::MAX as usize
         && short(meta.name())
         && meta.attributes().len() <= u16::MAX as usize
         && meta.attributes().iter().all(|(k, v)| short(k) && short(v))
-        && Frame::from(meta.clone()).body_len() <= u32::MAX as usize;
+        && metadata.body_len() <= u32::MAX as usize;
     if fits {
         Ok(())
     } else {

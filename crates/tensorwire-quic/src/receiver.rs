@@ -377,7 +377,7 @@ impl Accepted {
         let config = &self.shared.config;
         let frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame())
             .await
-            .map_err(|_| timeout_error("METADATA", config.progress_timeout))??;
+            .map_err(|_| TransportError::timed_out("METADATA", config.progress_timeout))??;
         self.machine.handle_frame(frame)?;
         let meta = self
             .machine
@@ -413,7 +413,7 @@ impl Accepted {
                 )?;
                 Ok(None)
             }
-            Err(_) => Err(timeout_error(
+            Err(_) => Err(TransportError::timed_out(
                 "the application's decision",
                 config.admission_timeout,
             )),
@@ -429,10 +429,7 @@ impl Accepted {
     ) {
         let result = tokio::select! {
             result = self.receive_loop(sink, &progress) => result,
-            _ = cancel.cancelled() => Err(ProtocolError::Local {
-                code: ErrorCode::CANCELLED,
-                reason: "cancelled by the receiving application".into(),
-            }.into()),
+            _ = cancel.cancelled() => Err(TransportError::cancelled_by("receiving")),
         };
         self.end(result.as_ref().err()).await;
         let _ = done.send(result);
@@ -466,7 +463,7 @@ impl Accepted {
                     self.flush().await?;
                 }
                 frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame()) => {
-                    let frame = frame.map_err(|_| timeout_error("DATA", config.progress_timeout))??;
+                    let frame = frame.map_err(|_| TransportError::timed_out("DATA", config.progress_timeout))??;
                     match self.machine.handle_frame(frame)? {
                         ReceiverEvent::Data(data) => {
                             let n = data.payload.len() as u64;
@@ -505,8 +502,10 @@ impl Accepted {
     }
 
     async fn flush(&mut self) -> Result<(), TransportError> {
-        let frames: Vec<_> = std::iter::from_fn(|| self.machine.poll_frame()).collect();
-        self.stream.write_frames(frames).await
+        let machine = &mut self.machine;
+        self.stream
+            .write_frames(std::iter::from_fn(|| machine.poll_frame()))
+            .await
     }
 
     /// Tells the peer why (if the state machine has not already), returns unused credit,
@@ -556,12 +555,4 @@ impl Accepted {
             );
         }
     }
-}
-
-fn timeout_error(what: &str, after: Duration) -> TransportError {
-    ProtocolError::Local {
-        code: ErrorCode::PROGRESS_TIMEOUT,
-        reason: format!("no {what} within {:.1} s", after.as_secs_f64()),
-    }
-    .into()
 }

@@ -287,8 +287,7 @@ async fn send_tensor(
                 .map(ToString::to_string)
                 .unwrap_or_default();
             let _ = machine.cancel(code, reason);
-            let frames: Vec<_> = std::iter::from_fn(|| machine.poll_frame()).collect();
-            let _ = stream.write_frames(frames).await;
+            let _ = flush(&mut machine, &mut stream).await;
         }
         stream.close(code);
         outcome
@@ -316,13 +315,6 @@ async fn drive(
         progress_timeout,
         chunk_size,
     } = options;
-    let cancelled = || -> TransportError {
-        ProtocolError::Local {
-            code: ErrorCode::CANCELLED,
-            reason: "cancelled by the sending application".into(),
-        }
-        .into()
-    };
     let total = machine.meta().byte_len();
     let mut reader = SourceReader::open(source).await?;
     loop {
@@ -347,7 +339,7 @@ async fn drive(
             machine.send_data(chunk)?;
             tokio::select! {
                 written = flush(machine, stream) => written?,
-                _ = cancel.cancelled() => return Err(cancelled()),
+                _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),
             }
             sent.store(machine.sent(), Ordering::Relaxed);
         }
@@ -356,13 +348,9 @@ async fn drive(
         }
         flush(machine, stream).await?;
         let frame = tokio::select! {
-            frame = tokio::time::timeout(progress_timeout, stream.next_frame()) => frame.map_err(|_| {
-                TransportError::from(ProtocolError::Local {
-                    code: ErrorCode::PROGRESS_TIMEOUT,
-                    reason: format!("no frame from the receiver within {:.1} s", progress_timeout.as_secs_f64()),
-                })
-            })??,
-            _ = cancel.cancelled() => return Err(cancelled()),
+            frame = tokio::time::timeout(progress_timeout, stream.next_frame()) => frame
+                .map_err(|_| TransportError::timed_out("frame from the receiver", progress_timeout))??,
+            _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),
         };
         if machine.handle_frame(frame)? == SenderEvent::Complete {
             return Ok(());
@@ -371,8 +359,9 @@ async fn drive(
 }
 
 async fn flush(machine: &mut TensorSender, stream: &mut FrameStream) -> Result<(), TransportError> {
-    let frames: Vec<_> = std::iter::from_fn(|| machine.poll_frame()).collect();
-    stream.write_frames(frames).await
+    stream
+        .write_frames(std::iter::from_fn(|| machine.poll_frame()))
+        .await
 }
 
 /// When the receiver stopped the stream, its CANCEL or REJECT says why: read it if it came.

@@ -79,6 +79,20 @@ fn sender_config(pki: &Pki, identity: Option<&str>) -> SenderConfig {
     }
 }
 
+/// The error a refused client sees: at connect, or, since a TLS 1.3 client may finish its
+/// handshake before the server rejects its certificate, on its first tensor.
+async fn refusal(addr: std::net::SocketAddr, config: SenderConfig) -> String {
+    match Sender::connect(addr, config).await {
+        Err(e) => e.to_string(),
+        Ok(tx) => tx
+            .send(u8_meta("x", 10), pattern(10, 1))
+            .finished()
+            .await
+            .unwrap_err()
+            .to_string(),
+    }
+}
+
 #[tokio::test]
 async fn pem_certificates_from_a_ca_work() {
     let pki = Pki::new("plain");
@@ -109,33 +123,14 @@ async fn mutual_tls_admits_only_clients_of_the_configured_ca() {
     let addr = rx.local_addr().unwrap();
 
     // No client certificate: the handshake fails; nothing reaches the application.
-    let anonymous = Sender::connect(addr, sender_config(&pki, None)).await;
-    let anonymous_error = match anonymous {
-        Err(e) => e.to_string(),
-        // TLS 1.3 clients may finish before the server rejects them: the first tensor fails.
-        Ok(tx) => tx
-            .send(u8_meta("x", 10), pattern(10, 1))
-            .finished()
-            .await
-            .unwrap_err()
-            .to_string(),
-    };
+    let anonymous_error = refusal(addr, sender_config(&pki, None)).await;
     assert!(
         anonymous_error.to_lowercase().contains("certificate"),
         "{anonymous_error}"
     );
 
     // A certificate from another CA: refused too.
-    let rogue = Sender::connect(addr, sender_config(&pki, Some("rogue-client"))).await;
-    let rogue_error = match rogue {
-        Err(e) => e.to_string(),
-        Ok(tx) => tx
-            .send(u8_meta("x", 10), pattern(10, 1))
-            .finished()
-            .await
-            .unwrap_err()
-            .to_string(),
-    };
+    let rogue_error = refusal(addr, sender_config(&pki, Some("rogue-client"))).await;
     assert!(
         rogue_error.to_lowercase().contains("certificate") || rogue_error.contains("UnknownIssuer"),
         "{rogue_error}"

@@ -121,14 +121,16 @@ async fn main() -> anyhow::Result<()> {
                             elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64()),
                             buffer.location()
                         );
-                        if let Some(service) = &share {
-                            match service.publish_host(&meta, &buffer.to_host()?) {
+                        // One host copy serves sharing and saving (a device-to-host copy for GPU tensors).
+                        let host = if share.is_some() || save.is_some() { Some(buffer.to_host()?) } else { None };
+                        if let (Some(service), Some(host)) = (&share, &host) {
+                            match service.publish_host(&meta, host) {
                                 Ok(shared) => println!("shared {} as {} (host memory)", meta.name(), shared.id()),
                                 Err(e) => eprintln!("not shared: {}: {e}", meta.name()),
                             }
                         }
-                        if let Some(save) = save.as_mut()
-                            && let Some(path) = save.add(meta, buffer.to_host()?)?
+                        if let (Some(save), Some(host)) = (save.as_mut(), host)
+                            && let Some(path) = save.add(meta, host)?
                         {
                             println!("saved {}", path.display());
                         }
