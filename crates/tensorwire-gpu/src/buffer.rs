@@ -183,28 +183,33 @@ mod with_cuda {
             })
         }
 
-        pub(crate) fn from_pool(memory: Pooled<DeviceAllocation>, len: usize) -> Self {
+        /// The first `len` bytes of a pool buffer; the buffer goes back to its pool when
+        /// this is dropped.
+        pub fn from_pool(memory: Pooled<DeviceAllocation>, len: usize) -> Self {
             Self {
                 memory: Memory::Pooled(PooledDevice(memory)),
                 len,
             }
         }
 
-        pub(crate) fn from_owned(memory: DeviceAllocation, len: usize) -> Self {
+        /// The first `len` bytes of an allocation of its own.
+        pub fn from_owned(memory: DeviceAllocation, len: usize) -> Self {
             Self {
                 memory: Memory::Owned(memory),
                 len,
             }
         }
 
-        pub(crate) fn allocation(&self) -> &DeviceAllocation {
+        /// The allocation holding the bytes (from offset 0; it may be longer): what sharing
+        /// exports.
+        pub fn allocation(&self) -> &DeviceAllocation {
             match &self.memory {
                 Memory::Owned(a) => a,
                 Memory::Pooled(p) => &p.0,
             }
         }
 
-        fn allocation_mut(&mut self) -> &mut DeviceAllocation {
+        pub(crate) fn allocation_mut(&mut self) -> &mut DeviceAllocation {
             match &mut self.memory {
                 Memory::Owned(a) => a,
                 Memory::Pooled(p) => &mut p.0,
@@ -254,6 +259,28 @@ mod with_cuda {
             let mut out = vec![0u8; self.len];
             self.allocation().copy_to_host(0, &mut out)?;
             Ok(out)
+        }
+
+        /// Copies `dst.len()` bytes from byte `offset` of this buffer into `dst`.
+        pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), GpuError> {
+            self.check(offset, dst.len())?;
+            self.allocation().copy_to_host(offset, dst)
+        }
+
+        /// Copies `src` to byte `offset` of this buffer.
+        pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<(), GpuError> {
+            self.check(offset, src.len())?;
+            self.allocation_mut().copy_from_host(offset, src)
+        }
+
+        fn check(&self, offset: usize, len: usize) -> Result<(), GpuError> {
+            match offset.checked_add(len) {
+                Some(end) if end <= self.len => Ok(()),
+                _ => Err(GpuError::Bounds(format!(
+                    "bytes [{offset}, {offset}+{len}) outside a {}-byte buffer",
+                    self.len
+                ))),
+            }
         }
 
         /// Sets every byte to `value` (tests poison destinations with it).

@@ -52,6 +52,12 @@ pub enum GpuError {
     /// Lengths or offsets do not fit.
     #[error("{0}")]
     Bounds(String),
+    /// This memory cannot be shared the way asked.
+    #[error("cannot export: {0}")]
+    NotExportable(String),
+    /// No GPU of this host has the UUID a descriptor names.
+    #[error("no GPU with UUID {0} on this host (is it hidden by CUDA_VISIBLE_DEVICES?)")]
+    UnknownDevice(String),
 }
 
 impl GpuError {
@@ -64,7 +70,10 @@ impl GpuError {
             GpuError::NotCompiled | GpuError::NoDriver(_) | GpuError::NoDevice { .. } => {
                 ErrorCode::UNSUPPORTED_DEVICE
             }
-            GpuError::Cuda { .. } | GpuError::Bounds(_) => ErrorCode::SINK_FAILED,
+            GpuError::Cuda { .. }
+            | GpuError::Bounds(_)
+            | GpuError::NotExportable(_)
+            | GpuError::UnknownDevice(_) => ErrorCode::SINK_FAILED,
         }
     }
 }

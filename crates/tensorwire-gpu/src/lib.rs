@@ -30,11 +30,14 @@ mod status;
 
 pub use buffer::{AllocateBuffer, CudaBuffer, TensorBuffer};
 #[cfg(feature = "cuda")]
-pub use cuda::{DeviceAllocation, DeviceInfo, GpuDevice, PinnedAllocation};
+pub use cuda::{
+    DeviceAllocation, DeviceInfo, DeviceMemoryKind, GpuDevice, IPC_HANDLE_LEN, ImportedMemory,
+    IpcHandle, PinnedAllocation,
+};
 pub use error::GpuError;
 pub use placement::{DeviceRequest, Placement, TensorSink};
 pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 pub use receiver::{GpuReceiverEvent, GpuTensorReceiver};
 #[cfg(feature = "cuda")]
 pub use sink::{GpuMemoryPool, GpuSink, PinnedMemoryPool, PooledGpuReceiver, STAGING_BUFFER};
-pub use status::GpuStatus;
+pub use status::{GpuStatus, gpus_or_skip};

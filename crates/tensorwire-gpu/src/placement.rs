@@ -55,6 +55,16 @@ impl Placement {
     /// Resolves `request`: a GPU when asked for (or, with `Auto`, when one exists), else host
     /// memory with a warning. With `require_gpu`, no GPU is an error instead.
     pub fn choose(request: DeviceRequest, require_gpu: bool) -> Result<Placement, GpuError> {
+        Self::choose_shareable(request, require_gpu, false)
+    }
+
+    /// As [`choose`](Self::choose); with `shareable`, GPU tensors land in VMM memory that
+    /// `tensorwire-ipc` can share with other processes with no copy.
+    pub fn choose_shareable(
+        request: DeviceRequest,
+        require_gpu: bool,
+        shareable: bool,
+    ) -> Result<Placement, GpuError> {
         let status = GpuStatus::detect();
         let ordinal = match request {
             DeviceRequest::Host if require_gpu => {
@@ -68,7 +78,7 @@ impl Placement {
             DeviceRequest::Auto => 0,
             DeviceRequest::Cuda(n) => n,
         };
-        match Self::open_gpu(ordinal) {
+        match Self::open_gpu(ordinal, shareable) {
             Ok(placement) => Ok(placement),
             Err(e) if require_gpu => Err(e),
             Err(e) => {
@@ -83,12 +93,17 @@ impl Placement {
     }
 
     #[cfg(feature = "cuda")]
-    fn open_gpu(ordinal: usize) -> Result<Placement, GpuError> {
-        crate::sink::PooledGpuReceiver::with_defaults(ordinal).map(Placement::Gpu)
+    fn open_gpu(ordinal: usize, shareable: bool) -> Result<Placement, GpuError> {
+        let kind = if shareable {
+            crate::cuda::DeviceMemoryKind::Vmm
+        } else {
+            crate::cuda::DeviceMemoryKind::Legacy
+        };
+        crate::sink::PooledGpuReceiver::with_defaults_of_kind(ordinal, kind).map(Placement::Gpu)
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn open_gpu(_ordinal: usize) -> Result<Placement, GpuError> {
+    fn open_gpu(_ordinal: usize, _shareable: bool) -> Result<Placement, GpuError> {
         Err(GpuError::NotCompiled)
     }
 

@@ -110,6 +110,9 @@ pub trait Allocation: Send + 'static {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Called when the pool hands this buffer out again.
+    fn reused(&mut self) {}
 }
 
 type Allocator<A> = Box<dyn Fn(usize) -> Result<A, GpuError> + Send + Sync>;
@@ -207,7 +210,8 @@ impl<A: Allocation> MemoryPool<A> {
         let mut released = Vec::new();
         {
             let mut state = self.lock();
-            if let Some(buffer) = state.free.get_mut(&class).and_then(Vec::pop) {
+            if let Some(mut buffer) = state.free.get_mut(&class).and_then(Vec::pop) {
+                buffer.reused();
                 state.stats.hits += 1;
                 state.stats.available_buffers -= 1;
                 state.stats.in_use_buffers += 1;

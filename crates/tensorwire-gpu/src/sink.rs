@@ -10,7 +10,7 @@ use tensorwire_quic::{CreditPermit, Sink, SinkError};
 use tokio::sync::Notify;
 
 use crate::buffer::CudaBuffer;
-use crate::cuda::{DeviceAllocation, GpuDevice, PinnedAllocation};
+use crate::cuda::{DeviceAllocation, DeviceMemoryKind, GpuDevice, PinnedAllocation};
 use crate::error::GpuError;
 use crate::pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 
@@ -34,11 +34,21 @@ impl MemoryPool<PinnedAllocation> {
 }
 
 impl MemoryPool<DeviceAllocation> {
-    /// A pool of memory on `device`.
+    /// A pool of `cuMemAlloc` memory on `device`.
     pub fn for_device(device: &Arc<GpuDevice>, config: PoolConfig) -> Result<Self, GpuError> {
+        Self::for_device_with_kind(device, config, DeviceMemoryKind::Legacy)
+    }
+
+    /// A pool of memory of `kind` on `device`. VMM buffers are rounded up to the allocation
+    /// granularity (2 MiB on Hopper), so give such a pool a `min_buffer` of at least that.
+    pub fn for_device_with_kind(
+        device: &Arc<GpuDevice>,
+        config: PoolConfig,
+        kind: DeviceMemoryKind,
+    ) -> Result<Self, GpuError> {
         let device = device.clone();
         MemoryPool::new("device", config, move |size| {
-            DeviceAllocation::new(&device, size)
+            DeviceAllocation::with_kind(&device, size, kind)
         })
     }
 }
@@ -50,12 +60,24 @@ pub struct PooledGpuReceiver {
     device: Arc<GpuDevice>,
     staging: PinnedMemoryPool,
     memory: GpuMemoryPool,
+    kind: DeviceMemoryKind,
 }
 
 impl PooledGpuReceiver {
     /// Opens CUDA device `ordinal` with the given pool sizes; staging buffers are all
     /// [`STAGING_BUFFER`] bytes, the only size the sink asks for.
     pub fn new(ordinal: usize, staging: PoolConfig, memory: PoolConfig) -> Result<Self, GpuError> {
+        Self::with_memory_kind(ordinal, staging, memory, DeviceMemoryKind::Legacy)
+    }
+
+    /// As [`new`](Self::new), with tensors landing in memory of `kind`: VMM memory can be
+    /// shared with other processes as an fd with no copy (`tensorwire-ipc`).
+    pub fn with_memory_kind(
+        ordinal: usize,
+        staging: PoolConfig,
+        memory: PoolConfig,
+        kind: DeviceMemoryKind,
+    ) -> Result<Self, GpuError> {
         let device = GpuDevice::open(ordinal)?;
         let staging = PoolConfig {
             min_buffer: STAGING_BUFFER,
@@ -64,19 +86,29 @@ impl PooledGpuReceiver {
         };
         Ok(Self {
             staging: PinnedMemoryPool::for_device(&device, staging)?,
-            memory: GpuMemoryPool::for_device(&device, memory)?,
+            memory: GpuMemoryPool::for_device_with_kind(&device, memory, kind)?,
+            kind,
             device,
         })
     }
 
     /// Defaults: 128 MiB of pinned staging allocated up front, the default device pool.
     pub fn with_defaults(ordinal: usize) -> Result<Self, GpuError> {
+        Self::with_defaults_of_kind(ordinal, DeviceMemoryKind::Legacy)
+    }
+
+    /// The defaults, with tensors landing in memory of `kind` (VMM buffers start at 2 MiB).
+    pub fn with_defaults_of_kind(ordinal: usize, kind: DeviceMemoryKind) -> Result<Self, GpuError> {
         let staging = PoolConfig {
             max_pool_bytes: 128 << 20,
             preallocate: true,
             ..PoolConfig::default()
         };
-        Self::new(ordinal, staging, PoolConfig::default())
+        let mut memory = PoolConfig::default();
+        if kind == DeviceMemoryKind::Vmm {
+            memory.min_buffer = memory.min_buffer.max(2 << 20);
+        }
+        Self::with_memory_kind(ordinal, staging, memory, kind)
     }
 
     /// The device tensors land on.
@@ -113,7 +145,10 @@ impl PooledGpuReceiver {
                     bytes = len,
                     "device pool full or buffer too large: allocating directly"
                 );
-                CudaBuffer::from_owned(DeviceAllocation::new(&self.device, len)?, len)
+                CudaBuffer::from_owned(
+                    DeviceAllocation::with_kind(&self.device, len, self.kind)?,
+                    len,
+                )
             }
         };
         Ok(GpuSink::new(

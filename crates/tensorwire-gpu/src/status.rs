@@ -46,6 +46,23 @@ impl GpuStatus {
     }
 }
 
+/// For GPU tests: the number of GPUs, or `None` after printing `SKIPPED <test>: <reason>` to
+/// stderr (past the test harness's capture, so CI logs show every skip). With
+/// `TENSORWIRE_REQUIRE_GPU=1` (a GPU host) a missing GPU panics instead: no silent skips there.
+#[doc(hidden)]
+pub fn gpus_or_skip(test: &str) -> Option<usize> {
+    use std::io::Write;
+    let status = GpuStatus::detect();
+    if status.is_available() {
+        return Some(status.device_count());
+    }
+    if std::env::var("TENSORWIRE_REQUIRE_GPU").as_deref() == Ok("1") {
+        panic!("TENSORWIRE_REQUIRE_GPU=1 but {status}");
+    }
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {status}");
+    None
+}
+
 impl fmt::Display for GpuStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -13,19 +13,9 @@ use tensorwire_gpu::{DeviceRequest, GpuError, GpuStatus, Placement, TensorBuffer
 use tensorwire_proto::{DType, Device, TensorMeta};
 use tensorwire_quic::{Receiver, ReceiverConfig, Sender, SenderConfig, TransportSettings};
 
-/// The number of GPUs, or `None` after printing why the test skips.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // Only the GPU tests call it.
 fn gpus(test: &str) -> Option<usize> {
-    let status = GpuStatus::detect();
-    if status.is_available() {
-        return Some(status.device_count());
-    }
-    if std::env::var("TENSORWIRE_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("TENSORWIRE_REQUIRE_GPU=1 but {status}");
-    }
-    // Written past the test harness's capture, so CI logs show every skip and its reason.
-    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {status}");
-    None
+    tensorwire_gpu::gpus_or_skip(test)
 }
 
 /// Deterministic bytes, different per seed, never all zero.

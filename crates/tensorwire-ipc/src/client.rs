@@ -1,11 +1,12 @@
 //! The consumer's side: list and open tensors a producer shares; leases end on drop.
 
+use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::IpcError;
 use crate::memory::SharedMemory;
-use crate::message::{Descriptor, Info, PROTOCOL_VERSION, Reply, Request};
+use crate::message::{Descriptor, Export, Info, PROTOCOL_VERSION, Reply, Request};
 use crate::socket::{Packets, Received};
 
 /// A connection to a producer's sharing socket.
@@ -16,7 +17,7 @@ pub struct ShareClient {
 fn exchange(
     packets: &Mutex<Packets>,
     request: &Request,
-) -> Result<(Reply, Option<std::os::fd::OwnedFd>), IpcError> {
+) -> Result<(Reply, Option<OwnedFd>), IpcError> {
     let packets = packets.lock().unwrap_or_else(PoisonError::into_inner);
     let bytes = serde_json::to_vec(request).map_err(|e| IpcError::BadMessage(e.to_string()))?;
     packets.send(&bytes, None)?;
@@ -69,32 +70,46 @@ impl ShareClient {
         .ok_or_else(|| IpcError::BadMessage("info reply without a tensor".into()))
     }
 
-    /// Maps a tensor, holding a lease until the returned value is dropped.
+    /// Maps a tensor, holding a lease until the returned value is dropped. GPU memory is
+    /// mapped for the GPU that holds it (found by UUID).
     pub fn open(&self, tensor: &str) -> Result<SharedTensor, IpcError> {
+        self.open_inner(tensor, Access::Owner)
+    }
+
+    /// As [`open`](Self::open), and for VMM exports also readable and writable by every GPU
+    /// of this process (peer access across GPUs of one host).
+    pub fn open_for_all_gpus(&self, tensor: &str) -> Result<SharedTensor, IpcError> {
+        self.open_inner(tensor, Access::AllGpus)
+    }
+
+    fn open_inner(&self, tensor: &str, access: Access) -> Result<SharedTensor, IpcError> {
         let (reply, fd) = exchange(
             &self.packets,
             &Request::Open {
                 tensor: tensor.into(),
             },
         )?;
-        let (Some(lease), Some(descriptor), Some(fd)) = (reply.lease, reply.descriptor, fd) else {
+        let (Some(lease), Some(descriptor)) = (reply.lease, reply.descriptor) else {
             return Err(IpcError::BadMessage(
-                "open reply without lease, descriptor and fd".into(),
+                "open reply without lease and descriptor".into(),
             ));
         };
-        let memory = SharedMemory::from_fd(fd)?;
-        let end = descriptor.offset.checked_add(descriptor.tensor.byte_len);
-        if end.is_none_or(|end| end > memory.len() as u64) {
-            return Err(IpcError::BadMessage(
-                "descriptor past the end of the shared memory".into(),
-            ));
-        }
-        Ok(SharedTensor {
+        // From here on the lease is ours: a failed mapping must still give it back.
+        let mut opened = SharedTensor {
             descriptor,
             lease,
-            memory,
+            mapping: None,
             packets: self.packets.clone(),
-        })
+        };
+        let descriptor = &opened.descriptor;
+        let end = descriptor.offset.checked_add(descriptor.tensor.byte_len);
+        if end.is_none_or(|end| end > descriptor.alloc_len) {
+            return Err(IpcError::BadMessage(
+                "descriptor: the tensor lies past the end of the shared memory".into(),
+            ));
+        }
+        opened.mapping = Some(Mapping::open(descriptor, fd, access)?);
+        Ok(opened)
     }
 
     /// Deletes a tensor; `Ok(true)` if deferred until its leases end.
@@ -111,11 +126,93 @@ impl ShareClient {
     }
 }
 
+#[derive(Clone, Copy)]
+enum Access {
+    Owner,
+    AllGpus,
+}
+
+/// What a lease maps: host memory, or GPU memory.
+enum Mapping {
+    Host(SharedMemory),
+    #[cfg(feature = "cuda")]
+    Device(tensorwire_gpu::ImportedMemory),
+}
+
+impl Mapping {
+    fn open(
+        descriptor: &Descriptor,
+        fd: Option<OwnedFd>,
+        access: Access,
+    ) -> Result<Self, IpcError> {
+        let missing_fd = || IpcError::BadMessage("open reply without its descriptor".into());
+        match descriptor.tensor.export {
+            Export::Host => {
+                let memory = SharedMemory::from_fd(fd.ok_or_else(missing_fd)?)?;
+                if (memory.len() as u64) < descriptor.alloc_len {
+                    return Err(IpcError::BadMessage(
+                        "the shared memory is shorter than the descriptor says".into(),
+                    ));
+                }
+                Ok(Mapping::Host(memory))
+            }
+            #[cfg(feature = "cuda")]
+            export => Self::open_device(descriptor, fd, access, export),
+            #[cfg(not(feature = "cuda"))]
+            _ => {
+                let _ = (fd, access);
+                Err(IpcError::NoCuda("GPU"))
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn open_device(
+        descriptor: &Descriptor,
+        fd: Option<OwnedFd>,
+        access: Access,
+        export: Export,
+    ) -> Result<Self, IpcError> {
+        use tensorwire_gpu::{GpuDevice, ImportedMemory, IpcHandle};
+        let uuid = descriptor
+            .device_uuid
+            .as_deref()
+            .ok_or_else(|| IpcError::BadMessage("GPU descriptor without device_uuid".into()))?;
+        let device = GpuDevice::open_by_uuid(uuid)?;
+        let len = usize::try_from(descriptor.alloc_len)
+            .map_err(|_| IpcError::BadMessage("alloc_len past the address space".into()))?;
+        let memory = match export {
+            Export::Vmm => {
+                let fd =
+                    fd.ok_or_else(|| IpcError::BadMessage("vmm reply without an fd".into()))?;
+                let peers = match access {
+                    Access::Owner => Vec::new(),
+                    Access::AllGpus => GpuDevice::all()?,
+                };
+                ImportedMemory::import_fd(&fd, len, &device, &peers)?
+            }
+            _ => {
+                drop(fd);
+                let handle = descriptor
+                    .handle
+                    .as_ref()
+                    .and_then(|h| h.to_bytes())
+                    .ok_or_else(|| {
+                        IpcError::BadMessage("cuda_ipc descriptor without a 64-byte handle".into())
+                    })?;
+                ImportedMemory::open_ipc_handle(&IpcHandle(handle), len, &device)?
+            }
+        };
+        Ok(Mapping::Device(memory))
+    }
+}
+
 /// A mapped tensor under a lease; dropping it unmaps and releases the lease.
 pub struct SharedTensor {
     descriptor: Descriptor,
     lease: u64,
-    memory: SharedMemory,
+    /// `None` only while opening, or after drop began (unmapped before the lease ends).
+    mapping: Option<Mapping>,
     packets: Arc<Mutex<Packets>>,
 }
 
@@ -130,22 +227,104 @@ impl SharedTensor {
         self.lease
     }
 
-    /// The tensor's bytes (the producer and other consumers see the same memory).
-    pub fn bytes(&self) -> &[u8] {
+    fn range(&self) -> (usize, usize) {
         let start = self.descriptor.offset as usize;
-        &self.memory.bytes()[start..start + self.descriptor.tensor.byte_len as usize]
+        (start, start + self.descriptor.tensor.byte_len as usize)
     }
 
-    /// The tensor's bytes, writable in place.
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        let start = self.descriptor.offset as usize;
-        let len = self.descriptor.tensor.byte_len as usize;
-        &mut self.memory.bytes_mut()[start..start + len]
+    /// A host tensor's bytes (the producer and other consumers see the same memory); `None`
+    /// for a GPU tensor.
+    pub fn host_bytes(&self) -> Option<&[u8]> {
+        let (start, end) = self.range();
+        match &self.mapping {
+            Some(Mapping::Host(memory)) => Some(&memory.bytes()[start..end]),
+            _ => None,
+        }
+    }
+
+    /// A host tensor's bytes, writable in place; `None` for a GPU tensor.
+    pub fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        let (start, end) = self.range();
+        match &mut self.mapping {
+            Some(Mapping::Host(memory)) => Some(&mut memory.bytes_mut()[start..end]),
+            _ => None,
+        }
+    }
+
+    /// A GPU tensor's device address in this process (the offset already added), and the
+    /// device it is on; `None` for a host tensor.
+    #[cfg(feature = "cuda")]
+    pub fn device_ptr(&self) -> Option<(u64, &Arc<tensorwire_gpu::GpuDevice>)> {
+        match &self.mapping {
+            Some(Mapping::Device(memory)) => Some((
+                memory.device_ptr() + self.descriptor.offset,
+                memory.device(),
+            )),
+            _ => None,
+        }
+    }
+
+    /// Copies the tensor into `dst` (exactly as long) on any GPU of this process: across
+    /// GPUs, open with [`ShareClient::open_for_all_gpus`] for VMM exports.
+    #[cfg(feature = "cuda")]
+    pub fn copy_to_device(&self, dst: &mut tensorwire_gpu::CudaBuffer) -> Result<(), IpcError> {
+        let (start, end) = self.range();
+        if dst.len() != end - start {
+            return Err(IpcError::BadMessage(format!(
+                "a {}-byte tensor into a {}-byte buffer",
+                end - start,
+                dst.len()
+            )));
+        }
+        match &self.mapping {
+            Some(Mapping::Device(memory)) => Ok(memory.copy_to_device(start, dst)?),
+            Some(Mapping::Host(memory)) => Ok(dst.copy_from_host(&memory.bytes()[start..end])?),
+            None => Err(IpcError::Closed),
+        }
+    }
+
+    /// A copy of the tensor's bytes in host memory (from the GPU for a GPU tensor).
+    pub fn read_to_vec(&self) -> Result<Vec<u8>, IpcError> {
+        let (start, end) = self.range();
+        match &self.mapping {
+            Some(Mapping::Host(memory)) => Ok(memory.bytes()[start..end].to_vec()),
+            #[cfg(feature = "cuda")]
+            Some(Mapping::Device(memory)) => {
+                let mut out = vec![0u8; end - start];
+                memory.copy_to_host(start, &mut out)?;
+                Ok(out)
+            }
+            None => Err(IpcError::Closed),
+        }
+    }
+
+    /// Overwrites the tensor's bytes in place with `src` (exactly its length): the producer
+    /// and other consumers see the write.
+    pub fn write_from(&mut self, src: &[u8]) -> Result<(), IpcError> {
+        let (start, end) = self.range();
+        if src.len() != end - start {
+            return Err(IpcError::BadMessage(format!(
+                "{} bytes for a {}-byte tensor",
+                src.len(),
+                end - start
+            )));
+        }
+        match &mut self.mapping {
+            Some(Mapping::Host(memory)) => {
+                memory.bytes_mut()[start..end].copy_from_slice(src);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Some(Mapping::Device(memory)) => Ok(memory.copy_from_host(start, src)?),
+            None => Err(IpcError::Closed),
+        }
     }
 }
 
 impl Drop for SharedTensor {
     fn drop(&mut self) {
+        // Unmap first: the producer may free the memory as soon as the lease ends.
+        drop(self.mapping.take());
         if let Err(e) = exchange(&self.packets, &Request::Release { lease: self.lease }) {
             tracing::warn!(error = %e, lease = self.lease, "releasing a lease failed");
         }

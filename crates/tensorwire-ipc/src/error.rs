@@ -29,6 +29,13 @@ pub enum IpcError {
     /// A system call failed.
     #[error("IO: {0}")]
     Io(#[from] std::io::Error),
+    /// The tensor is in GPU memory and this build has no CUDA (the `cuda` feature is off).
+    #[error("{0} tensors need the `cuda` feature")]
+    NoCuda(&'static str),
+    /// A CUDA call failed (exporting, importing or copying device memory).
+    #[cfg(feature = "cuda")]
+    #[error("GPU: {0}")]
+    Gpu(#[from] tensorwire_gpu::GpuError),
 }
 
 impl From<rustix::io::Errno> for IpcError {

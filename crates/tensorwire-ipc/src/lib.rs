@@ -5,11 +5,15 @@
 //! a [`ShareClient`], list them and [`open`](ShareClient::open) them under leases, mapping the
 //! same memory. The protocol is in `spec/ipc.md`.
 //!
-//! This version shares host memory (a memfd passed with `SCM_RIGHTS`); the GPU export modes
-//! of the spec (VMM fds, legacy CUDA IPC handles) are not implemented yet.
+//! Three export modes, tagged in every descriptor: host memory (a memfd passed with
+//! `SCM_RIGHTS`, so everything works without a GPU), and with the `cuda` feature GPU memory
+//! as a VMM fd (`cuMemCreate` memory, e.g. a receiver's pool built with
+//! [`DeviceMemoryKind::Vmm`](tensorwire_gpu::DeviceMemoryKind)) or a legacy CUDA IPC handle
+//! plus offset (`cuMemAlloc` memory), which PyTorch and CuPy can open.
 
 mod client;
 mod error;
+mod exported;
 mod memory;
 mod message;
 mod registry;
@@ -20,5 +24,6 @@ pub use client::{ShareClient, SharedTensor};
 pub use error::IpcError;
 pub use message::{
     Descriptor, ErrorBody, ErrorCode, Export, Info, MAX_MESSAGE, PROTOCOL_VERSION, Reply, Request,
+    SecretHandle, TensorFields,
 };
 pub use service::{PublishedTensor, ShareConfig, ShareService};

@@ -53,6 +53,17 @@ pub enum Export {
     CudaIpc,
 }
 
+impl Export {
+    /// The wire name: `host`, `vmm` or `cuda_ipc`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Export::Host => "host",
+            Export::Vmm => "vmm",
+            Export::CudaIpc => "cuda_ipc",
+        }
+    }
+}
+
 /// What every listing and descriptor says about a tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorFields {
@@ -96,6 +107,41 @@ pub struct Descriptor {
     pub device_uuid: Option<String>,
     /// Reuses of the underlying buffer.
     pub generation: u64,
+    /// For `cuda_ipc`: the allocation's 64-byte legacy IPC handle (add `offset`!).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handle: Option<SecretHandle>,
+}
+
+/// A legacy CUDA IPC handle in hex: a bearer secret, so `Debug` does not show it.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SecretHandle(String);
+
+impl SecretHandle {
+    /// The hex form of `bytes`.
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        Self(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// The handle's bytes; `None` unless it is 64 bytes of hex.
+    pub fn to_bytes(&self) -> Option<[u8; 64]> {
+        let text = self.0.as_bytes();
+        if text.len() != 128 {
+            return None;
+        }
+        let mut out = [0u8; 64];
+        for (byte, pair) in out.iter_mut().zip(text.chunks_exact(2)) {
+            let pair = std::str::from_utf8(pair).ok()?;
+            *byte = u8::from_str_radix(pair, 16).ok()?;
+        }
+        Some(out)
+    }
+}
+
+impl std::fmt::Debug for SecretHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
 }
 
 /// An error reply's code (spec/ipc.md §2). Open: unknown codes are kept.
@@ -192,5 +238,30 @@ impl Reply {
             }),
             ..Self::ok()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_handle_round_trips_through_hex_and_never_shows_in_debug() {
+        let bytes: [u8; 64] = std::array::from_fn(|i| (i * 7 + 1) as u8);
+        let handle = SecretHandle::from_bytes(&bytes);
+        assert_eq!(handle.to_bytes(), Some(bytes));
+        let shown = format!("{handle:?}");
+        assert!(!shown.contains("010815"), "{shown}");
+        assert_eq!(SecretHandle("zz".repeat(64)).to_bytes(), None);
+        assert_eq!(SecretHandle("01".into()).to_bytes(), None);
+    }
+
+    #[test]
+    fn a_descriptor_without_a_handle_still_parses() {
+        let json = r#"{"id":"67e55044-10b1-426f-9247-bb680e5fe0c8","name":"w","dtype":"U8",
+            "shape":[4],"byte_len":4,"export":"host","offset":0,"alloc_len":4,
+            "device_uuid":null,"generation":0}"#;
+        let descriptor: Descriptor = serde_json::from_str(json).unwrap();
+        assert_eq!(descriptor.handle, None);
     }
 }

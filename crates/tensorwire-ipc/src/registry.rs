@@ -1,23 +1,20 @@
 //! Published tensors and their leases (spec/ipc.md §4). Pure bookkeeping: no IO.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-
 use tensorwire_proto::TensorMeta;
 use uuid::Uuid;
 
-use crate::memory::SharedMemory;
-use crate::message::{Descriptor, ErrorBody, ErrorCode, Export, Info, TensorFields};
+use crate::exported::Exported;
+use crate::message::{Descriptor, ErrorBody, ErrorCode, Info, TensorFields};
 
 /// A consumer connection's id.
 pub(crate) type ClientId = u64;
 
 struct Entry {
     meta: TensorMeta,
-    memory: Arc<SharedMemory>,
+    memory: Exported,
     leases: u64,
     deleting: bool,
-    generation: u64,
 }
 
 struct Lease {
@@ -56,11 +53,7 @@ impl Registry {
     }
 
     /// Adds a tensor under its (unique) name.
-    pub(crate) fn publish(
-        &mut self,
-        meta: TensorMeta,
-        memory: Arc<SharedMemory>,
-    ) -> Result<Uuid, Refusal> {
+    pub(crate) fn publish(&mut self, meta: TensorMeta, memory: Exported) -> Result<Uuid, Refusal> {
         if self.names.contains_key(meta.name()) {
             return Err(refuse(
                 ErrorCode::bad_request(),
@@ -76,7 +69,6 @@ impl Registry {
                 memory,
                 leases: 0,
                 deleting: false,
-                generation: 0,
             },
         );
         Ok(id)
@@ -96,7 +88,7 @@ impl Registry {
             dtype: entry.meta.dtype().name().to_owned(),
             shape: entry.meta.shape().to_vec(),
             byte_len: entry.meta.byte_len(),
-            export: Export::Host,
+            export: entry.memory.export(),
         }
     }
 
@@ -130,7 +122,7 @@ impl Registry {
         &mut self,
         tensor: &str,
         client: ClientId,
-    ) -> Result<(u64, Descriptor, Arc<SharedMemory>), Refusal> {
+    ) -> Result<(u64, Descriptor, Exported), Refusal> {
         let id = self
             .resolve(tensor)
             .filter(|id| !self.tensors[id].deleting)
@@ -149,16 +141,22 @@ impl Registry {
             .tensors
             .get_mut(&id)
             .ok_or_else(|| refuse(ErrorCode::internal(), "entry vanished"))?;
+        // Exported at publish time and cached: this only fails if the driver broke since.
+        let handle = entry
+            .memory
+            .handle()
+            .map_err(|e| refuse(ErrorCode::internal(), e.to_string()))?;
         entry.leases += 1;
         let lease = self.next_lease;
         self.next_lease += 1;
         self.leases.insert(lease, Lease { tensor: id, client });
         let descriptor = Descriptor {
             tensor: Self::fields(id, entry),
-            offset: 0,
-            alloc_len: entry.memory.len() as u64,
-            device_uuid: None,
-            generation: entry.generation,
+            offset: entry.memory.offset(),
+            alloc_len: entry.memory.alloc_len(),
+            device_uuid: entry.memory.device_uuid(),
+            generation: entry.memory.generation(),
+            handle,
         };
         Ok((lease, descriptor, entry.memory.clone()))
     }

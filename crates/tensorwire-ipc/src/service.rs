@@ -9,8 +9,9 @@ use tensorwire_proto::TensorMeta;
 use uuid::Uuid;
 
 use crate::error::IpcError;
+use crate::exported::Exported;
 use crate::memory::SharedMemory;
-use crate::message::{ErrorBody, ErrorCode, Info, PROTOCOL_VERSION, Reply, Request};
+use crate::message::{ErrorBody, ErrorCode, Export, Info, PROTOCOL_VERSION, Reply, Request};
 use crate::registry::{ClientId, Registry};
 use crate::socket::{Packets, listen};
 
@@ -55,7 +56,7 @@ pub struct ShareService {
 /// A tensor this process published; reads see consumers' in-place writes.
 pub struct PublishedTensor {
     id: Uuid,
-    memory: Arc<SharedMemory>,
+    memory: Exported,
     len: usize,
 }
 
@@ -65,9 +66,19 @@ impl PublishedTensor {
         self.id
     }
 
-    /// The tensor's bytes as they are now (consumers may write them).
-    pub fn bytes(&self) -> &[u8] {
-        &self.memory.bytes()[..self.len]
+    /// How it is exported.
+    pub fn export(&self) -> Export {
+        self.memory.export()
+    }
+
+    /// A host tensor's bytes as they are now (consumers may write them); `None` on a GPU.
+    pub fn host_bytes(&self) -> Option<&[u8]> {
+        self.memory.host_bytes().map(|bytes| &bytes[..self.len])
+    }
+
+    /// The tensor's bytes as they are now, copied to host memory (from the GPU if there).
+    pub fn read_to_vec(&self) -> Result<Vec<u8>, IpcError> {
+        self.memory.read(self.len)
     }
 }
 
@@ -112,17 +123,54 @@ impl ShareService {
                 meta.byte_len()
             )));
         }
-        let memory = Arc::new(SharedMemory::with_bytes(meta.name(), bytes)?);
+        let memory = Exported::Host(Arc::new(SharedMemory::with_bytes(meta.name(), bytes)?));
+        self.publish(meta, memory)
+    }
+
+    /// Publishes a GPU tensor with no copy: `meta.byte_len()` bytes at `offset` of `buffer`
+    /// (several tensors may share one buffer at different offsets). VMM memory is exported as
+    /// an fd, `cuMemAlloc` memory as a legacy IPC handle plus the offset; the export is made
+    /// now, once per allocation. The buffer stays out of its pool until the tensor is deleted
+    /// and its last lease has ended. Publish only after the tensor's last copy completed (a
+    /// buffer from a finished receive has).
+    #[cfg(feature = "cuda")]
+    pub fn publish_device(
+        &self,
+        meta: &TensorMeta,
+        buffer: Arc<tensorwire_gpu::CudaBuffer>,
+        offset: u64,
+    ) -> Result<PublishedTensor, IpcError> {
+        let memory = Exported::device(buffer, offset, meta.byte_len())?;
+        self.publish(meta, memory)
+    }
+
+    /// Publishes a received tensor where it landed: GPU buffers with no copy, host buffers
+    /// copied once into shared memory.
+    pub fn publish_buffer(
+        &self,
+        meta: &TensorMeta,
+        buffer: tensorwire_gpu::TensorBuffer,
+    ) -> Result<PublishedTensor, IpcError> {
+        match buffer {
+            tensorwire_gpu::TensorBuffer::Cpu(bytes) => self.publish_host(meta, &bytes),
+            #[cfg(feature = "cuda")]
+            tensorwire_gpu::TensorBuffer::Cuda(buffer) => {
+                self.publish_device(meta, Arc::new(buffer), 0)
+            }
+            #[cfg(not(feature = "cuda"))]
+            tensorwire_gpu::TensorBuffer::Cuda(_) => Err(IpcError::NoCuda("GPU")),
+        }
+    }
+
+    fn publish(&self, meta: &TensorMeta, memory: Exported) -> Result<PublishedTensor, IpcError> {
+        let len = usize::try_from(meta.byte_len())
+            .map_err(|_| IpcError::BadMessage("tensor larger than the address space".into()))?;
         let id = self
             .shared
             .registry()
             .publish(meta.clone(), memory.clone())
             .map_err(refused)?;
-        Ok(PublishedTensor {
-            id,
-            memory,
-            len: bytes.len(),
-        })
+        Ok(PublishedTensor { id, memory, len })
     }
 
     /// Every published tensor.
@@ -298,12 +346,23 @@ fn handle(
         Request::Open { tensor } => match registry.open(tensor, client) {
             Ok((lease, descriptor, memory)) => {
                 drop(registry);
+                let fd = match memory.fd() {
+                    Ok(fd) => fd,
+                    Err(e) => {
+                        let _ = shared.registry().release(lease, client);
+                        return send(
+                            packets,
+                            &Reply::error(ErrorCode::internal(), e.to_string()),
+                            None,
+                        );
+                    }
+                };
                 let reply = Reply {
                     lease: Some(lease),
                     descriptor: Some(descriptor),
                     ..Reply::ok()
                 };
-                return send(packets, &reply, Some(memory.fd()));
+                return send(packets, &reply, fd);
             }
             Err(refusal) => error_reply(refusal),
         },

@@ -65,7 +65,7 @@ fn the_python_consumer_lists_maps_and_writes_in_place() {
     );
     let tripled: Vec<u8> = bytes.iter().map(|b| b.wrapping_mul(3)).collect();
     assert_eq!(
-        published.bytes(),
+        published.host_bytes().unwrap(),
         &tripled[..],
         "the producer sees the Python consumer's write"
     );

@@ -71,16 +71,17 @@ fn child_consumer() {
     let mut tensor = client.open("weights").unwrap();
     match mode {
         "write" => {
-            let expected: Vec<u8> = (0..tensor.bytes().len())
+            let expected: Vec<u8> = (0..tensor.host_bytes().unwrap().len())
                 .map(|i| (i as u8).wrapping_mul(13) | 1)
                 .collect();
             assert_eq!(
-                tensor.bytes(),
+                tensor.host_bytes().unwrap(),
                 &expected[..],
                 "the child maps the producer's bytes"
             );
             tensor
-                .bytes_mut()
+                .host_bytes_mut()
+                .unwrap()
                 .iter_mut()
                 .for_each(|b| *b = b.wrapping_mul(3));
             println!("WROTE");
@@ -114,7 +115,7 @@ fn a_child_process_maps_the_tensor_and_its_writes_are_seen() {
     );
     let tripled: Vec<u8> = bytes.iter().map(|b| b.wrapping_mul(3)).collect();
     assert_eq!(
-        published.bytes(),
+        published.host_bytes().unwrap(),
         &tripled[..],
         "the producer sees the consumer's in-place write"
     );
@@ -168,7 +169,7 @@ fn leases_defer_deletes_and_are_limited_per_consumer() {
     let by_id = client
         .open(&first.descriptor().tensor.id.to_string())
         .unwrap();
-    assert_eq!(by_id.bytes(), first.bytes());
+    assert_eq!(by_id.host_bytes(), first.host_bytes());
     assert_eq!(refused_code(client.open("b")), "lease_limit");
     assert_eq!(client.info("a").unwrap().leases, 2);
     assert!(client.delete("a").unwrap(), "deferred while leased");

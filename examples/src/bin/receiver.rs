@@ -45,8 +45,8 @@ struct Args {
     #[arg(long)]
     require_gpu: bool,
     /// Share every received tensor with local processes on this Unix socket (its directory
-    /// is created with mode 0700). Tensors are published as host-memory copies: GPU export
-    /// is not implemented yet.
+    /// is created with mode 0700): GPU tensors with no copy (VMM memory exported as an fd),
+    /// host tensors as shared memory. Consumers: `tensorwire-share`, python/consume.py.
     #[arg(long)]
     share: Option<PathBuf>,
     /// Exit after this many tensors (0: run until interrupted).
@@ -70,7 +70,9 @@ async fn main() -> anyhow::Result<()> {
     config.high_watermark = budget / 100 * args.high_percent.min(100);
     config.low_watermark = budget / 100 * args.low_percent.min(args.high_percent).min(100);
     config.limits.max_tensor_len = args.max_tensor_mib << 20;
-    let placement = Placement::choose(args.device, args.require_gpu)?;
+    // Shared tensors land in VMM memory, which other processes can map with no copy.
+    let placement =
+        Placement::choose_shareable(args.device, args.require_gpu, args.share.is_some())?;
     let mut receiver = Receiver::bind(config).await?;
     println!("listening on {}", receiver.local_addr()?);
     println!("tensors land in {}", placement.describe());
@@ -121,11 +123,14 @@ async fn main() -> anyhow::Result<()> {
                             elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64()),
                             buffer.location()
                         );
-                        // One host copy serves sharing and saving (a device-to-host copy for GPU tensors).
-                        let host = if share.is_some() || save.is_some() { Some(buffer.to_host()?) } else { None };
-                        if let (Some(service), Some(host)) = (&share, &host) {
-                            match service.publish_host(&meta, host) {
-                                Ok(shared) => println!("shared {} as {} (host memory)", meta.name(), shared.id()),
+                        // Saving needs the bytes on the host (a device-to-host copy for GPU tensors).
+                        let host = if save.is_some() { Some(buffer.to_host()?) } else { None };
+                        if let Some(service) = &share {
+                            match service.publish_buffer(&meta, buffer) {
+                                Ok(shared) => println!(
+                                    "shared {} as {} ({})",
+                                    meta.name(), shared.id(), shared.export().name()
+                                ),
                                 Err(e) => eprintln!("not shared: {}: {e}", meta.name()),
                             }
                         }

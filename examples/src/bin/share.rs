@@ -52,12 +52,13 @@ fn main() -> anyhow::Result<()> {
             for t in client()?.list()? {
                 let state = if t.deleting { " (deleting)" } else { "" };
                 println!(
-                    "{}  {:<32} {:>8} {:<16} {:>10}  leases {}{state}",
+                    "{}  {:<32} {:>8} {:<16} {:>10}  {:<8}  leases {}{state}",
                     t.tensor.id,
                     t.tensor.name,
                     t.tensor.dtype,
                     format!("{:?}", t.tensor.shape),
                     size(t.tensor.byte_len),
+                    t.tensor.export.name(),
                     t.leases
                 );
             }
@@ -86,14 +87,14 @@ fn main() -> anyhow::Result<()> {
                 let device = GpuDevice::open(ordinal)?;
                 let info = device.info();
                 let (free, total) = device.memory()?;
-                let uuid: String = info.uuid.iter().map(|b| format!("{b:02x}")).collect();
                 println!(
-                    "cuda:{ordinal}  {}  {} free of {}  compute {}.{}  GPU-{uuid}",
+                    "cuda:{ordinal}  {}  {} free of {}  compute {}.{}  {}",
                     info.name,
                     size(free as u64),
                     size(total as u64),
                     info.compute_capability.0,
-                    info.compute_capability.1
+                    info.compute_capability.1,
+                    info.uuid_string()
                 );
             }
         }

@@ -25,6 +25,26 @@ pub struct DeviceInfo {
     pub compute_capability: (i32, i32),
 }
 
+impl DeviceInfo {
+    /// The UUID as `nvidia-smi -L` prints it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+    pub fn uuid_string(&self) -> String {
+        format_uuid(&self.uuid)
+    }
+}
+
+/// `GPU-` and the UUID's 16 bytes as hex grouped 8-4-4-4-12.
+pub(crate) fn format_uuid(uuid: &[u8; 16]) -> String {
+    let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
 /// A copy waiting to complete, and what to do once it has.
 struct Completion {
     event: sys::CUevent,
@@ -85,6 +105,29 @@ impl GpuDevice {
         Ok(device)
     }
 
+    /// The device whose UUID is `uuid` (as [`DeviceInfo::uuid_string`] writes it, with or
+    /// without the `GPU-` prefix). Ordinals differ between processes; UUIDs do not.
+    pub fn open_by_uuid(uuid: &str) -> Result<Arc<GpuDevice>, GpuError> {
+        let wanted = uuid.trim_start_matches("GPU-").to_ascii_lowercase();
+        let count = require_driver()?;
+        for ordinal in 0..count {
+            let device = i32::try_from(ordinal)
+                .map_err(|_| GpuError::UnknownDevice(uuid.into()))
+                .and_then(|o| result::device::get(o).map_err(cuda("cuDeviceGet")))?;
+            let id = result::device::get_uuid(device).map_err(cuda("cuDeviceGetUuid"))?;
+            let formatted = format_uuid(&id.bytes.map(|b| b as u8));
+            if formatted.trim_start_matches("GPU-") == wanted {
+                return Self::open(ordinal);
+            }
+        }
+        Err(GpuError::UnknownDevice(uuid.into()))
+    }
+
+    /// Every GPU of this process, opened.
+    pub fn all() -> Result<Vec<Arc<GpuDevice>>, GpuError> {
+        (0..require_driver()?).map(Self::open).collect()
+    }
+
     fn create(ordinal: usize) -> Result<Self, GpuError> {
         let ctx = CudaContext::new(ordinal).map_err(cuda("cuDevicePrimaryCtxRetain"))?;
         let uuid = ctx.uuid().map_err(cuda("cuDeviceGetUuid"))?;
@@ -131,6 +174,10 @@ impl GpuDevice {
     pub fn memory(&self) -> Result<(usize, usize), GpuError> {
         self.bind()?;
         result::mem_get_info().map_err(cuda("cuMemGetInfo"))
+    }
+
+    pub(crate) fn cu_device(&self) -> sys::CUdevice {
+        self.ctx.cu_device()
     }
 
     pub(crate) fn context(&self) -> &Arc<CudaContext> {

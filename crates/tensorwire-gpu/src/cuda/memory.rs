@@ -1,33 +1,51 @@
 //! RAII device and pinned host allocations.
 
-use std::sync::Arc;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{result, sys};
 
+use super::share::{self, DeviceMemoryKind, IpcHandle, VmmMapping};
 use super::{GpuDevice, cuda};
 use crate::error::GpuError;
 use crate::pool::Allocation;
 
-/// `len` bytes of device memory from `cuMemAlloc`, freed on drop.
+/// `len` bytes of device memory, from `cuMemAlloc` or (for VMM sharing) `cuMemCreate`;
+/// freed on drop.
 pub struct DeviceAllocation {
     ptr: sys::CUdeviceptr,
     len: usize,
     device: Arc<GpuDevice>,
+    /// Boxed: export state is large and only sharing uses it.
+    backing: Box<Backing>,
+    /// Times a pool handed this allocation out again (spec/ipc.md: descriptors carry it).
+    generation: u64,
+}
+
+enum Backing {
+    /// `cuMemAlloc`; its legacy IPC handle once asked for.
+    Legacy { ipc_handle: OnceLock<IpcHandle> },
+    /// `cuMemCreate`; its exported fd once asked for (exporting costs ~0.7 ms).
+    Vmm {
+        mapping: Option<VmmMapping>,
+        fd: OnceLock<OwnedFd>,
+    },
 }
 
 impl std::fmt::Debug for DeviceAllocation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "DeviceAllocation({} bytes on cuda:{})",
+            "DeviceAllocation({} bytes, {:?}, on cuda:{})",
             self.len,
+            self.kind(),
             self.device.ordinal()
         )
     }
 }
 
 impl DeviceAllocation {
-    /// Allocates `len` bytes on `device` (no memory for `len == 0`).
+    /// Allocates `len` bytes on `device` with `cuMemAlloc` (no memory for `len == 0`).
     pub fn new(device: &Arc<GpuDevice>, len: usize) -> Result<Self, GpuError> {
         let ptr = if len == 0 {
             0
@@ -44,7 +62,92 @@ impl DeviceAllocation {
             ptr,
             len,
             device: device.clone(),
+            backing: Box::new(Backing::Legacy {
+                ipc_handle: OnceLock::new(),
+            }),
+            generation: 0,
         })
+    }
+
+    /// Allocates at least `len` bytes on `device` as VMM memory exportable as a POSIX fd;
+    /// [`len`](Allocation::len) is rounded up to the allocation granularity.
+    pub fn new_vmm(device: &Arc<GpuDevice>, len: usize) -> Result<Self, GpuError> {
+        let mapping = VmmMapping::allocate(device, len)?;
+        Ok(Self {
+            ptr: mapping.ptr(),
+            len: mapping.len(),
+            device: device.clone(),
+            backing: Box::new(Backing::Vmm {
+                mapping: Some(mapping),
+                fd: OnceLock::new(),
+            }),
+            generation: 0,
+        })
+    }
+
+    /// Allocates `len` bytes of `kind` on `device`.
+    pub fn with_kind(
+        device: &Arc<GpuDevice>,
+        len: usize,
+        kind: DeviceMemoryKind,
+    ) -> Result<Self, GpuError> {
+        match kind {
+            DeviceMemoryKind::Legacy => Self::new(device, len),
+            DeviceMemoryKind::Vmm => Self::new_vmm(device, len),
+        }
+    }
+
+    /// How the memory was allocated, which says how it can be shared.
+    pub fn kind(&self) -> DeviceMemoryKind {
+        match *self.backing {
+            Backing::Legacy { .. } => DeviceMemoryKind::Legacy,
+            Backing::Vmm { .. } => DeviceMemoryKind::Vmm,
+        }
+    }
+
+    /// Times a pool has handed this allocation out before: a consumer compares it to tell a
+    /// recycled buffer from the one it saw.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The fd another process imports this VMM memory with; exported on first use, then
+    /// cached. Fails for `cuMemAlloc` memory.
+    pub fn export_fd(&self) -> Result<BorrowedFd<'_>, GpuError> {
+        let Backing::Vmm {
+            mapping: Some(mapping),
+            fd,
+        } = &*self.backing
+        else {
+            return Err(GpuError::NotExportable(
+                "only VMM memory exports an fd (this is cuMemAlloc memory)".into(),
+            ));
+        };
+        if fd.get().is_none() {
+            let exported = mapping.export_fd()?;
+            let _ = fd.set(exported);
+        }
+        fd.get()
+            .map(AsFd::as_fd)
+            .ok_or_else(|| GpuError::NotExportable("the exported fd vanished".into()))
+    }
+
+    /// The legacy CUDA IPC handle of this allocation (a bearer secret: never log it); asked
+    /// of the driver once, then cached. Fails for VMM memory and for empty allocations.
+    pub fn ipc_handle(&self) -> Result<IpcHandle, GpuError> {
+        let Backing::Legacy { ipc_handle } = &*self.backing else {
+            return Err(GpuError::NotExportable(
+                "VMM memory has no legacy IPC handle; export its fd".into(),
+            ));
+        };
+        if self.ptr == 0 {
+            return Err(GpuError::NotExportable("an empty allocation".into()));
+        }
+        if let Some(handle) = ipc_handle.get() {
+            return Ok(*handle);
+        }
+        let handle = share::ipc_handle(&self.device, self.ptr)?;
+        Ok(*ipc_handle.get_or_init(|| handle))
     }
 
     /// The device address.
@@ -69,26 +172,12 @@ impl DeviceAllocation {
 
     /// Copies `src` to byte `offset` (synchronously).
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), GpuError> {
-        check_range(offset, src.len(), self.len)?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        self.device.synchronize_copies()?;
-        // SAFETY: the range was checked to lie inside this allocation; the context is current.
-        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }
-            .map_err(cuda("cuMemcpyHtoD"))
+        write(&self.device, self.ptr, self.len, offset, src)
     }
 
     /// Copies bytes from `offset` into `dst` (synchronously, after pending copies).
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), GpuError> {
-        check_range(offset, dst.len(), self.len)?;
-        if dst.is_empty() {
-            return Ok(());
-        }
-        self.device.synchronize_copies()?;
-        // SAFETY: the range was checked to lie inside this allocation; the context is current.
-        unsafe { result::memcpy_dtoh_sync(dst, self.ptr + offset as u64) }
-            .map_err(cuda("cuMemcpyDtoH"))
+        read(&self.device, self.ptr, self.len, offset, dst)
     }
 
     /// Copies the first `len` bytes of `self` to the start of `dst`, across devices if they
@@ -118,8 +207,43 @@ impl DeviceAllocation {
     }
 }
 
+/// Copies `size` bytes at `base + offset` of `device` into `dst`, after pending copies.
+pub(super) fn read(
+    device: &GpuDevice,
+    base: sys::CUdeviceptr,
+    size: usize,
+    offset: usize,
+    dst: &mut [u8],
+) -> Result<(), GpuError> {
+    check_range(offset, dst.len(), size)?;
+    if dst.is_empty() {
+        return Ok(());
+    }
+    device.synchronize_copies()?;
+    // SAFETY: the range was checked to lie inside `size` mapped bytes at `base` (callers pass
+    // their own live mapping); the context is current.
+    unsafe { result::memcpy_dtoh_sync(dst, base + offset as u64) }.map_err(cuda("cuMemcpyDtoH"))
+}
+
+/// Copies `src` to `base + offset` of `device`, after pending copies.
+pub(super) fn write(
+    device: &GpuDevice,
+    base: sys::CUdeviceptr,
+    size: usize,
+    offset: usize,
+    src: &[u8],
+) -> Result<(), GpuError> {
+    check_range(offset, src.len(), size)?;
+    if src.is_empty() {
+        return Ok(());
+    }
+    device.synchronize_copies()?;
+    // SAFETY: as in `read`.
+    unsafe { result::memcpy_htod_sync(base + offset as u64, src) }.map_err(cuda("cuMemcpyHtoD"))
+}
+
 /// Out of memory as its own error, so callers can fall back; anything else names the call.
-fn allocation_error(
+pub(super) fn allocation_error(
     what: &'static str,
     bytes: usize,
     call: &'static str,
@@ -133,7 +257,7 @@ fn allocation_error(
     }
 }
 
-fn check_range(offset: usize, len: usize, size: usize) -> Result<(), GpuError> {
+pub(super) fn check_range(offset: usize, len: usize, size: usize) -> Result<(), GpuError> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
         _ => Err(GpuError::Bounds(format!(
@@ -146,6 +270,10 @@ impl Allocation for DeviceAllocation {
     fn len(&self) -> usize {
         self.len
     }
+
+    fn reused(&mut self) {
+        self.generation += 1;
+    }
 }
 
 impl Drop for DeviceAllocation {
@@ -155,9 +283,15 @@ impl Drop for DeviceAllocation {
         }
         // Pending copies into this memory must finish before it is freed.
         let _ = self.device.synchronize_copies();
-        // SAFETY: allocated by cuMemAlloc in `new`, freed only here; the context is bound above.
-        if let Err(e) = unsafe { result::free_sync(self.ptr) } {
-            tracing::error!(error = %e, "cuMemFree failed");
+        match &mut *self.backing {
+            Backing::Vmm { mapping, .. } => drop(mapping.take()),
+            Backing::Legacy { .. } => {
+                // SAFETY: allocated by cuMemAlloc in `new`, freed only here; the context is
+                // bound above.
+                if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+                    tracing::error!(error = %e, "cuMemFree failed");
+                }
+            }
         }
     }
 }

@@ -9,9 +9,11 @@
 
 mod device;
 mod memory;
+mod share;
 
 pub use device::{DeviceInfo, GpuDevice};
 pub use memory::{DeviceAllocation, PinnedAllocation};
+pub use share::{DeviceMemoryKind, IPC_HANDLE_LEN, ImportedMemory, IpcHandle};
 
 use std::sync::OnceLock;
 
