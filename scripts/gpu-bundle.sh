@@ -13,17 +13,21 @@ mkdir -p "$out/tests" "$out/bin"
 
 echo "building programs" >&2
 cargo build --release --locked -p tensorwire-examples -p tensorwire-bench --bins
-for program in demo receiver sender bench; do
+for program in demo receiver sender bench ipc-bench; do
   cp "target/release/$program" "$out/bin/"
 done
 
 echo "building test binaries" >&2
-cargo test --release --locked -p tensorwire-gpu --no-run --message-format=json 2>/dev/null \
+cargo test --release --locked -p tensorwire-gpu -p tensorwire-ipc --no-run --message-format=json 2>/dev/null \
   | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/' \
   | while read -r exe; do
       name=$(basename "$exe" | sed 's/-[0-9a-f]*$//')
-      cp "$exe" "$out/tests/$name"
+      # The Python test finds python/ through its build path; share-e2e.sh covers it here.
+      [ "$name" = python ] || cp "$exe" "$out/tests/$name"
     done
+mkdir -p "$out/scripts"
+cp -r python "$out/python"
+cp scripts/share-e2e.sh "$out/scripts/"
 strip "$out"/bin/* "$out"/tests/* 2>/dev/null || true
 
 cat > "$out/run.sh" <<'RUN'
@@ -45,6 +49,12 @@ for test in "$here"/tests/*; do
 done
 echo "== demo --require-gpu"
 "$here/bin/demo" --require-gpu 2>&1 | tee "$logs/demo.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "== receiver --share, Python consumer with PyTorch/CuPy"
+REQUIRE_GPU=1 "$here/scripts/share-e2e.sh" "$here/bin" 2>&1 | tee "$logs/share-e2e.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "== ipc-bench"
+"$here/bin/ipc-bench" --json "$logs/ipc-bench.json" 2>&1 | tee "$logs/ipc-bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 grep -h "test result" "$logs"/test-*.log
 exit $status
