@@ -83,6 +83,12 @@ fn name(export: &str, bytes: usize) -> String {
 /// call; one JSON row per line on stdout.
 fn child(path: &str, iterations: usize, gpu: bool) -> anyhow::Result<()> {
     let mut rows = Vec::new();
+    if gpu {
+        // Creating a CUDA context takes ~100+ ms once per process: keep it out of the opens.
+        let (device, took) = timed(|| GpuDevice::open(0));
+        device?;
+        rows.push(row("CUDA context (once per process)", "-", 0, vec![took]));
+    }
     let (client, connect) = timed(|| ShareClient::connect(path));
     let client = client?;
     rows.push(row("connect + hello", "-", 0, vec![connect]));

@@ -85,6 +85,10 @@ class Client:
             raise ShareError("bad_reply", "open reply with more than one descriptor")
         return SharedTensor(self, reply["lease"], reply["descriptor"], fds[0] if fds else None)
 
+    def devices(self):
+        """The producer's GPUs: ordinal (in the producer), name, uuid, memory, compute capability."""
+        return self._ask({"op": "devices"})[0].get("devices", [])
+
     def delete(self, tensor):
         """Deletes a tensor; True if deferred until its leases end."""
         return bool(self._ask({"op": "delete", "tensor": tensor})[0].get("deferred"))

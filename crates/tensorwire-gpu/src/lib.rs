@@ -11,6 +11,9 @@
 //!   is sent only after the last copy has.
 //! - [`Placement`] picks GPU or host for a receiver and hands out [`TensorSink`]s.
 //! - [`GpuTensorReceiver`] lands one tensor from frames that arrive by any means, no QUIC.
+//! - Sharing device memory with other processes: [`DeviceAllocation::export_fd`] (VMM),
+//!   [`DeviceAllocation::ipc_handle`] (legacy), [`ImportedMemory`] on the consumer's side, and
+//!   [`dlpack`] to hand tensors to PyTorch/JAX/CuPy; `tensorwire-ipc` builds on these.
 //!
 //! This is the one crate with `unsafe`: FFI is layered raw (`cudarc::driver::sys`) →
 //! checked (`cudarc::driver::result`) → the safe RAII types of the `cuda` module, and every
@@ -20,6 +23,7 @@
 mod buffer;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod dlpack;
 mod error;
 mod placement;
 mod pool;

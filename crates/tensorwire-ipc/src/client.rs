@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::IpcError;
 use crate::memory::SharedMemory;
-use crate::message::{Descriptor, Export, Info, PROTOCOL_VERSION, Reply, Request};
+use crate::message::{Descriptor, Export, GpuInfo, Info, PROTOCOL_VERSION, Reply, Request};
 use crate::socket::{Packets, Received};
 
 /// A connection to a producer's sharing socket.
@@ -54,6 +54,14 @@ impl ShareClient {
         Ok(exchange(&self.packets, &Request::List)?
             .0
             .tensors
+            .unwrap_or_default())
+    }
+
+    /// The producer's GPUs (empty when it has none).
+    pub fn devices(&self) -> Result<Vec<GpuInfo>, IpcError> {
+        Ok(exchange(&self.packets, &Request::Devices)?
+            .0
+            .devices
             .unwrap_or_default())
     }
 
@@ -281,6 +289,38 @@ impl SharedTensor {
             Some(Mapping::Host(memory)) => Ok(dst.copy_from_host(&memory.bytes()[start..end])?),
             None => Err(IpcError::Closed),
         }
+    }
+
+    /// Hands the tensor to a DLPack importer (PyTorch, JAX, CuPy) with no copy; the mapping
+    /// and the lease last until the importer calls the deleter (or the result is dropped).
+    pub fn into_dlpack(mut self) -> Result<tensorwire_gpu::dlpack::DlpackTensor, IpcError> {
+        use tensorwire_gpu::dlpack::{DLDevice, DlpackTensor, KDL_CPU};
+        let dtype =
+            tensorwire_proto::DType::from_name(&self.descriptor.tensor.dtype).ok_or_else(|| {
+                IpcError::BadMessage(format!("unknown dtype {}", self.descriptor.tensor.dtype))
+            })?;
+        let (start, _) = self.range();
+        let (data, device) = match &mut self.mapping {
+            Some(Mapping::Host(memory)) => (
+                memory.bytes_mut()[start..].as_mut_ptr() as u64,
+                DLDevice {
+                    device_type: KDL_CPU,
+                    device_id: 0,
+                },
+            ),
+            #[cfg(feature = "cuda")]
+            Some(Mapping::Device(memory)) => (
+                memory.device_ptr() + start as u64,
+                DLDevice {
+                    device_type: tensorwire_gpu::dlpack::KDL_CUDA,
+                    device_id: memory.device().ordinal() as i32,
+                },
+            ),
+            None => return Err(IpcError::Closed),
+        };
+        let shape = self.descriptor.tensor.shape.clone();
+        DlpackTensor::new(data, device, dtype, &shape, Box::new(self))
+            .map_err(|e| IpcError::BadMessage(e.to_string()))
     }
 
     /// A copy of the tensor's bytes in host memory (from the GPU for a GPU tensor).

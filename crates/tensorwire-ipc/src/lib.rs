@@ -23,7 +23,7 @@ mod socket;
 pub use client::{ShareClient, SharedTensor};
 pub use error::IpcError;
 pub use message::{
-    Descriptor, ErrorBody, ErrorCode, Export, Info, MAX_MESSAGE, PROTOCOL_VERSION, Reply, Request,
-    SecretHandle, TensorFields,
+    Descriptor, ErrorBody, ErrorCode, Export, GpuInfo, Info, MAX_MESSAGE, PROTOCOL_VERSION, Reply,
+    Request, SecretHandle, TensorFields,
 };
-pub use service::{PublishedTensor, ShareConfig, ShareService};
+pub use service::{PublishedTensor, ShareConfig, ShareService, local_gpus};

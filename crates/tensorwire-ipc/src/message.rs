@@ -39,6 +39,25 @@ pub enum Request {
         /// UUID or name.
         tensor: String,
     },
+    /// The producer's GPUs.
+    Devices,
+}
+
+/// One of the producer's GPUs (spec/ipc.md §2).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuInfo {
+    /// The ordinal in the producer (others may differ: match by `uuid`).
+    pub ordinal: u32,
+    /// e.g. "NVIDIA H200".
+    pub name: String,
+    /// `GPU-…`, as `nvidia-smi -L` prints it.
+    pub uuid: String,
+    /// Bytes of device memory.
+    pub total_memory: u64,
+    /// Bytes free when asked.
+    pub free_memory: u64,
+    /// Compute capability, major and minor.
+    pub compute_capability: [i32; 2],
 }
 
 /// How a tensor's memory is exported (spec/ipc.md §3).
@@ -211,6 +230,9 @@ pub struct Reply {
     /// `delete`'s answer: the tensor waits for its last lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deferred: Option<bool>,
+    /// `devices`' answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<GpuInfo>>,
 }
 
 impl Reply {
@@ -225,6 +247,7 @@ impl Reply {
             lease: None,
             descriptor: None,
             deferred: None,
+            devices: None,
         }
     }
 

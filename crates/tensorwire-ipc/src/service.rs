@@ -11,7 +11,9 @@ use uuid::Uuid;
 use crate::error::IpcError;
 use crate::exported::Exported;
 use crate::memory::SharedMemory;
-use crate::message::{ErrorBody, ErrorCode, Export, Info, PROTOCOL_VERSION, Reply, Request};
+use crate::message::{
+    ErrorBody, ErrorCode, Export, GpuInfo, Info, PROTOCOL_VERSION, Reply, Request,
+};
 use crate::registry::{ClientId, Registry};
 use crate::socket::{Packets, listen};
 
@@ -178,6 +180,11 @@ impl ShareService {
         self.shared.registry().list()
     }
 
+    /// This host's GPUs, as consumers see them through `devices`.
+    pub fn devices(&self) -> Result<Vec<GpuInfo>, IpcError> {
+        local_gpus()
+    }
+
     /// Deletes a tensor by id or name; `Ok(true)` if deferred until its leases end.
     pub fn delete(&self, tensor: &str) -> Result<bool, IpcError> {
         self.shared.registry().delete(tensor).map_err(refused)
@@ -189,6 +196,33 @@ impl Drop for ShareService {
         self.shared.stopping.store(true, Ordering::SeqCst);
         let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// The GPUs this process can use (none without a driver or the `cuda` feature).
+pub fn local_gpus() -> Result<Vec<GpuInfo>, IpcError> {
+    #[cfg(feature = "cuda")]
+    {
+        let count = tensorwire_gpu::GpuStatus::detect().device_count();
+        (0..count)
+            .map(|ordinal| {
+                let device = tensorwire_gpu::GpuDevice::open(ordinal)?;
+                let info = device.info();
+                let (free, total) = device.memory()?;
+                Ok(GpuInfo {
+                    ordinal: ordinal as u32,
+                    name: info.name.clone(),
+                    uuid: info.uuid_string(),
+                    total_memory: total as u64,
+                    free_memory: free as u64,
+                    compute_capability: [info.compute_capability.0, info.compute_capability.1],
+                })
+            })
+            .collect()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Ok(Vec::new())
     }
 }
 
@@ -370,6 +404,24 @@ fn handle(
             Ok(()) => Reply::ok(),
             Err(refusal) => error_reply(refusal),
         },
+        Request::Devices => {
+            drop(registry);
+            return match local_gpus() {
+                Ok(devices) => send(
+                    packets,
+                    &Reply {
+                        devices: Some(devices),
+                        ..Reply::ok()
+                    },
+                    None,
+                ),
+                Err(e) => send(
+                    packets,
+                    &Reply::error(ErrorCode::internal(), e.to_string()),
+                    None,
+                ),
+            };
+        }
         Request::Delete { tensor } => match registry.delete(tensor) {
             Ok(deferred) => Reply {
                 deferred: Some(deferred),

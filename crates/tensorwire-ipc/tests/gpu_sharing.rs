@@ -111,6 +111,15 @@ fn gpu_child() {
                     "tensor t{i} read back exactly"
                 );
             }
+            let (ptr, device) = tensors[3].device_ptr().unwrap();
+            let exported = client.open("t3").unwrap().into_dlpack().unwrap();
+            let dl = exported.tensor();
+            assert_eq!(
+                dl.data as u64, ptr,
+                "DLPack points at the tensor, offset included"
+            );
+            assert_eq!(dl.device.device_type, tensorwire_gpu::dlpack::KDL_CUDA);
+            assert_eq!(dl.device.device_id as usize, device.ordinal());
             println!("NINE-EXACT");
         }
         "triple" => {

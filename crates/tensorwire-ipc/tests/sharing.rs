@@ -349,3 +349,45 @@ fn a_process_of_another_uid_cannot_reach_the_socket() {
     );
     assert_eq!(service.list()[0].leases, 0);
 }
+
+#[test]
+fn a_dlpack_export_holds_the_lease_until_its_deleter_runs() {
+    let path = socket_path("dlpack");
+    let service = ShareService::start(&path, ShareConfig::default()).unwrap();
+    let meta = TensorMeta::new([3, 5], DType::F32).unwrap().with_name("w");
+    service.publish_host(&meta, &[7u8; 60]).unwrap();
+    let client = ShareClient::connect(&path).unwrap();
+    let exported = client.open("w").unwrap().into_dlpack().unwrap();
+    assert_eq!(exported.shape(), [3, 5]);
+    let tensor = exported.tensor();
+    assert_eq!((tensor.dtype.code, tensor.dtype.bits), (2, 32));
+    assert_eq!(tensor.device.device_type, tensorwire_gpu::dlpack::KDL_CPU);
+    assert!(!tensor.data.is_null());
+    assert_eq!(
+        client.info("w").unwrap().leases,
+        1,
+        "the export holds the lease"
+    );
+    drop(exported);
+    assert_eq!(
+        client.info("w").unwrap().leases,
+        0,
+        "the deleter released it"
+    );
+}
+
+#[test]
+fn the_producer_reports_its_gpus_by_uuid() {
+    let path = socket_path("devices");
+    let _service = ShareService::start(&path, ShareConfig::default()).unwrap();
+    let devices = ShareClient::connect(&path).unwrap().devices().unwrap();
+    assert_eq!(
+        devices.len(),
+        tensorwire_gpu::GpuStatus::detect().device_count(),
+        "{devices:?}"
+    );
+    for device in devices {
+        assert!(device.uuid.starts_with("GPU-"), "{device:?}");
+        assert!(device.free_memory <= device.total_memory);
+    }
+}

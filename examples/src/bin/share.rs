@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use tensorwire::gpu::{GpuDevice, GpuStatus};
-use tensorwire::ipc::ShareClient;
+use tensorwire::gpu::GpuStatus;
+use tensorwire::ipc::{ShareClient, local_gpus};
 use tensorwire_examples::cli::size;
 
 /// Inspect and manage the tensors a receiver shares.
@@ -79,22 +79,24 @@ fn main() -> anyhow::Result<()> {
             );
         }
         Command::Devices => {
-            let status = GpuStatus::detect();
-            if !status.is_available() {
-                println!("{status}");
+            // The producer's view when a socket is given (its ordinals), else this host's.
+            let devices = match &args.socket {
+                Some(_) => client()?.devices()?,
+                None => local_gpus()?,
+            };
+            if devices.is_empty() {
+                println!("no GPUs ({})", GpuStatus::detect());
             }
-            for ordinal in 0..status.device_count() {
-                let device = GpuDevice::open(ordinal)?;
-                let info = device.info();
-                let (free, total) = device.memory()?;
+            for d in devices {
                 println!(
-                    "cuda:{ordinal}  {}  {} free of {}  compute {}.{}  {}",
-                    info.name,
-                    size(free as u64),
-                    size(total as u64),
-                    info.compute_capability.0,
-                    info.compute_capability.1,
-                    info.uuid_string()
+                    "cuda:{}  {}  {} free of {}  compute {}.{}  {}",
+                    d.ordinal,
+                    d.name,
+                    size(d.free_memory),
+                    size(d.total_memory),
+                    d.compute_capability[0],
+                    d.compute_capability[1],
+                    d.uuid
                 );
             }
         }
