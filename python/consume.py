@@ -19,16 +19,21 @@ def main(argv):
     with Client(argv[1]) as client:
         if len(argv) == 2:
             for t in client.list():
-                print(t["name"], t["dtype"], t["shape"], t["byte_len"], "leases", t["leases"])
+                print(t["name"], t["dtype"], t["shape"], t["byte_len"], t["export"], "leases", t["leases"])
             return 0
         with client.open(argv[2]) as tensor:
-            data = tensor.bytes()
+            where = f"GPU {tensor.device}" if tensor.is_gpu else "host memory"
             if "--triple" in argv:
-                for i in range(len(data)):
-                    data[i] = (data[i] * 3) & 0xFF
-                print("TRIPLED", len(data))
+                if tensor.is_gpu:
+                    tensor.write(bytes((b * 3) & 0xFF for b in tensor.read()))
+                else:
+                    data = tensor.bytes()  # in place, no copy
+                    for i in range(len(data)):
+                        data[i] = (data[i] * 3) & 0xFF
+                print("TRIPLED", tensor.byte_len)
             else:
-                print(tensor.name, tensor.dtype, tensor.shape, bytes(data[:16]).hex())
+                first = tensor.read()[:16] if tensor.is_gpu else bytes(tensor.bytes()[:16])
+                print(tensor.name, tensor.dtype, tensor.shape, tensor.export, where, first.hex())
     return 0
 
 

@@ -1,5 +1,6 @@
 //! The pure-Python consumer (`python/tensorwire_ipc`) against a real producer: it lists,
-//! maps a host tensor, writes it in place, and the producer sees the write.
+//! maps a host tensor, writes it in place, and the producer sees the write; its DLPack
+//! capsule describes the shared bytes and holds the lease until the importer's deleter runs.
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
 use std::io::Write;
@@ -47,7 +48,7 @@ fn the_python_consumer_lists_maps_and_writes_in_place() {
         String::from_utf8_lossy(&listed.stderr)
     );
     assert!(
-        stdout.contains("weights U8 [50, 100] 5000 leases 0"),
+        stdout.contains("weights U8 [50, 100] 5000 host leases 0"),
         "{stdout}"
     );
 
@@ -78,4 +79,17 @@ fn the_python_consumer_lists_maps_and_writes_in_place() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+
+    let dlpack = Command::new("python3")
+        .arg(consume_py().with_file_name("check_dlpack.py"))
+        .arg(&path)
+        .arg("weights")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&dlpack.stdout);
+    assert!(
+        dlpack.status.success() && stdout.contains("DLPACK-OK [50, 100] (1, 8)"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&dlpack.stderr)
+    );
 }
