@@ -5,7 +5,6 @@
 //! reused under in-flight copies, two devices when there are two, pools back to all-free.
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
-use std::io::Write;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -221,6 +220,7 @@ async fn tensors_land_where_the_placement_says() {
 
 #[cfg(feature = "cuda")]
 mod on_gpu {
+    use std::io::Write;
     use std::sync::Arc;
 
     use tensorwire_gpu::{
