@@ -273,7 +273,7 @@ fn received_tensors_are_shared_with_local_processes() {
         Ok(out) => {
             let stdout = String::from_utf8_lossy(&out.stdout);
             assert!(
-                stdout.contains("tokens U8 (10,) 00010203040506070809"),
+                stdout.contains("tokens U8 (10,) host host memory 00010203040506070809"),
                 "{stdout}{}",
                 String::from_utf8_lossy(&out.stderr)
             );
