@@ -42,3 +42,6 @@ for _ in $(seq 100); do grep -q "listening on" "$work/receiver.log" && break; sl
 for _ in $(seq 100); do [ "$(grep -c '^shared ' "$work/receiver.log")" -ge 4 ] && break; sleep 0.1; done
 cat "$work/receiver.log"
 python3 "$here/python/verify.py" "$work/share/share.sock" "$work/sent.safetensors"
+# The example consumer: list, then show a tensor's first bytes.
+python3 "$here/python/consume.py" "$work/share/share.sock"
+python3 "$here/python/consume.py" "$work/share/share.sock" c.f32
