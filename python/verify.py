@@ -69,6 +69,10 @@ def main(argv):
                         print(f"MISMATCH {name} via {via}: {len(got)} bytes, expected {len(data)}")
                 assert list(tensor.shape) == shape and tensor.dtype == dtype, (tensor.shape, shape)
         first = next(iter(expected))
+        with client.open(first, all_gpus=True) as tensor:  # VMM: mapped for every GPU here
+            if tensor.read() != expected[first][2]:
+                failures += 1
+                print(f"MISMATCH {first} opened for all GPUs")
         with client.open(first) as tensor:
             before = tensor.read()
             if have_torch and tensor.dtype == "U8":

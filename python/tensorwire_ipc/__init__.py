@@ -76,14 +76,15 @@ class Client:
         """One tensor by name or id."""
         return self._ask({"op": "info", "tensor": tensor})[0]["tensor"]
 
-    def open(self, tensor):
-        """Maps a tensor under a lease; close the result (or use `with`) to release it."""
+    def open(self, tensor, all_gpus=False):
+        """Maps a tensor under a lease; close the result (or use `with`) to release it.
+        With `all_gpus`, VMM memory is also made accessible to every other GPU here."""
         reply, fds = self._ask({"op": "open", "tensor": tensor})
         if len(fds) > 1:
             for fd in fds:
                 os.close(fd)
             raise ShareError("bad_reply", "open reply with more than one descriptor")
-        return SharedTensor(self, reply["lease"], reply["descriptor"], fds[0] if fds else None)
+        return SharedTensor(self, reply["lease"], reply["descriptor"], fds[0] if fds else None, all_gpus)
 
     def devices(self):
         """The producer's GPUs: ordinal (in the producer), name, uuid, memory, compute capability."""
@@ -106,7 +107,7 @@ class Client:
 class SharedTensor:
     """A mapped tensor under a lease: host memory (`export == "host"`) or GPU memory."""
 
-    def __init__(self, client, lease, descriptor, fd):
+    def __init__(self, client, lease, descriptor, fd, all_gpus=False):
         self._client = client
         self.lease = lease
         self.descriptor = descriptor
@@ -135,7 +136,8 @@ class SharedTensor:
                 if self.export == "vmm":
                     if fd is None:
                         raise ShareError("bad_reply", "vmm reply without an fd")
-                    base, self._release_gpu = cuda.import_vmm(fd, alloc_len, self.device)
+                    peers = range(cuda.device_count()) if all_gpus else ()
+                    base, self._release_gpu = cuda.import_vmm(fd, alloc_len, self.device, peers)
                 else:
                     handle = bytes.fromhex(descriptor.get("handle") or "")
                     if len(handle) != 64:

@@ -89,12 +89,15 @@ class _Driver:
             self._lib.cuGetErrorName(result, ctypes.byref(name))
             raise CudaError(f"{call} failed: {(name.value or b'?').decode()} ({result})")
 
+    def device_count(self):
+        count = ctypes.c_int()
+        self.check(self._lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+        return count.value
+
     def device_by_uuid(self, uuid):
         """The ordinal in this process of the GPU with this UUID (ordinals differ per process)."""
         wanted = uuid.lower().removeprefix("gpu-").replace("-", "")
-        count = ctypes.c_int()
-        self.check(self._lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
-        for ordinal in range(count.value):
+        for ordinal in range(self.device_count()):
             device = ctypes.c_int()
             self.check(self._lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
             raw = ctypes.create_string_buffer(16)
