@@ -216,8 +216,9 @@ class SharedTensor:
             ptr, device = self.device_ptr, (_dlpack.KDL_CUDA, self.device)
         else:
             ptr, device = _address_of(self._view), (_dlpack.KDL_CPU, 0)
+        capsule = _dlpack.capsule(ptr, device[0], device[1], self.dtype, list(self.shape), self._dlpack_ended)
         self._dlpack_live += 1
-        return _dlpack.capsule(ptr, device[0], device[1], self.dtype, list(self.shape), self._dlpack_ended)
+        return capsule
 
     def _dlpack_ended(self):
         self._dlpack_live -= 1

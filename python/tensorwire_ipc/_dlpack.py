@@ -3,16 +3,17 @@ with no copy. The capsule owns a reference to the shared tensor until the import
 tensor is freed (the DLPack deleter), so the mapping and the lease outlive it."""
 
 import ctypes
-import math
 
 KDL_CPU = 1
 KDL_CUDA = 2
 
-# safetensors dtype -> (DLPack type code, bits); FP8 is exported as raw bytes (uint8).
+# safetensors dtype -> (DLPack type code, bits); FP8 travels as uint8 with its shape (one
+# byte per element), since importers disagree on FP8 codes: as the Rust export does.
 _TYPES = {
     "BOOL": (6, 8), "U8": (1, 8), "I8": (0, 8), "U16": (1, 16), "I16": (0, 16),
     "U32": (1, 32), "I32": (0, 32), "U64": (1, 64), "I64": (0, 64),
     "F16": (2, 16), "BF16": (4, 16), "F32": (2, 32), "F64": (2, 64),
+    "F8_E4M3": (1, 8), "F8_E5M2": (1, 8),
 }
 
 
@@ -59,9 +60,9 @@ def capsule(ptr, device_type, device_id, dtype, shape, on_release):
     """A "dltensor" capsule over `ptr`; `on_release()` runs when the importer frees it.
 
     A capsule that is never imported is never released: import what you export."""
-    code, bits = _TYPES.get(dtype, (1, 8))
-    if dtype not in _TYPES:  # FP8 and unknown types: raw bytes
-        shape = [math.prod(shape)]
+    if dtype not in _TYPES:
+        raise ValueError(f"no DLPack type for dtype {dtype!r}")
+    code, bits = _TYPES[dtype]
     dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
     managed = _Managed()
     managed.dl_tensor = _Tensor(ptr, _Device(device_type, device_id), len(shape),

@@ -148,7 +148,7 @@ pub use without_cuda::CudaBuffer;
 
 #[cfg(feature = "cuda")]
 mod with_cuda {
-    use crate::cuda::{DeviceAllocation, GpuDevice};
+    use crate::cuda::{DeviceAllocation, GpuDevice, check_range};
     use crate::error::GpuError;
     use crate::pool::Pooled;
 
@@ -263,24 +263,15 @@ mod with_cuda {
 
         /// Copies `dst.len()` bytes from byte `offset` of this buffer into `dst`.
         pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), GpuError> {
-            self.check(offset, dst.len())?;
+            // Against the buffer's length: a pooled allocation may be longer.
+            check_range(offset, dst.len(), self.len)?;
             self.allocation().copy_to_host(offset, dst)
         }
 
         /// Copies `src` to byte `offset` of this buffer.
         pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<(), GpuError> {
-            self.check(offset, src.len())?;
+            check_range(offset, src.len(), self.len)?;
             self.allocation_mut().copy_from_host(offset, src)
-        }
-
-        fn check(&self, offset: usize, len: usize) -> Result<(), GpuError> {
-            match offset.checked_add(len) {
-                Some(end) if end <= self.len => Ok(()),
-                _ => Err(GpuError::Bounds(format!(
-                    "bytes [{offset}, {offset}+{len}) outside a {}-byte buffer",
-                    self.len
-                ))),
-            }
         }
 
         /// Sets every byte to `value` (tests poison destinations with it).

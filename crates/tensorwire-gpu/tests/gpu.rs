@@ -9,27 +9,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tensorwire_gpu::{DeviceRequest, GpuError, GpuStatus, Placement, TensorBuffer};
+use tensorwire_proto::testing::pattern as random;
 use tensorwire_proto::{DType, Device, TensorMeta};
 use tensorwire_quic::{Receiver, ReceiverConfig, Sender, SenderConfig, TransportSettings};
-
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // Only the GPU tests call it.
-fn gpus(test: &str) -> Option<usize> {
-    tensorwire_gpu::gpus_or_skip(test)
-}
-
-/// Deterministic bytes, different per seed, never all zero.
-fn random(len: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
 
 #[test]
 fn detection_never_panics_and_agrees_with_itself() {
@@ -221,7 +203,9 @@ async fn tensors_land_where_the_placement_says() {
 #[cfg(feature = "cuda")]
 mod on_gpu {
     use std::io::Write;
+
     use std::sync::Arc;
+    use tensorwire_gpu::gpus_or_skip as gpus;
 
     use tensorwire_gpu::{
         CudaBuffer, GpuDevice, GpuSink, PinnedMemoryPool, PoolConfig, PooledGpuReceiver,

@@ -205,7 +205,7 @@ pub struct ErrorBody {
 }
 
 /// A reply: `ok` plus the fields of the request's answer, or an error.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reply {
     /// Whether the request succeeded.
     pub ok: bool,
@@ -240,26 +240,23 @@ impl Reply {
     pub fn ok() -> Self {
         Self {
             ok: true,
-            error: None,
-            version: None,
-            tensors: None,
-            tensor: None,
-            lease: None,
-            descriptor: None,
-            deferred: None,
-            devices: None,
+            ..Self::default()
         }
     }
 
     /// A failure.
     pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self::refusal(ErrorBody {
+            code,
+            message: message.into(),
+        })
+    }
+
+    /// A failure with this error body.
+    pub fn refusal(error: ErrorBody) -> Self {
         Self {
-            ok: false,
-            error: Some(ErrorBody {
-                code,
-                message: message.into(),
-            }),
-            ..Self::ok()
+            error: Some(error),
+            ..Self::default()
         }
     }
 }

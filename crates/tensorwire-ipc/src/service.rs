@@ -233,14 +233,6 @@ fn refused(body: ErrorBody) -> IpcError {
     }
 }
 
-fn error_reply(body: ErrorBody) -> Reply {
-    Reply {
-        ok: false,
-        error: Some(body),
-        ..Reply::ok()
-    }
-}
-
 fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
     loop {
         let accepted = rustix::net::accept_with(listener, rustix::net::SocketFlags::CLOEXEC);
@@ -375,7 +367,7 @@ fn handle(
                 tensor: Some(info),
                 ..Reply::ok()
             },
-            Err(refusal) => error_reply(refusal),
+            Err(refusal) => Reply::refusal(refusal),
         },
         Request::Open { tensor } => match registry.open(tensor, client) {
             Ok((lease, descriptor, memory)) => {
@@ -398,11 +390,11 @@ fn handle(
                 };
                 return send(packets, &reply, fd);
             }
-            Err(refusal) => error_reply(refusal),
+            Err(refusal) => Reply::refusal(refusal),
         },
         Request::Release { lease } => match registry.release(*lease, client) {
             Ok(()) => Reply::ok(),
-            Err(refusal) => error_reply(refusal),
+            Err(refusal) => Reply::refusal(refusal),
         },
         Request::Devices => {
             drop(registry);
@@ -427,7 +419,7 @@ fn handle(
                 deferred: Some(deferred),
                 ..Reply::ok()
             },
-            Err(refusal) => error_reply(refusal),
+            Err(refusal) => Reply::refusal(refusal),
         },
     };
     drop(registry);

@@ -6,16 +6,19 @@
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
+use common::{socket_path, wait_for};
 use tensorwire_gpu::{
     CudaBuffer, DeviceAllocation, DeviceMemoryKind, GpuDevice, GpuMemoryPool, PoolConfig,
     gpus_or_skip,
 };
 use tensorwire_ipc::{Export, IpcError, ShareClient, ShareConfig, ShareService};
+use tensorwire_proto::testing::pattern;
 use tensorwire_proto::{DType, TensorMeta};
 
 const NINE: usize = 9;
@@ -24,26 +27,6 @@ const NINE: usize = 9;
 /// and lengths, so nothing lines up by accident.
 fn nine_layout(i: usize) -> (usize, usize) {
     (i * 70_001 + 13, 40_000 + i * 1_003)
-}
-
-/// Deterministic bytes, different per seed, never all zero.
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 24) as u8 | 1
-        })
-        .collect()
-}
-
-fn socket_path(test: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("tensorwire-gpu-ipc-{test}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir.join("share.sock")
 }
 
 fn meta(name: &str, len: usize) -> TensorMeta {
@@ -69,14 +52,6 @@ fn run_child(path: &Path, mode: &str) -> String {
         String::from_utf8_lossy(&output.stderr)
     );
     stdout
-}
-
-fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Not a test of its own: the consumer process the tests below start.

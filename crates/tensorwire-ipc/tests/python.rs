@@ -3,11 +3,13 @@
 //! capsule describes the shared bytes and holds the lease until the importer's deleter runs.
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
+mod common;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
 
+use common::{socket_path, wait_for};
 use tensorwire_ipc::{ShareConfig, ShareService};
 use tensorwire_proto::{DType, TensorMeta};
 
@@ -24,9 +26,7 @@ fn the_python_consumer_lists_maps_and_writes_in_place() {
         );
         return;
     }
-    let dir = std::env::temp_dir().join(format!("tensorwire-ipc-python-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let path = dir.join("share.sock");
+    let path = socket_path("python");
     let service = ShareService::start(&path, ShareConfig::default()).unwrap();
     let bytes: Vec<u8> = (0..5000u32)
         .map(|i| (i as u8).wrapping_mul(7) | 1)
@@ -71,14 +71,9 @@ fn the_python_consumer_lists_maps_and_writes_in_place() {
         "the producer sees the Python consumer's write"
     );
 
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while service.list()[0].leases != 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the Python consumer's lease never ended"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for("the Python consumer's lease to end", || {
+        service.list()[0].leases == 0
+    });
 
     let dlpack = Command::new("python3")
         .arg(consume_py().with_file_name("check_dlpack.py"))

@@ -3,20 +3,17 @@
 //! malformed requests; peers that may not connect.
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
+mod common;
+
 use std::io::{BufRead, BufReader, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::{socket_path, wait_for};
 use tensorwire_ipc::{IpcError, ShareClient, ShareConfig, ShareService};
 use tensorwire_proto::{DType, TensorMeta};
-
-fn socket_path(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tensorwire-ipc-{test}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir.join("share.sock")
-}
 
 fn publish(
     service: &ShareService,
@@ -91,14 +88,6 @@ fn child_consumer() {
             std::thread::sleep(Duration::from_secs(60));
         }
         other => panic!("unknown child mode {other}"),
-    }
-}
-
-fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -35,6 +35,8 @@ mod sender;
 
 #[doc(hidden)]
 pub mod fuzzing;
+#[doc(hidden)]
+pub mod testing;
 
 pub use codec::FrameDecoder;
 pub use credit::CreditTracker;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use common::{init_tracing, pattern, receiver, receiver_config, sender, u8_meta};
+use common::{init_tracing, pattern, receive_host, receiver, receiver_config, sender, u8_meta};
 use quinn::VarInt;
 use tensorwire_quic::proto::frame::{Data, End};
 use tensorwire_quic::proto::{ErrorCode, Frame, FrameDecoder, Limits, Payload, ProtocolError};
@@ -359,14 +359,7 @@ async fn unknown_frames_and_garbage_are_refused_before_metadata() {
     // The application never saw it; the receiver still serves.
     let tx = sender(addr).await;
     let send = tx.send(u8_meta("ok", 10), pattern(10, 1));
-    rx.next()
-        .await
-        .unwrap()
-        .accept_host()
-        .unwrap()
-        .finished()
-        .await
-        .unwrap();
+    receive_host(&mut rx).await.unwrap();
     send.finished().await.unwrap();
 }
 
@@ -377,14 +370,7 @@ async fn a_stalled_sender_times_out_and_its_credit_returns() {
     let (mut rx, addr) = receiver(config).await;
     let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
     let server = tokio::spawn(async move {
-        let result = rx
-            .next()
-            .await
-            .unwrap()
-            .accept_host()
-            .unwrap()
-            .finished()
-            .await;
+        let result = receive_host(&mut rx).await;
         (result, rx)
     });
     let (mut send, mut recv) = raw.open_bi().await.unwrap();

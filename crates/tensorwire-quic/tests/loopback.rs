@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{init_tracing, pattern, receiver, receiver_config, sender, u8_meta};
+use common::{init_tracing, pattern, receive_host, receiver, receiver_config, sender, u8_meta};
 use tensorwire_quic::proto::Payload;
 use tensorwire_quic::{CreditPermit, Sink, SinkError};
 
@@ -187,17 +187,7 @@ async fn a_file_region_and_a_chunk_stream_are_sources() {
     let server = tokio::spawn(async move {
         let mut out = Vec::new();
         for _ in 0..2 {
-            out.push(
-                rx.next()
-                    .await
-                    .unwrap()
-                    .accept_host()
-                    .unwrap()
-                    .finished()
-                    .await
-                    .unwrap()
-                    .1,
-            );
+            out.push(receive_host(&mut rx).await.unwrap().1);
         }
         out
     });
@@ -249,15 +239,7 @@ fn tokio_stream_iter(items: Vec<std::io::Result<Bytes>>) -> ChunkStream {
 #[tokio::test]
 async fn a_source_shorter_than_its_metadata_cancels_the_tensor() {
     let (mut rx, addr) = receiver(receiver_config()).await;
-    let server = tokio::spawn(async move {
-        rx.next()
-            .await
-            .unwrap()
-            .accept_host()
-            .unwrap()
-            .finished()
-            .await
-    });
+    let server = tokio::spawn(async move { receive_host(&mut rx).await });
     let tx = sender(addr).await;
     let err = tx
         .send(u8_meta("short", 1000), vec![1u8; 10])

@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{pattern, u8_meta};
+use common::{pattern, receive_host, u8_meta};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
 use tensorwire_quic::{
     ClientTls, Receiver, ReceiverConfig, Sender, SenderConfig, ServerTls, TransportSettings,
@@ -102,15 +102,7 @@ async fn pem_certificates_from_a_ca_work() {
         .await
         .unwrap();
     let send = tx.send(u8_meta("t", 1000), pattern(1000, 1));
-    let (_, bytes) = rx
-        .next()
-        .await
-        .unwrap()
-        .accept_host()
-        .unwrap()
-        .finished()
-        .await
-        .unwrap();
+    let (_, bytes) = receive_host(&mut rx).await.unwrap();
     send.finished().await.unwrap();
     assert_eq!(bytes, pattern(1000, 1));
 }

@@ -56,18 +56,9 @@ fn tensor_set() -> anyhow::Result<Vec<TensorMeta>> {
     Ok(set)
 }
 
-/// Deterministic non-zero bytes (every dtype's bit patterns are fine for transport).
+/// Deterministic bytes (every dtype's bit patterns are fine for transport).
 fn fill(len: u64, seed: u64) -> Bytes {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(len as usize + 8);
-    while (out.len() as u64) < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len as usize);
-    out.into()
+    tensorwire::proto::testing::pattern(len as usize, seed).into()
 }
 
 fn check(verified: bool) -> &'static str {

@@ -27,7 +27,8 @@ enum Backing {
     Legacy { ipc_handle: OnceLock<IpcHandle> },
     /// `cuMemCreate`; its exported fd once asked for (exporting costs ~0.7 ms).
     Vmm {
-        mapping: Option<VmmMapping>,
+        /// Unmapped when the allocation drops, after its pending copies (see `Drop`).
+        mapping: VmmMapping,
         fd: OnceLock<OwnedFd>,
     },
 }
@@ -78,7 +79,7 @@ impl DeviceAllocation {
             len: mapping.len(),
             device: device.clone(),
             backing: Box::new(Backing::Vmm {
-                mapping: Some(mapping),
+                mapping,
                 fd: OnceLock::new(),
             }),
             generation: 0,
@@ -114,11 +115,7 @@ impl DeviceAllocation {
     /// The fd another process imports this VMM memory with; exported on first use, then
     /// cached. Fails for `cuMemAlloc` memory.
     pub fn export_fd(&self) -> Result<BorrowedFd<'_>, GpuError> {
-        let Backing::Vmm {
-            mapping: Some(mapping),
-            fd,
-        } = &*self.backing
-        else {
+        let Backing::Vmm { mapping, fd } = &*self.backing else {
             return Err(GpuError::NotExportable(
                 "only VMM memory exports an fd (this is cuMemAlloc memory)".into(),
             ));
@@ -257,7 +254,7 @@ pub(super) fn allocation_error(
     }
 }
 
-pub(super) fn check_range(offset: usize, len: usize, size: usize) -> Result<(), GpuError> {
+pub(crate) fn check_range(offset: usize, len: usize, size: usize) -> Result<(), GpuError> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
         _ => Err(GpuError::Bounds(format!(
@@ -281,16 +278,14 @@ impl Drop for DeviceAllocation {
         if self.ptr == 0 {
             return;
         }
-        // Pending copies into this memory must finish before it is freed.
+        // Pending copies into this memory must finish before it is freed. A VMM mapping
+        // frees itself when `backing` drops, right after this.
         let _ = self.device.synchronize_copies();
-        match &mut *self.backing {
-            Backing::Vmm { mapping, .. } => drop(mapping.take()),
-            Backing::Legacy { .. } => {
-                // SAFETY: allocated by cuMemAlloc in `new`, freed only here; the context is
-                // bound above.
-                if let Err(e) = unsafe { result::free_sync(self.ptr) } {
-                    tracing::error!(error = %e, "cuMemFree failed");
-                }
+        if let Backing::Legacy { .. } = *self.backing {
+            // SAFETY: allocated by cuMemAlloc in `new`, freed only here; the context is bound
+            // above.
+            if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+                tracing::error!(error = %e, "cuMemFree failed");
             }
         }
     }

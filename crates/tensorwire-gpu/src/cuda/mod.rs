@@ -12,6 +12,7 @@ mod memory;
 mod share;
 
 pub use device::{DeviceInfo, GpuDevice};
+pub(crate) use memory::check_range;
 pub use memory::{DeviceAllocation, PinnedAllocation};
 pub use share::{DeviceMemoryKind, IPC_HANDLE_LEN, ImportedMemory, IpcHandle};
 

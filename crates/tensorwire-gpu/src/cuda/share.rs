@@ -272,7 +272,10 @@ fn opened_handles() -> &'static Mutex<HashMap<IpcHandle, (sys::CUdeviceptr, usiz
 }
 
 enum Source {
-    Vmm(VmmMapping),
+    /// Held for its `Drop`, which unmaps.
+    Vmm {
+        _mapping: VmmMapping,
+    },
     CudaIpc(IpcHandle),
 }
 
@@ -281,14 +284,15 @@ pub struct ImportedMemory {
     device: Arc<GpuDevice>,
     ptr: sys::CUdeviceptr,
     len: usize,
-    source: Option<Source>,
+    /// A VMM mapping unmaps itself when this drops (after `Drop` bound the context).
+    source: Source,
 }
 
 impl std::fmt::Debug for ImportedMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.source {
-            Some(Source::Vmm(_)) => "vmm",
-            _ => "cuda_ipc",
+            Source::Vmm { .. } => "vmm",
+            Source::CudaIpc(_) => "cuda_ipc",
         };
         write!(
             f,
@@ -320,7 +324,7 @@ impl ImportedMemory {
             device: device.clone(),
             ptr: mapping.ptr(),
             len: mapping.len(),
-            source: Some(Source::Vmm(mapping)),
+            source: Source::Vmm { _mapping: mapping },
         })
     }
 
@@ -364,7 +368,7 @@ impl ImportedMemory {
             device: device.clone(),
             ptr,
             len,
-            source: Some(Source::CudaIpc(*handle)),
+            source: Source::CudaIpc(*handle),
         })
     }
 
@@ -422,28 +426,22 @@ impl ImportedMemory {
 impl Drop for ImportedMemory {
     fn drop(&mut self) {
         let _ = self.device.bind();
-        match self.source.take() {
-            Some(Source::Vmm(mapping)) => drop(mapping),
-            Some(Source::CudaIpc(handle)) => {
-                let mut opened = opened_handles()
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner);
-                let last = match opened.get_mut(&handle) {
-                    Some((_, users)) => {
-                        *users -= 1;
-                        *users == 0
-                    }
-                    None => false,
-                };
-                if last {
-                    opened.remove(&handle);
-                    // SAFETY: opened by cuIpcOpenMemHandle above; this was its last user.
-                    if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result() {
-                        tracing::error!(error = %e, "cuIpcCloseMemHandle failed");
-                    }
-                }
+        let Source::CudaIpc(handle) = &self.source else {
+            return;
+        };
+        let mut opened = opened_handles()
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let Some((_, users)) = opened.get_mut(handle) else {
+            return;
+        };
+        *users -= 1;
+        if *users == 0 {
+            opened.remove(handle);
+            // SAFETY: opened by cuIpcOpenMemHandle above; this was its last user.
+            if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result() {
+                tracing::error!(error = %e, "cuIpcCloseMemHandle failed");
             }
-            None => {}
         }
     }
 }

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tensorwire_quic::proto::{DType, TensorMeta};
-use tensorwire_quic::{Receiver, ReceiverConfig, Sender, SenderConfig, TransportSettings};
+use tensorwire_quic::{
+    Receiver, ReceiverConfig, Sender, SenderConfig, TransportError, TransportSettings,
+};
 
 /// Loopback, development TLS, jumbo MTU, short timeouts.
 pub fn receiver_config() -> ReceiverConfig {
@@ -34,16 +36,17 @@ pub async fn sender(addr: SocketAddr) -> Sender {
 
 /// Deterministic bytes that differ per seed and are never all zero.
 pub fn pattern(len: usize, seed: u64) -> Bytes {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out.into()
+    tensorwire_proto::testing::pattern(len, seed).into()
+}
+
+/// The next tensor, accepted into host memory, once it has finished (or failed).
+pub async fn receive_host(rx: &mut Receiver) -> Result<(TensorMeta, Bytes), TransportError> {
+    let incoming = rx.next().await.expect("a tensor arrives");
+    incoming
+        .accept_host()
+        .expect("host memory")
+        .finished()
+        .await
 }
 
 /// A named one-dimensional U8 tensor of `len` bytes.

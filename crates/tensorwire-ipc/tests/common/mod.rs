@@ -1,0 +1,22 @@
+//! Helpers shared by the sharing tests: a fresh socket path per test, and polling for what
+//! another process or thread does.
+#![allow(dead_code, unreachable_pub)] // Each test binary uses some.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// A socket path in a directory of its own (removed first) for `test` in this process.
+pub fn socket_path(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tensorwire-ipc-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir.join("share.sock")
+}
+
+/// Polls `condition` for up to 10 s; fails the test naming `what` if it never holds.
+pub fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
