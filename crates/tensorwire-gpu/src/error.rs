@@ -1,7 +1,7 @@
 //! Typed GPU errors; none panics, and each maps to a wire code when it ends a tensor.
 
 use tensorwire_proto::ErrorCode;
-use tensorwire_quic::SinkError;
+use tensorwire_sink::SinkError;
 
 /// Why a GPU operation failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -6,7 +6,7 @@
 //! - [`TensorBuffer`] / [`CudaBuffer`]: tensor bytes in host or device memory.
 //! - [`MemoryPool`], [`PinnedMemoryPool`], [`GpuMemoryPool`]: size-class pools, so nothing is
 //!   allocated or registered on the data path after warm-up.
-//! - [`GpuSink`] (from a [`PooledGpuReceiver`]) implements `tensorwire_quic::Sink`; credit for
+//! - [`GpuSink`] (from a [`PooledGpuReceiver`]) implements `tensorwire_sink::Sink`; credit for
 //!   a chunk is granted again only after its copy to the device has completed, and COMPLETE
 //!   is sent only after the last copy has.
 //! - [`Placement`] picks GPU or host for a receiver and hands out [`TensorSink`]s.
@@ -41,7 +41,7 @@ pub use cuda::{
 pub use error::GpuError;
 pub use placement::{DeviceRequest, Placement, TensorSink};
 pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
-pub use receiver::{GpuReceiverEvent, GpuTensorReceiver};
+pub use receiver::{GpuReceiverEvent, GpuTensorReceiver, LandError};
 #[cfg(feature = "cuda")]
 pub use sink::{GpuMemoryPool, GpuSink, PinnedMemoryPool, PooledGpuReceiver, STAGING_BUFFER};
 pub use status::{GpuStatus, gpus_or_skip};

@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use tensorwire_proto::{Payload, TensorMeta};
-use tensorwire_quic::{CreditPermit, HostSink, Sink, SinkError};
+use tensorwire_sink::{CreditPermit, HostSink, Sink, SinkError};
 
 use crate::buffer::TensorBuffer;
 use crate::error::GpuError;

@@ -2,11 +2,12 @@
 //! test), landed where a [`Placement`] says: the protocol state machine and a sink, no QUIC.
 
 use bytes::Bytes;
+use tensorwire_proto::ErrorCode;
 use tensorwire_proto::{
     Frame, FrameDecoder, Limits, ProtocolError, ReceiverEvent, ReceiverState, TensorMeta,
     TensorReceiver,
 };
-use tensorwire_quic::{CreditPermit, Sink, TransportError};
+use tensorwire_sink::{CreditPermit, Sink, SinkError};
 
 use crate::buffer::TensorBuffer;
 use crate::placement::{Placement, TensorSink};
@@ -30,6 +31,28 @@ pub enum GpuReceiverEvent {
     NeedMoreData,
     /// The sender cancelled, with this reason.
     Cancelled(String),
+}
+
+/// Why landing a tensor from frames failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LandError {
+    /// The frames broke the protocol, or the caller misused the receiver.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The destination could not be had or written.
+    #[error("sink: {0}")]
+    Sink(#[from] SinkError),
+}
+
+impl LandError {
+    /// The wire code a sender would be told.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::Protocol(e) => e.code(),
+            Self::Sink(e) => e.code,
+        }
+    }
 }
 
 /// Receives one tensor into GPU (or host) memory from frames or raw bytes.
@@ -65,7 +88,7 @@ impl GpuTensorReceiver {
     }
 
     /// Decodes and handles the next whole frame, or says more bytes are needed.
-    pub async fn next_event(&mut self) -> Result<GpuReceiverEvent, TransportError> {
+    pub async fn next_event(&mut self) -> Result<GpuReceiverEvent, LandError> {
         match self.decoder.next_frame()? {
             Some(frame) => self.handle_frame(frame).await,
             None => Ok(GpuReceiverEvent::NeedMoreData),
@@ -73,7 +96,7 @@ impl GpuTensorReceiver {
     }
 
     /// Handles one frame from the sender.
-    pub async fn handle_frame(&mut self, frame: Frame) -> Result<GpuReceiverEvent, TransportError> {
+    pub async fn handle_frame(&mut self, frame: Frame) -> Result<GpuReceiverEvent, LandError> {
         let event = match self.machine.handle_frame(frame) {
             Err(ProtocolError::Remote { reason, .. }) => {
                 self.sink = None;
@@ -143,12 +166,10 @@ impl GpuTensorReceiver {
     }
 
     /// The completed tensor copied to host memory (once).
-    pub fn take_tensor(&mut self) -> Result<Option<(TensorMeta, Bytes)>, TransportError> {
+    pub fn take_tensor(&mut self) -> Result<Option<(TensorMeta, Bytes)>, LandError> {
         match self.take() {
             Some((meta, buffer)) => {
-                let bytes = buffer
-                    .to_host()
-                    .map_err(|e| TransportError::Sink(e.into()))?;
+                let bytes = buffer.to_host().map_err(|e| LandError::Sink(e.into()))?;
                 Ok(Some((meta, bytes)))
             }
             None => Ok(None),

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tensorwire_proto::{Payload, TensorMeta};
-use tensorwire_quic::{CreditPermit, Sink, SinkError};
+use tensorwire_sink::{CreditPermit, Sink, SinkError};
 use tokio::sync::Notify;
 
 use crate::buffer::CudaBuffer;

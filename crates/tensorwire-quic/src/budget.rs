@@ -1,10 +1,11 @@
-//! The receiver-wide byte budget, shared by every stream, and the RAII permits that return
-//! bytes to it once a sink has made them durable (spec §7.1).
+//! The receiver-wide byte budget, shared by every stream; sinks' credit permits return bytes
+//! to it once they are durable (spec §7.1).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use tensorwire_proto::{CreditTracker, ProtocolError};
+use tensorwire_sink::CreditRelease;
 use tokio::sync::Notify;
 
 /// A [`CreditTracker`] shared by all streams of a receiver; waiters wake on release.
@@ -76,12 +77,6 @@ impl Budget {
         }
     }
 
-    fn release(&self, n: u64) {
-        let result = self.lock().release(n);
-        debug_assert!(result.is_ok(), "released more than held");
-        self.released.notify_waiters();
-    }
-
     pub(crate) fn snapshot(&self) -> BudgetSnapshot {
         let tracker = self.lock();
         BudgetSnapshot {
@@ -93,72 +88,10 @@ impl Budget {
     }
 }
 
-/// Bytes of one tensor that a sink holds; dropping the permit says they are durable, returns
-/// them to the receiver's budget, and lets the receiver grant them again as CREDIT.
-///
-/// A sink keeps the permit until its copy is done (for a GPU sink: until the copy's event has
-/// completed and the staging buffer is back in its pool). Permits cannot leak credit: every
-/// way of dropping one returns its bytes.
-#[derive(Debug)]
-pub struct CreditPermit {
-    bytes: u64,
-    /// `None` for a permit that belongs to no receiver (sinks fed without a network).
-    budget: Option<Arc<Budget>>,
-    pending: Arc<AtomicU64>,
-}
-
-impl CreditPermit {
-    pub(crate) fn new(bytes: u64, budget: Arc<Budget>, pending: Arc<AtomicU64>) -> Self {
-        pending.fetch_add(bytes, Ordering::AcqRel);
-        Self {
-            bytes,
-            budget: Some(budget),
-            pending,
-        }
-    }
-
-    /// A permit for `bytes` that returns credit to no receiver: for feeding a [`Sink`]
-    /// directly, without a network (tests, ingest benchmarks).
-    ///
-    /// [`Sink`]: crate::Sink
-    pub fn unbudgeted(bytes: u64) -> Self {
-        Self {
-            bytes,
-            budget: None,
-            pending: Arc::new(AtomicU64::new(bytes)),
-        }
-    }
-
-    /// Bytes this permit holds.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-
-    /// Takes over `other`'s bytes (both of the same tensor), so one permit covers a
-    /// coalesced buffer.
-    pub fn merge(&mut self, mut other: CreditPermit) {
-        self.bytes += std::mem::take(&mut other.bytes);
-    }
-
-    /// Splits off the last `n` bytes (at most all of them) into a permit of their own.
-    pub fn split_off(&mut self, n: u64) -> CreditPermit {
-        let n = n.min(self.bytes);
-        self.bytes -= n;
-        CreditPermit {
-            bytes: n,
-            budget: self.budget.clone(),
-            pending: self.pending.clone(),
-        }
-    }
-}
-
-impl Drop for CreditPermit {
-    fn drop(&mut self) {
-        if self.bytes > 0 {
-            self.pending.fetch_sub(self.bytes, Ordering::AcqRel);
-            if let Some(budget) = &self.budget {
-                budget.release(self.bytes);
-            }
-        }
+impl CreditRelease for Budget {
+    fn release(&self, n: u64) {
+        let result = self.lock().release(n);
+        debug_assert!(result.is_ok(), "released more than held");
+        self.released.notify_waiters();
     }
 }

@@ -28,7 +28,7 @@ pub enum TransportError {
     Io(#[from] std::io::Error),
     /// The sink could not store the bytes.
     #[error("sink: {0}")]
-    Sink(#[from] crate::sink::SinkError),
+    Sink(#[from] tensorwire_sink::SinkError),
 }
 
 impl TransportError {

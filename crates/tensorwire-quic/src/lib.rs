@@ -14,11 +14,10 @@ mod error;
 mod metrics;
 mod receiver;
 mod sender;
-mod sink;
 mod stream;
 pub mod tls;
 
-pub use budget::{BudgetSnapshot, CreditPermit};
+pub use budget::BudgetSnapshot;
 pub use config::{
     ClientTls, MAX_MTU_WITH_GSO, ReceiverConfig, SenderConfig, ServerTls, TransportSettings,
     dev_cert_path,
@@ -27,5 +26,7 @@ pub use error::TransportError;
 pub use metrics::MetricsSnapshot;
 pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
 pub use sender::{SendHandle, SendProgress, SendReport, Sender, Source};
-pub use sink::{HostSink, Sink, SinkError};
 pub use tensorwire_proto as proto;
+pub use tensorwire_sink::{
+    CreditPermit, HostSink, MemoryBudget, MemoryReservation, MemorySnapshot, Sink, SinkError,
+};

@@ -18,12 +18,12 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::budget::{Budget, BudgetSnapshot, CreditPermit};
+use crate::budget::{Budget, BudgetSnapshot};
 use crate::config::{ReceiverConfig, dev_cert_path};
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
-use crate::sink::{HostSink, Sink, SinkError};
 use crate::stream::FrameStream;
+use tensorwire_sink::{CreditPermit, HostSink, Sink, SinkError};
 
 /// Incoming tensors waiting for the application before streams wait in turn.
 const INCOMING_QUEUE: usize = 1024;

@@ -1,13 +1,27 @@
-//! Where received bytes go: the [`Sink`] trait, and [`HostSink`] for host memory.
+//! Where received tensor bytes go, without any transport: the [`Sink`] trait that every
+//! destination implements (host memory here, GPU memory in `tensorwire-gpu`), the
+//! [`CreditPermit`]s that hand bytes back to a receiver's credit budget once they are
+//! durable, and the [`MemoryBudget`] that destination buffers are admitted against
+//! (spec §7.1, §7.4).
+//!
+//! This crate depends on no QUIC stack, so crates that only land or share tensors
+//! (`tensorwire-gpu`, `tensorwire-ipc`) compile none.
+#![forbid(unsafe_code)]
+
+mod host;
+mod memory;
+mod permit;
 
 use std::future::Future;
 
-use bytes::Bytes;
 use tensorwire_proto::{ErrorCode, Payload};
 
-use crate::budget::CreditPermit;
+pub use host::HostSink;
+pub use memory::{MemoryBudget, MemoryReservation, MemorySnapshot};
+pub use permit::{CreditPermit, CreditRelease};
 
-/// A sink's failure; `code` is what the sender is told (RESOURCE_EXHAUSTED or SINK_FAILED).
+/// A sink's failure; `code` is what the sender is told (RESOURCE_EXHAUSTED, SINK_FAILED or
+/// UNSUPPORTED_DEVICE).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{code}: {message}")]
 pub struct SinkError {
@@ -30,6 +44,14 @@ impl SinkError {
     pub fn failed(message: impl Into<String>) -> Self {
         Self {
             code: ErrorCode::SINK_FAILED,
+            message: message.into(),
+        }
+    }
+
+    /// The tensor asked for a device this receiver cannot land it on (spec §5.2).
+    pub fn unsupported_device(message: impl Into<String>) -> Self {
+        Self {
+            code: ErrorCode::UNSUPPORTED_DEVICE,
             message: message.into(),
         }
     }
@@ -58,47 +80,4 @@ pub trait Sink: Send + 'static {
 
     /// Resolves once every written byte is durable; returns the output.
     fn finish(self) -> impl Future<Output = Result<Self::Output, SinkError>> + Send;
-}
-
-/// A sink into one host-memory buffer of the tensor's length.
-#[derive(Debug)]
-pub struct HostSink {
-    buf: Vec<u8>,
-}
-
-impl HostSink {
-    /// A zeroed buffer of `len` bytes; fails cleanly if the memory cannot be had.
-    pub fn new(len: u64) -> Result<Self, SinkError> {
-        let len = usize::try_from(len)
-            .map_err(|_| SinkError::exhausted("tensor larger than the address space"))?;
-        let mut buf = Vec::new();
-        buf.try_reserve_exact(len)
-            .map_err(|e| SinkError::exhausted(format!("{len} bytes of host memory: {e}")))?;
-        buf.resize(len, 0);
-        Ok(Self { buf })
-    }
-}
-
-impl Sink for HostSink {
-    type Output = Bytes;
-
-    async fn write(
-        &mut self,
-        offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
-    ) -> Result<(), SinkError> {
-        let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        let dst = start
-            .checked_add(payload.len())
-            .and_then(|end| self.buf.get_mut(start..end))
-            .ok_or_else(|| SinkError::failed(format!("write at {offset} past the buffer")))?;
-        payload.copy_to_slice(dst);
-        drop(permit); // The bytes are in their final place: durable.
-        Ok(())
-    }
-
-    async fn finish(self) -> Result<Bytes, SinkError> {
-        Ok(self.buf.into())
-    }
 }

@@ -1,0 +1,70 @@
+//! Destination memory admitted against a limit before a tensor is accepted (spec §7.4).
+
+/// What [`MemoryLedger::reserve`] decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use = "a reservation must be released, a refusal reported"]
+pub enum Admission {
+    /// The bytes are reserved; release them when the destination is freed.
+    Reserved,
+    /// Not now: other destinations hold the memory. Wait for a release and ask again.
+    Wait,
+    /// Never: the request alone is larger than the whole limit.
+    TooLarge,
+}
+
+/// Bytes of destination memory (host, or one device) reserved for accepted tensors.
+///
+/// Credit (spec §7.1) bounds bytes in transit; this ledger bounds the buffers they land in, so
+/// that a METADATA claiming gigabytes commits nothing until the memory is admitted.
+/// `reserved` never exceeds `limit`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryLedger {
+    limit: u64,
+    reserved: u64,
+    peak: u64,
+}
+
+impl MemoryLedger {
+    /// A ledger admitting at most `limit` bytes at once.
+    pub fn new(limit: u64) -> Self {
+        Self {
+            limit,
+            reserved: 0,
+            peak: 0,
+        }
+    }
+
+    /// Reserves `bytes` if they fit beside what is reserved.
+    pub fn reserve(&mut self, bytes: u64) -> Admission {
+        if bytes > self.limit {
+            return Admission::TooLarge;
+        }
+        if bytes > self.limit - self.reserved {
+            return Admission::Wait;
+        }
+        self.reserved += bytes;
+        self.peak = self.peak.max(self.reserved);
+        Admission::Reserved
+    }
+
+    /// Returns `bytes` reserved earlier; more than is reserved is clamped (and a bug upstream).
+    pub fn release(&mut self, bytes: u64) {
+        debug_assert!(bytes <= self.reserved, "released more memory than reserved");
+        self.reserved -= bytes.min(self.reserved);
+    }
+
+    /// The most that may be reserved at once.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// Bytes reserved now.
+    pub fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    /// The most that was ever reserved at once.
+    pub fn peak(&self) -> u64 {
+        self.peak
+    }
+}

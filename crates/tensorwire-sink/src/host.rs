@@ -1,0 +1,125 @@
+//! [`HostSink`]: a tensor landed in host memory that is committed only as bytes arrive and
+//! goes back to the operating system when the last reference is dropped.
+
+use bytes::Bytes;
+use memmap2::MmapMut;
+use tensorwire_proto::Payload;
+
+use crate::{CreditPermit, MemoryReservation, Sink, SinkError};
+
+/// Below this, a heap buffer; at and above, an anonymous mapping, whose untouched pages cost
+/// nothing and which is unmapped on drop (the allocator would keep large freed blocks).
+const MAP_FROM: usize = 1 << 20;
+
+/// A sink into one host-memory buffer of the tensor's length.
+#[derive(Debug)]
+pub struct HostSink {
+    buf: HostBuffer,
+    reservation: Option<MemoryReservation>,
+}
+
+#[derive(Debug)]
+enum HostBuffer {
+    Heap(Vec<u8>),
+    Mapped(MmapMut),
+}
+
+impl HostBuffer {
+    fn as_mut(&mut self) -> &mut [u8] {
+        match self {
+            HostBuffer::Heap(v) => v,
+            HostBuffer::Mapped(m) => m,
+        }
+    }
+}
+
+/// Keeps a mapping (and its memory reservation) alive for as long as [`Bytes`] refer to it.
+struct MappedOwner {
+    map: MmapMut,
+    _reservation: Option<MemoryReservation>,
+}
+
+impl AsRef<[u8]> for MappedOwner {
+    fn as_ref(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+/// Keeps a heap buffer (and its memory reservation) alive for as long as [`Bytes`] refer to it.
+struct HeapOwner {
+    buf: Vec<u8>,
+    _reservation: Option<MemoryReservation>,
+}
+
+impl AsRef<[u8]> for HeapOwner {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl HostSink {
+    /// A zeroed buffer of `len` bytes outside any budget; fails cleanly if the address space
+    /// cannot be had. Pages are committed only as bytes are written.
+    pub fn new(len: u64) -> Result<Self, SinkError> {
+        Self::build(len, None)
+    }
+
+    /// A buffer of the reservation's length, counted against its budget until the buffer
+    /// (or the [`Bytes`] made from it) is dropped.
+    pub fn reserved(reservation: MemoryReservation) -> Result<Self, SinkError> {
+        Self::build(reservation.bytes(), Some(reservation))
+    }
+
+    fn build(len: u64, reservation: Option<MemoryReservation>) -> Result<Self, SinkError> {
+        let len = usize::try_from(len)
+            .map_err(|_| SinkError::exhausted("tensor larger than the address space"))?;
+        let buf = if len >= MAP_FROM {
+            HostBuffer::Mapped(
+                MmapMut::map_anon(len).map_err(|e| {
+                    SinkError::exhausted(format!("{len} bytes of host memory: {e}"))
+                })?,
+            )
+        } else {
+            let mut buf = Vec::new();
+            buf.try_reserve_exact(len)
+                .map_err(|e| SinkError::exhausted(format!("{len} bytes of host memory: {e}")))?;
+            buf.resize(len, 0);
+            HostBuffer::Heap(buf)
+        };
+        Ok(Self { buf, reservation })
+    }
+}
+
+impl Sink for HostSink {
+    type Output = Bytes;
+
+    async fn write(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<(), SinkError> {
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        let dst = start
+            .checked_add(payload.len())
+            .and_then(|end| self.buf.as_mut().get_mut(start..end))
+            .ok_or_else(|| SinkError::failed(format!("write at {offset} past the buffer")))?;
+        payload.copy_to_slice(dst);
+        drop(permit); // The bytes are in their final place: durable.
+        Ok(())
+    }
+
+    async fn finish(self) -> Result<Bytes, SinkError> {
+        Ok(match self.buf {
+            HostBuffer::Heap(buf) if self.reservation.is_none() => buf.into(),
+            HostBuffer::Heap(buf) => Bytes::from_owner(HeapOwner {
+                buf,
+                _reservation: self.reservation,
+            }),
+            HostBuffer::Mapped(map) => Bytes::from_owner(MappedOwner {
+                map,
+                _reservation: self.reservation,
+            }),
+        })
+    }
+}

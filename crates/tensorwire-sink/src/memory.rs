@@ -1,0 +1,141 @@
+//! A shared [`MemoryLedger`] that destination buffers are admitted against, with waiting.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use tensorwire_proto::{Admission, MemoryLedger};
+use tokio::sync::Notify;
+
+use crate::SinkError;
+
+/// Destination memory of one kind (host, or one GPU), shared by every tensor a receiver
+/// lands there (spec §7.4). Cloning shares the budget.
+#[derive(Clone, Debug)]
+pub struct MemoryBudget {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// What the memory is, for messages: "host" or "cuda:0".
+    what: String,
+    ledger: Mutex<MemoryLedger>,
+    released: Notify,
+}
+
+/// Where a memory budget stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemorySnapshot {
+    /// The most that may be reserved at once.
+    pub limit: u64,
+    /// Reserved now.
+    pub reserved: u64,
+    /// The most ever reserved at once.
+    pub peak: u64,
+}
+
+impl MemoryBudget {
+    /// A budget of `limit` bytes of `what` memory ("host", "cuda:0").
+    pub fn new(what: impl Into<String>, limit: u64) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                what: what.into(),
+                ledger: Mutex::new(MemoryLedger::new(limit)),
+                released: Notify::new(),
+            }),
+        }
+    }
+
+    fn ledger(&self) -> MutexGuard<'_, MemoryLedger> {
+        // The ledger's invariants hold between calls; a panic elsewhere cannot break them.
+        self.inner
+            .ledger
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Reserves `bytes` now, or says why not (RESOURCE_EXHAUSTED).
+    pub fn try_reserve(&self, bytes: u64) -> Result<MemoryReservation, SinkError> {
+        let mut ledger = self.ledger();
+        match ledger.reserve(bytes) {
+            Admission::Reserved => Ok(self.reservation(bytes)),
+            Admission::Wait => Err(SinkError::exhausted(format!(
+                "{bytes} bytes of {} memory: {} of the {} byte budget are in use",
+                self.inner.what,
+                ledger.reserved(),
+                ledger.limit()
+            ))),
+            Admission::TooLarge => Err(self.too_large(bytes, ledger.limit())),
+        }
+    }
+
+    /// Reserves `bytes`, waiting for other reservations to end; fails at once only if
+    /// `bytes` exceeds the whole budget. Callers bound the wait (the admission timeout).
+    pub async fn reserve(&self, bytes: u64) -> Result<MemoryReservation, SinkError> {
+        loop {
+            let notified = self.inner.released.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let admission = self.ledger().reserve(bytes);
+            match admission {
+                Admission::Reserved => return Ok(self.reservation(bytes)),
+                Admission::TooLarge => return Err(self.too_large(bytes, self.limit())),
+                Admission::Wait => notified.await,
+            }
+        }
+    }
+
+    fn reservation(&self, bytes: u64) -> MemoryReservation {
+        MemoryReservation {
+            bytes,
+            budget: self.clone(),
+        }
+    }
+
+    fn too_large(&self, bytes: u64, limit: u64) -> SinkError {
+        SinkError::exhausted(format!(
+            "{bytes} bytes exceed the whole {} memory budget of {limit} bytes",
+            self.inner.what
+        ))
+    }
+
+    /// What memory this budget covers ("host", "cuda:0").
+    pub fn what(&self) -> &str {
+        &self.inner.what
+    }
+
+    /// The most that may be reserved at once.
+    pub fn limit(&self) -> u64 {
+        self.ledger().limit()
+    }
+
+    /// Where the budget stands.
+    pub fn snapshot(&self) -> MemorySnapshot {
+        let ledger = self.ledger();
+        MemorySnapshot {
+            limit: ledger.limit(),
+            reserved: ledger.reserved(),
+            peak: ledger.peak(),
+        }
+    }
+}
+
+/// Bytes of a [`MemoryBudget`] held for one destination buffer; returned on drop.
+#[derive(Debug)]
+pub struct MemoryReservation {
+    bytes: u64,
+    budget: MemoryBudget,
+}
+
+impl MemoryReservation {
+    /// Bytes reserved.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl Drop for MemoryReservation {
+    fn drop(&mut self) {
+        self.budget.ledger().release(self.bytes);
+        self.budget.inner.released.notify_waiters();
+    }
+}
