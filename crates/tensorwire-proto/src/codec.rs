@@ -68,11 +68,26 @@ impl FrameDecoder {
         let len = u32::from_le_bytes([header[1], header[2], header[3], header[4]]);
         frame::check_header(ty, len, &self.limits)?;
         if self.input.len() - HEADER_LEN < len as usize {
+            self.check_metadata_prefix(ty)?;
             return Ok(None);
         }
         self.input.skip(HEADER_LEN);
         let mut body = ByteQueueBody::new(&mut self.input, len as usize);
         frame::decode_body(ty, &mut body, &self.limits).map(Some)
+    }
+
+    /// Spec §8: METADATA's limits are judged from its fixed part, not after the whole body.
+    fn check_metadata_prefix(&self, ty: FrameType) -> Result<(), ProtocolError> {
+        if ty != FrameType::METADATA {
+            return Ok(());
+        }
+        let mut prefix = [0u8; HEADER_LEN + frame::METADATA_FIXED_LEN];
+        if !self.input.peek(&mut prefix) {
+            return Ok(());
+        }
+        let mut fixed = [0u8; frame::METADATA_FIXED_LEN];
+        fixed.copy_from_slice(&prefix[HEADER_LEN..]);
+        frame::check_metadata_fixed(&fixed, &self.limits)
     }
 
     /// Checks that the stream did not end inside a frame (spec §6: TRUNCATED_FRAME).

@@ -1,4 +1,4 @@
-//! Destination memory admitted against a limit before a tensor is accepted (spec §7.4).
+//! Destination memory admitted against a limit before a tensor is accepted (spec §7.5).
 
 /// What [`MemoryLedger::reserve`] decided.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

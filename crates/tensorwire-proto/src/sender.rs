@@ -1,4 +1,4 @@
-//! The sender's per-tensor state machine (spec §7.2, §7.4).
+//! The sender's per-tensor state machine (spec §7.2, §7.5).
 
 use std::collections::VecDeque;
 
@@ -239,7 +239,7 @@ impl TensorSender {
         Ok(event)
     }
 
-    /// Spec §7.4: a receiver may not grant past the tensor's end.
+    /// Spec §7.5: a receiver may not grant past the tensor's end.
     fn on_credit(&mut self, bytes: u64) -> Result<SenderEvent, ProtocolError> {
         match self.granted.checked_add(bytes) {
             Some(total) if total <= self.meta.byte_len() => {

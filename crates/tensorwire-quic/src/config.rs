@@ -14,6 +14,9 @@ use crate::error::TransportError;
 /// batch exceeds 64 KiB and the send fails silently, stalling the connection (seen at 8000).
 pub const MAX_MTU_WITH_GSO: u16 = 6500;
 
+/// Unidirectional streams a peer may have open at once; each is stopped on arrival.
+const UNI_STREAMS_TO_STOP: u32 = 4;
+
 /// QUIC transport settings shared by senders and receivers.
 #[derive(Clone, Debug)]
 pub struct TransportSettings {
@@ -121,19 +124,35 @@ impl TransportSettings {
         )?)
     }
 
-    /// The quinn transport configuration these settings describe.
+    /// The quinn transport configuration these settings describe, for the connecting side:
+    /// it sends keep-alives so a connection waiting on a slow receiver stays up.
     pub fn transport_config(&self) -> Result<Arc<TransportConfig>, TransportError> {
+        self.build_transport(Some(self.keep_alive))
+    }
+
+    /// The transport configuration for a receiver: no keep-alives of its own, so a silent
+    /// peer reaches the idle timeout and its connection ends (spec §10).
+    pub fn server_transport_config(&self) -> Result<Arc<TransportConfig>, TransportError> {
+        self.build_transport(None)
+    }
+
+    fn build_transport(
+        &self,
+        keep_alive: Option<Duration>,
+    ) -> Result<Arc<TransportConfig>, TransportError> {
         self.validate()?;
         let mut t = TransportConfig::default();
         let idle = IdleTimeout::try_from(self.idle_timeout)
             .map_err(|_| TransportError::Config("idle timeout too large".into()))?;
         t.max_concurrent_bidi_streams(VarInt::from_u32(self.max_concurrent_streams))
-            .max_concurrent_uni_streams(VarInt::from_u32(0))
+            // Spec §3: unidirectional streams are unused, but a peer's must be stopped with
+            // UNEXPECTED_FRAME, which needs a few to be allowed.
+            .max_concurrent_uni_streams(VarInt::from_u32(UNI_STREAMS_TO_STOP))
             .stream_receive_window(VarInt::from_u32(self.stream_receive_window))
             .receive_window(VarInt::from_u32(self.connection_receive_window))
             .send_window(self.send_window)
             .max_idle_timeout(Some(idle))
-            .keep_alive_interval(Some(self.keep_alive))
+            .keep_alive_interval(keep_alive)
             .initial_mtu(self.mtu)
             .enable_segmentation_offload(self.segmentation_offload);
         let mut mtu_discovery = MtuDiscoveryConfig::default();
@@ -211,8 +230,21 @@ pub struct ReceiverConfig {
     /// Failed or cancelled streams a connection may have per [`Self::failure_window`] before
     /// it is closed with CANCEL_FLOOD (spec §10).
     pub max_failed_streams: u32,
-    /// The window over which failed streams are counted.
+    /// The failed-stream budget refills at [`Self::max_failed_streams`] per this window.
     pub failure_window: Duration,
+    /// Host memory that tensors accepted with [`IncomingTensor::accept_host`] may hold at
+    /// once, landed and not yet dropped by the application (spec §7.5). A tensor that does
+    /// not fit waits up to [`Self::admission_timeout`], then is rejected with
+    /// RESOURCE_EXHAUSTED.
+    ///
+    /// [`IncomingTensor::accept_host`]: crate::IncomingTensor::accept_host
+    pub host_memory_budget: u64,
+    /// Tensors of one connection that may wait for the application's decision at once;
+    /// more wait on their connection, so one peer cannot starve the others (spec §10).
+    pub max_pending_per_connection: usize,
+    /// A connection with no tensor stream open for this long is closed with
+    /// PROGRESS_TIMEOUT, even if its peer keeps it alive (spec §10).
+    pub connection_idle_timeout: Duration,
 }
 
 impl ReceiverConfig {
@@ -233,6 +265,9 @@ impl ReceiverConfig {
             admission_timeout: Duration::from_secs(30),
             max_failed_streams: 1000,
             failure_window: Duration::from_secs(10),
+            host_memory_budget: default_host_memory_budget(),
+            max_pending_per_connection: 64,
+            connection_idle_timeout: Duration::from_secs(60),
         }
     }
 
@@ -243,6 +278,18 @@ impl ReceiverConfig {
         self.low_watermark = budget / 2;
         self
     }
+}
+
+/// A quarter of physical memory (4 GiB where it cannot be read).
+fn default_host_memory_budget() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|info| {
+            let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024 / 4)
+        })
+        .unwrap_or(4 << 30)
 }
 
 /// Everything a [`Sender`](crate::Sender) needs.

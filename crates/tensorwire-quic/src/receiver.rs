@@ -5,15 +5,17 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dashmap::DashMap;
 use quinn::VarInt;
-use tensorwire_proto::{ErrorCode, ProtocolError, ReceiverEvent, TensorMeta, TensorReceiver};
-use tokio::sync::{mpsc, oneshot};
+use tensorwire_proto::{
+    ErrorCode, FloodBudget, ProtocolError, ReceiverEvent, TensorMeta, TensorReceiver,
+};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -23,7 +25,7 @@ use crate::config::{ReceiverConfig, dev_cert_path};
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::stream::FrameStream;
-use tensorwire_sink::{CreditPermit, HostSink, Sink, SinkError};
+use tensorwire_sink::{CreditPermit, HostSink, MemoryBudget, MemorySnapshot, Sink, SinkError};
 
 /// Incoming tensors waiting for the application before streams wait in turn.
 const INCOMING_QUEUE: usize = 1024;
@@ -43,6 +45,7 @@ pub struct Receiver {
 struct Shared {
     config: ReceiverConfig,
     budget: Arc<Budget>,
+    host_memory: MemoryBudget,
     metrics: Metrics,
     connections: DashMap<usize, Arc<ConnectionState>>,
     shutdown: CancellationToken,
@@ -53,7 +56,14 @@ struct ConnectionState {
     remote: SocketAddr,
     connection: quinn::Connection,
     metrics: Metrics,
-    failures: Mutex<(Instant, u32)>,
+    /// Spec §10: failed, cancelled, reset or refused streams.
+    failures: Mutex<FloodBudget>,
+    /// Tensors of this connection waiting for the application's decision: one peer cannot
+    /// fill the receiver's queue and starve the others.
+    pending: Semaphore,
+    /// Tensor streams open now, and when the last one ended (for the idle timeout).
+    open_streams: AtomicUsize,
+    last_stream_ended: Mutex<Instant>,
 }
 
 /// Counters of one connection.
@@ -70,7 +80,7 @@ impl Receiver {
     pub async fn bind(config: ReceiverConfig) -> Result<Self, TransportError> {
         let (crypto, dev) = crate::tls::server_crypto(&config.tls)?;
         let mut server = quinn::ServerConfig::with_crypto(crypto);
-        server.transport_config(config.transport.transport_config()?);
+        server.transport_config(config.transport.server_transport_config()?);
         let endpoint = config.transport.endpoint(config.listen, Some(server))?;
         let local = endpoint.local_addr()?;
         let dev_cert = match dev {
@@ -92,9 +102,11 @@ impl Receiver {
         };
         let budget = Budget::new(config.budget, config.high_watermark, config.low_watermark)
             .map_err(|e| TransportError::Config(format!("budget and watermarks: {e}")))?;
+        let host_memory = MemoryBudget::new("host", config.host_memory_budget);
         let shared = Arc::new(Shared {
             config,
             budget: Arc::new(budget),
+            host_memory,
             metrics: Metrics::default(),
             connections: DashMap::new(),
             shutdown: CancellationToken::new(),
@@ -129,6 +141,11 @@ impl Receiver {
     /// The shared byte budget's state.
     pub fn budget(&self) -> BudgetSnapshot {
         self.shared.budget.snapshot()
+    }
+
+    /// The host-memory budget that [`IncomingTensor::accept_host`] admits tensors against.
+    pub fn host_memory(&self) -> MemorySnapshot {
+        self.shared.host_memory.snapshot()
     }
 
     /// Counters of each open connection.
@@ -173,7 +190,15 @@ pub struct IncomingTensor {
     meta: TensorMeta,
     peer: SocketAddr,
     decision: oneshot::Sender<Decision>,
+    host_memory: MemoryBudget,
+    /// When the admission timeout ends: memory waits give up then.
+    deadline: tokio::time::Instant,
+    admission_timeout: Duration,
 }
+
+/// How long after the admission deadline the stream still waits for a decision, so that an
+/// application's own refusal at the deadline (such as no memory) reaches the sender.
+const DECISION_GRACE: Duration = Duration::from_secs(1);
 
 type Run = Box<dyn FnOnce(Accepted) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
 
@@ -212,16 +237,44 @@ impl IncomingTensor {
         handle
     }
 
-    /// Admits the tensor into a new host-memory buffer; rejects it with RESOURCE_EXHAUSTED
-    /// if that memory cannot be had.
-    pub fn accept_host(self) -> Result<TensorHandle<Bytes>, SinkError> {
-        match HostSink::new(self.meta.byte_len()) {
+    /// Whether the stream already ended (the sender cancelled, reset it or timed out): a
+    /// decision would go nowhere.
+    pub fn is_closed(&self) -> bool {
+        self.decision.is_closed()
+    }
+
+    /// Admits the tensor into a host-memory buffer admitted against the receiver's
+    /// host-memory budget (spec §7.5), waiting up to the admission timeout for memory; on
+    /// timeout (or a tensor larger than the whole budget) rejects it with RESOURCE_EXHAUSTED.
+    pub async fn accept_host(mut self) -> Result<TensorHandle<Bytes>, SinkError> {
+        let len = self.meta.byte_len();
+        let reserved = tokio::select! {
+            reserved = tokio::time::timeout_at(self.deadline, self.host_memory.reserve(len)) => {
+                reserved.unwrap_or_else(|_| Err(SinkError::exhausted(format!(
+                    "waited {:.1} s for {len} bytes of host memory: {} of the {} byte budget \
+                     stayed in use",
+                    self.admission_timeout.as_secs_f64(),
+                    self.host_memory.snapshot().reserved,
+                    self.host_memory.limit(),
+                ))))
+            }
+            () = self.decision.closed() => Err(SinkError::failed(
+                "the stream ended while waiting for host memory",
+            )),
+        };
+        match reserved.and_then(HostSink::reserved) {
             Ok(sink) => Ok(self.accept(sink)),
             Err(e) => {
                 self.reject(e.code, e.message.clone());
                 Err(e)
             }
         }
+    }
+
+    /// The receiver's host-memory budget, for sinks of the application's own that land
+    /// tensors in host memory (reserve before accepting).
+    pub fn host_memory(&self) -> &MemoryBudget {
+        &self.host_memory
     }
 
     /// Refuses the tensor with `code` and `reason`.
@@ -236,6 +289,16 @@ pub struct TensorHandle<T> {
     received: Arc<AtomicU64>,
     cancel: CancellationToken,
     result: oneshot::Receiver<Result<T, TransportError>>,
+}
+
+impl<T> std::fmt::Debug for TensorHandle<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorHandle")
+            .field("name", &self.meta.name())
+            .field("bytes", &self.meta.byte_len())
+            .field("received", &self.received_bytes())
+            .finish()
+    }
 }
 
 impl<T> TensorHandle<T> {
@@ -260,7 +323,9 @@ impl<T> TensorHandle<T> {
             Ok(result) => result.map(|output| (self.meta, output)),
             Err(_) => Err(ProtocolError::Local {
                 code: ErrorCode::SHUTDOWN,
-                reason: "the stream ended before the tensor was accepted".into(),
+                reason: "the stream ended (cancelled, reset, timed out or shut down) before \
+                         the tensor was accepted"
+                    .into(),
             }
             .into()),
         }
@@ -305,23 +370,51 @@ async fn serve_connection(
         return;
     }
     let id = connection.stable_id();
+    let config = &shared.config;
     let state = Arc::new(ConnectionState {
         remote: connection.remote_address(),
         connection: connection.clone(),
         metrics: Metrics::default(),
-        failures: Mutex::new((Instant::now(), 0)),
+        failures: Mutex::new(FloodBudget::new(
+            config.max_failed_streams,
+            config.failure_window,
+        )),
+        pending: Semaphore::new(config.max_pending_per_connection),
+        open_streams: AtomicUsize::new(0),
+        last_stream_ended: Mutex::new(Instant::now()),
     });
     shared.connections.insert(id, state.clone());
     info!("connection established");
+    let idle_check = config.connection_idle_timeout.min(Duration::from_secs(1));
     loop {
         let accepted = tokio::select! {
             _ = shared.shutdown.cancelled() => break,
             accepted = connection.accept_bi() => accepted,
+            uni = connection.accept_uni() => {
+                // Spec §3: unidirectional streams are not used; stop each at once.
+                if let Ok(mut recv) = uni {
+                    debug!("stopping a unidirectional stream");
+                    let _ = recv.stop(VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0));
+                }
+                continue;
+            }
+            () = tokio::time::sleep(idle_check) => {
+                if state.idle_for() >= config.connection_idle_timeout {
+                    info!(idle = ?config.connection_idle_timeout, "closing a connection with no tensor streams");
+                    connection.close(
+                        VarInt::from_u32(ErrorCode::PROGRESS_TIMEOUT.0),
+                        b"no tensor stream within the receiver's idle timeout",
+                    );
+                    break;
+                }
+                continue;
+            }
         };
         match accepted {
             Ok((send, recv)) => {
                 let span = info_span!("tensor", stream = %send.id());
                 let stream = FrameStream::new(send, recv, shared.config.limits.clone());
+                state.open_streams.fetch_add(1, Ordering::AcqRel);
                 shared.streams.spawn(
                     serve_stream(shared.clone(), state.clone(), stream, tx.clone())
                         .instrument(span),
@@ -334,6 +427,27 @@ async fn serve_connection(
         }
     }
     shared.connections.remove(&id);
+}
+
+impl ConnectionState {
+    /// How long the connection has had no tensor stream open.
+    fn idle_for(&self) -> Duration {
+        if self.open_streams.load(Ordering::Acquire) > 0 {
+            return Duration::ZERO;
+        }
+        self.last_stream_ended
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .elapsed()
+    }
+
+    fn stream_ended(&self) {
+        *self
+            .last_stream_ended
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
+        self.open_streams.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// One accepted stream, handed to the sink-specific receive loop.
@@ -370,11 +484,16 @@ async fn serve_stream(
 
 impl Accepted {
     /// Reads METADATA and asks the application; `None` if the tensor was rejected.
+    ///
+    /// While the tensor waits (for a slot in the connection's share of the queue, then for the
+    /// decision) the stream is still read: a CANCEL, a reset or a FIN ends it at once, so
+    /// waiting tensors cannot pile up behind a peer that gave up on them.
     async fn admit(
         &mut self,
         tx: mpsc::Sender<IncomingTensor>,
     ) -> Result<Option<Run>, TransportError> {
-        let config = &self.shared.config;
+        let shared = self.shared.clone();
+        let config = &shared.config;
         let frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame())
             .await
             .map_err(|_| TransportError::timed_out("METADATA", config.progress_timeout))??;
@@ -385,38 +504,63 @@ impl Accepted {
             .cloned()
             .ok_or(ProtocolError::Misuse("METADATA without meta"))?;
         debug!(name = meta.name(), bytes = meta.byte_len(), dtype = %meta.dtype(), "metadata");
-        let (decision, decided) = oneshot::channel();
-        let peer = self.connection.remote;
-        if tx
-            .send(IncomingTensor {
+        let connection = self.connection.clone();
+        let deadline = tokio::time::Instant::now() + config.admission_timeout;
+        let waited = tokio::time::timeout_at(deadline + DECISION_GRACE, async {
+            let _slot = self.while_reading(connection.pending.acquire()).await?;
+            let (decision, decided) = oneshot::channel();
+            let incoming = IncomingTensor {
                 meta,
-                peer,
+                peer: connection.remote,
                 decision,
-            })
-            .await
-            .is_err()
-        {
-            self.machine
-                .reject(ErrorCode::SHUTDOWN, "receiver is shutting down")?;
-            return Ok(None);
-        }
-        match tokio::time::timeout(config.admission_timeout, decided).await {
-            Ok(Ok(Decision::Accept(run))) => Ok(Some(run)),
-            Ok(Ok(Decision::Reject(code, reason))) => {
+                host_memory: shared.host_memory.clone(),
+                deadline,
+                admission_timeout: config.admission_timeout,
+            };
+            if self.while_reading(tx.send(incoming)).await?.is_err() {
+                return Ok(None);
+            }
+            self.while_reading(decided).await.map(|d| Some(d.ok()))
+        })
+        .await;
+        match waited {
+            Err(_) => Err(TransportError::timed_out(
+                "decision from the application",
+                config.admission_timeout,
+            )),
+            Ok(Err(e)) => Err(e),
+            Ok(Ok(None)) => {
+                self.machine
+                    .reject(ErrorCode::SHUTDOWN, "receiver is shutting down")?;
+                Ok(None)
+            }
+            Ok(Ok(Some(Some(Decision::Accept(run))))) => Ok(Some(run)),
+            Ok(Ok(Some(Some(Decision::Reject(code, reason))))) => {
                 self.machine.reject(code, reason)?;
                 Ok(None)
             }
-            Ok(Err(_)) => {
+            Ok(Ok(Some(None))) => {
                 self.machine.reject(
                     ErrorCode::REJECTED,
                     "the application dropped the tensor undecided",
                 )?;
                 Ok(None)
             }
-            Err(_) => Err(TransportError::timed_out(
-                "the application's decision",
-                config.admission_timeout,
-            )),
+        }
+    }
+
+    /// Awaits `wait` while reading the stream: before ACCEPT any frame (a CANCEL, DATA
+    /// without credit), a reset or a FIN ends the tensor with the matching error.
+    async fn while_reading<T>(
+        &mut self,
+        wait: impl Future<Output = T>,
+    ) -> Result<T, TransportError> {
+        tokio::select! {
+            out = wait => Ok(out),
+            frame = self.stream.next_frame() => {
+                self.machine.handle_frame(frame?)?;
+                Err(ProtocolError::Misuse("a frame was accepted before ACCEPT").into())
+            }
         }
     }
 
@@ -476,15 +620,7 @@ impl Accepted {
                         }
                         ReceiverEvent::End => {
                             // While the sink makes the bytes durable, the sender may still cancel.
-                            let output = tokio::select! {
-                                output = sink.finish() => output?,
-                                frame = self.stream.next_frame() => {
-                                    return Err(match self.machine.handle_frame(frame?) {
-                                        Err(e) => e.into(),
-                                        Ok(_) => ProtocolError::Misuse("frame accepted after END").into(),
-                                    });
-                                }
-                            };
+                            let output = self.finish_watching(sink.finish()).await??;
                             let left = pending.load(Ordering::Acquire);
                             if left != 0 {
                                 return Err(SinkError::failed(format!("sink finished with {left} bytes not durable")).into());
@@ -499,6 +635,28 @@ impl Accepted {
                 }
             }
         }
+    }
+
+    /// Awaits the sink after END while the sender may still CANCEL or reset; its FIN right
+    /// after END is legal (spec §4) and ends only the watching.
+    async fn finish_watching<T>(
+        &mut self,
+        finish: impl Future<Output = T>,
+    ) -> Result<T, TransportError> {
+        tokio::pin!(finish);
+        tokio::select! {
+            out = &mut finish => return Ok(out),
+            frame = self.stream.next_frame_or_fin() => match frame? {
+                None => {}
+                Some(frame) => {
+                    return Err(match self.machine.handle_frame(frame) {
+                        Err(e) => e.into(),
+                        Ok(_) => ProtocolError::Misuse("frame accepted after END").into(),
+                    });
+                }
+            },
+        }
+        Ok(finish.await)
     }
 
     async fn flush(&mut self) -> Result<(), TransportError> {
@@ -529,29 +687,27 @@ impl Accepted {
         }
         // Credit is already back; keep the stream until the sender has our last frame.
         self.stream.delivered(CLOSE_GRACE).await;
+        self.connection.stream_ended();
     }
 
-    /// Spec §10: too many failed or cancelled streams in a window closes the connection.
+    /// Spec §10: failed, cancelled, reset or refused streams beyond the budget close the
+    /// connection with CANCEL_FLOOD.
     fn count_failure(&self) {
-        let config = &self.shared.config;
-        let mut failures = self
+        let exceeded = self
             .connection
             .failures
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let now = Instant::now();
-        if now.duration_since(failures.0) > config.failure_window {
-            *failures = (now, 0);
-        }
-        failures.1 += 1;
-        if failures.1 > config.max_failed_streams {
+            .unwrap_or_else(PoisonError::into_inner)
+            .record_failure(Instant::now());
+        if let Err(exceeded) = exceeded {
             warn!(
-                failed = failures.1,
+                burst = exceeded.burst,
+                window = ?exceeded.window,
                 "closing connection: too many failed streams"
             );
             self.connection.connection.close(
                 VarInt::from_u32(ErrorCode::CANCEL_FLOOD.0),
-                b"too many failed or cancelled streams",
+                b"too many failed, cancelled or refused streams",
             );
         }
     }

@@ -138,6 +138,7 @@ impl Sender {
         let connection = endpoint
             .connect_with(client, addr, &config.server_name)?
             .await?;
+        tokio::spawn(stop_unidirectional_streams(connection.clone()));
         Ok(Self {
             endpoint,
             connection,
@@ -253,6 +254,13 @@ impl SendProgress {
     /// The tensor's length.
     pub fn total_bytes(&self) -> u64 {
         self.total
+    }
+}
+
+/// Spec §3: unidirectional streams are unused; stop each with UNEXPECTED_FRAME.
+async fn stop_unidirectional_streams(connection: quinn::Connection) {
+    while let Ok(mut recv) = connection.accept_uni().await {
+        let _ = recv.stop(VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0));
     }
 }
 

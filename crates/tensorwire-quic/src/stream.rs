@@ -29,9 +29,20 @@ impl FrameStream {
     /// The next frame; a stream that ends before its terminal frame is TRUNCATED_FRAME
     /// (spec §4).
     pub(crate) async fn next_frame(&mut self) -> Result<Frame, TransportError> {
+        self.next_frame_or_fin().await?.ok_or_else(|| {
+            ProtocolError::Remote {
+                code: ErrorCode::TRUNCATED_FRAME,
+                reason: "peer ended the stream before its last frame".into(),
+            }
+            .into()
+        })
+    }
+
+    /// The next frame, or `None` when the peer finished its half at a frame boundary.
+    pub(crate) async fn next_frame_or_fin(&mut self) -> Result<Option<Frame>, TransportError> {
         loop {
             if let Some(frame) = self.decoder.next_frame()? {
-                return Ok(frame);
+                return Ok(Some(frame));
             }
             match self.recv.read_chunk(usize::MAX, true).await {
                 Ok(Some(chunk)) => {
@@ -40,11 +51,7 @@ impl FrameStream {
                 }
                 Ok(None) => {
                     self.decoder.finish()?;
-                    return Err(ProtocolError::Remote {
-                        code: ErrorCode::TRUNCATED_FRAME,
-                        reason: "peer ended the stream before its last frame".into(),
-                    }
-                    .into());
+                    return Ok(None);
                 }
                 Err(e) => return Err(read_error(e)),
             }

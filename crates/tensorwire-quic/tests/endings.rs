@@ -8,8 +8,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use common::{init_tracing, pattern, receive_host, receiver, receiver_config, sender, u8_meta};
+use bytes::Bytes;
+use common::{
+    assert_budget_returned, cancel_code, init_tracing, pattern, raw_connection, raw_exchange,
+    receive_host, receiver, receiver_config, remote_code, sender, u8_meta,
+};
 use quinn::VarInt;
 use tensorwire_quic::proto::frame::{Data, End};
 use tensorwire_quic::proto::{ErrorCode, Frame, FrameDecoder, Limits, Payload, ProtocolError};
@@ -18,24 +21,6 @@ use tensorwire_quic::{
     SinkError, TensorHandle, TransportError, TransportSettings,
 };
 use tokio::sync::Notify;
-
-fn remote_code(err: &TransportError) -> Option<ErrorCode> {
-    match err {
-        TransportError::Protocol(ProtocolError::Remote { code, .. }) => Some(*code),
-        _ => None,
-    }
-}
-
-async fn assert_budget_returned(rx: &Receiver) {
-    for _ in 0..100 {
-        let b = rx.budget();
-        if b.in_flight == 0 && b.held == 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("budget not returned: {:?}", rx.budget());
-}
 
 /// The sender cancels: it reports CANCELLED, the receiver's handle the peer's CANCELLED, and
 /// every credit byte returns to the budget.
@@ -66,7 +51,7 @@ async fn tensor_in_flight(
     let (mut rx, addr) = receiver(config.with_budget(2 << 20)).await;
     let tx = sender(addr).await;
     let send = tx.send(u8_meta("t", 256 << 20), pattern(256 << 20, 1));
-    let handle = rx.next().await.unwrap().accept_host().unwrap();
+    let handle = rx.next().await.unwrap().accept_host().await.unwrap();
     while handle.received_bytes() == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -103,6 +88,7 @@ async fn the_sender_cancels_before_the_tensor_is_accepted() {
     assert_eq!(sent.code(), Some(ErrorCode::CANCELLED));
     let received = incoming
         .accept_host()
+        .await
         .unwrap()
         .finished()
         .await
@@ -204,77 +190,6 @@ async fn the_receiver_cancels_while_making_the_tensor_resident() {
     assert_budget_returned(&rx).await;
 }
 
-/// A raw QUIC connection with development trust, for peers that break the rules.
-async fn raw_connection(
-    addr: std::net::SocketAddr,
-    alpn: &[u8],
-) -> Result<quinn::Connection, String> {
-    let cert = std::fs::read(tensorwire_quic::dev_cert_path(addr.port())).unwrap();
-    let mut roots = rustls::RootCertStore::empty();
-    use rustls::pki_types::pem::PemObject;
-    roots
-        .add(rustls::pki_types::CertificateDer::from_pem_slice(&cert).unwrap())
-        .unwrap();
-    let mut tls =
-        rustls::ClientConfig::builder_with_provider(tensorwire_quic::tls::crypto_provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-    tls.alpn_protocols = vec![alpn.to_vec()];
-    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
-    let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    let connecting = endpoint
-        .connect_with(
-            quinn::ClientConfig::new(Arc::new(crypto)),
-            addr,
-            "localhost",
-        )
-        .unwrap();
-    connecting.await.map_err(|e| e.to_string())
-}
-
-/// Writes `frames` on a new stream; returns the frames the receiver answers with.
-async fn raw_exchange(
-    conn: &quinn::Connection,
-    frames: &[Frame],
-    wait_for_credit: bool,
-) -> Vec<Frame> {
-    let (mut send, mut recv) = conn.open_bi().await.unwrap();
-    let mut decoder = FrameDecoder::new(Limits::default());
-    let mut answers = Vec::new();
-    let (first, rest) = frames.split_first().unwrap();
-    send.write_all(&first.to_bytes()).await.unwrap();
-    if wait_for_credit {
-        while !answers.iter().any(|f| matches!(f, Frame::Credit(_))) {
-            let chunk = recv.read_chunk(usize::MAX, true).await.unwrap().unwrap();
-            decoder.push(chunk.bytes);
-            while let Some(f) = decoder.next_frame().unwrap() {
-                answers.push(f);
-            }
-        }
-    }
-    let mut wire = BytesMut::new();
-    rest.iter().for_each(|f| f.encode(&mut wire));
-    let _ = send.write_all(&wire).await;
-    let _ = send.finish();
-    while let Ok(Some(chunk)) = recv.read_chunk(usize::MAX, true).await {
-        decoder.push(chunk.bytes);
-        while let Ok(Some(f)) = decoder.next_frame() {
-            answers.push(f);
-        }
-    }
-    answers
-}
-
-fn cancel_code(answers: &[Frame]) -> Option<ErrorCode> {
-    answers.iter().find_map(|f| match f {
-        Frame::Cancel(c) => Some(c.code),
-        Frame::Reject(r) => Some(r.code),
-        _ => None,
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rule_breakers_get_the_documented_code_while_others_are_served() {
     init_tracing();
@@ -285,7 +200,7 @@ async fn rule_breakers_get_the_documented_code_while_others_are_served() {
     let server = tokio::spawn(async move {
         let mut results = Vec::new();
         while let Some(incoming) = rx.next().await {
-            let handle = incoming.accept_host().unwrap();
+            let handle = incoming.accept_host().await.unwrap();
             results.push(tokio::spawn(handle.finished()));
             if results.len() == 5 {
                 break;

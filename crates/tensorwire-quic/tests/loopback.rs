@@ -20,7 +20,13 @@ async fn a_one_gib_tensor_arrives_intact() {
     let expected = tensorwire_quic::proto::checksum::crc32c(&data);
     let server = tokio::spawn(async move {
         let incoming = rx.next().await.unwrap();
-        let (meta, bytes) = incoming.accept_host().unwrap().finished().await.unwrap();
+        let (meta, bytes) = incoming
+            .accept_host()
+            .await
+            .unwrap()
+            .finished()
+            .await
+            .unwrap();
         (
             meta,
             tensorwire_quic::proto::checksum::crc32c(&bytes),
@@ -61,7 +67,9 @@ async fn ten_thousand_small_tensors_arrive_concurrently() {
         let mut handles = Vec::with_capacity(COUNT);
         for _ in 0..COUNT {
             let incoming = rx.next().await.unwrap();
-            handles.push(tokio::spawn(incoming.accept_host().unwrap().finished()));
+            handles.push(tokio::spawn(
+                incoming.accept_host().await.unwrap().finished(),
+            ));
         }
         let mut verified = 0;
         for handle in handles {
@@ -274,7 +282,13 @@ async fn drop_after_complete_rounds(lane: u64) {
         let (mut rx, addr) = receiver(receiver_config()).await;
         let server = tokio::spawn(async move {
             let incoming = rx.next().await.unwrap();
-            incoming.accept_host().unwrap().finished().await.unwrap();
+            incoming
+                .accept_host()
+                .await
+                .unwrap()
+                .finished()
+                .await
+                .unwrap();
             drop(rx);
         });
         let tx = sender(addr).await;

@@ -139,6 +139,12 @@ async fn mutual_tls_admits_only_clients_of_the_configured_ca() {
         "ok",
         "the refused clients' tensors never reached the application"
     );
-    incoming.accept_host().unwrap().finished().await.unwrap();
+    incoming
+        .accept_host()
+        .await
+        .unwrap()
+        .finished()
+        .await
+        .unwrap();
     send.finished().await.unwrap();
 }

@@ -2,7 +2,7 @@
 //! destination implements (host memory here, GPU memory in `tensorwire-gpu`), the
 //! [`CreditPermit`]s that hand bytes back to a receiver's credit budget once they are
 //! durable, and the [`MemoryBudget`] that destination buffers are admitted against
-//! (spec §7.1, §7.4).
+//! (spec §7.1, §7.5).
 //!
 //! This crate depends on no QUIC stack, so crates that only land or share tensors
 //! (`tensorwire-gpu`, `tensorwire-ipc`) compile none.

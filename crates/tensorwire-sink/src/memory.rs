@@ -8,7 +8,7 @@ use tokio::sync::Notify;
 use crate::SinkError;
 
 /// Destination memory of one kind (host, or one GPU), shared by every tensor a receiver
-/// lands there (spec §7.4). Cloning shares the budget.
+/// lands there (spec §7.5). Cloning shares the budget.
 #[derive(Clone, Debug)]
 pub struct MemoryBudget {
     inner: Arc<Inner>,

@@ -28,6 +28,12 @@ pub struct Metadata {
 /// Bytes of the fixed part of the body.
 pub(crate) const FIXED_LEN: usize = 18;
 
+/// Checks the fixed part's limits from its raw bytes, before the rest of the body has
+/// arrived (spec §8: a 1 TB claim is refused from its first 23 bytes).
+pub(crate) fn check_fixed(raw: &[u8; FIXED_LEN], limits: &Limits) -> Result<(), ProtocolError> {
+    Fixed::read(&mut Reader::new(raw, FrameType::METADATA))?.check(limits)
+}
+
 /// The fixed part, read before anything else so limits are checked without allocating.
 struct Fixed {
     byte_len: u64,

@@ -187,6 +187,8 @@ impl Frame {
 
 /// Checks a header's body length against the type's layout and the limits, before the
 /// body is awaited (spec §8).
+pub(crate) use metadata::{FIXED_LEN as METADATA_FIXED_LEN, check_fixed as check_metadata_fixed};
+
 pub(crate) fn check_header(ty: FrameType, len: u32, limits: &Limits) -> Result<(), ProtocolError> {
     match ty {
         FrameType::METADATA => metadata::check_len(len, limits),

@@ -4,8 +4,12 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use bytes::Bytes;
-use tensorwire_quic::proto::{DType, TensorMeta};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use tensorwire_quic::proto::{
+    DType, ErrorCode, Frame, FrameDecoder, Limits, ProtocolError, TensorMeta,
+};
 use tensorwire_quic::{
     Receiver, ReceiverConfig, Sender, SenderConfig, TransportError, TransportSettings,
 };
@@ -44,6 +48,7 @@ pub async fn receive_host(rx: &mut Receiver) -> Result<(TensorMeta, Bytes), Tran
     let incoming = rx.next().await.expect("a tensor arrives");
     incoming
         .accept_host()
+        .await
         .expect("host memory")
         .finished()
         .await
@@ -62,4 +67,93 @@ pub fn init_tracing() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
+}
+
+pub fn remote_code(err: &TransportError) -> Option<ErrorCode> {
+    match err {
+        TransportError::Protocol(ProtocolError::Remote { code, .. }) => Some(*code),
+        _ => None,
+    }
+}
+
+pub async fn assert_budget_returned(rx: &Receiver) {
+    for _ in 0..100 {
+        let b = rx.budget();
+        if b.in_flight == 0 && b.held == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("budget not returned: {:?}", rx.budget());
+}
+
+/// A raw QUIC connection with development trust, for peers that break the rules.
+pub async fn raw_connection(
+    addr: std::net::SocketAddr,
+    alpn: &[u8],
+) -> Result<quinn::Connection, String> {
+    let cert = std::fs::read(tensorwire_quic::dev_cert_path(addr.port())).unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    use rustls::pki_types::pem::PemObject;
+    roots
+        .add(rustls::pki_types::CertificateDer::from_pem_slice(&cert).unwrap())
+        .unwrap();
+    let mut tls =
+        rustls::ClientConfig::builder_with_provider(tensorwire_quic::tls::crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    tls.alpn_protocols = vec![alpn.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    let connecting = endpoint
+        .connect_with(
+            quinn::ClientConfig::new(Arc::new(crypto)),
+            addr,
+            "localhost",
+        )
+        .unwrap();
+    connecting.await.map_err(|e| e.to_string())
+}
+
+/// Writes `frames` on a new stream; returns the frames the receiver answers with.
+pub async fn raw_exchange(
+    conn: &quinn::Connection,
+    frames: &[Frame],
+    wait_for_credit: bool,
+) -> Vec<Frame> {
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let mut decoder = FrameDecoder::new(Limits::default());
+    let mut answers = Vec::new();
+    let (first, rest) = frames.split_first().unwrap();
+    send.write_all(&first.to_bytes()).await.unwrap();
+    if wait_for_credit {
+        while !answers.iter().any(|f| matches!(f, Frame::Credit(_))) {
+            let chunk = recv.read_chunk(usize::MAX, true).await.unwrap().unwrap();
+            decoder.push(chunk.bytes);
+            while let Some(f) = decoder.next_frame().unwrap() {
+                answers.push(f);
+            }
+        }
+    }
+    let mut wire = BytesMut::new();
+    rest.iter().for_each(|f| f.encode(&mut wire));
+    let _ = send.write_all(&wire).await;
+    let _ = send.finish();
+    while let Ok(Some(chunk)) = recv.read_chunk(usize::MAX, true).await {
+        decoder.push(chunk.bytes);
+        while let Ok(Some(f)) = decoder.next_frame() {
+            answers.push(f);
+        }
+    }
+    answers
+}
+
+pub fn cancel_code(answers: &[Frame]) -> Option<ErrorCode> {
+    answers.iter().find_map(|f| match f {
+        Frame::Cancel(c) => Some(c.code),
+        Frame::Reject(r) => Some(r.code),
+        _ => None,
+    })
 }

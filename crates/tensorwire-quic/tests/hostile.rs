@@ -1,0 +1,247 @@
+//! Hostile and faulty peers, driven by a raw QUIC connection: every case ends with the
+//! documented code, the stream or connection freed, and the budgets counted back.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::BytesMut;
+use common::{
+    assert_budget_returned, cancel_code, init_tracing, pattern, raw_connection, raw_exchange,
+    receiver, receiver_config, remote_code, sender, u8_meta,
+};
+use quinn::VarInt;
+use tensorwire_quic::proto::frame::{Cancel, Data, End};
+use tensorwire_quic::proto::{ErrorCode, Frame, checksum};
+use tensorwire_quic::{Receiver, TransportError};
+
+/// Waits (bounded) until `done` holds for the receiver.
+async fn eventually(rx: &Receiver, what: &str, done: impl Fn(&Receiver) -> bool) {
+    for _ in 0..500 {
+        if done(rx) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("not {what}: {:?} {:?}", rx.metrics(), rx.budget());
+}
+
+/// Spec §4: a sender may finish its half right after END. Each of these raw senders does,
+/// at once; every tensor must complete (a FIN racing the sink used to read as TRUNCATED).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fin_right_after_end_is_not_truncation() {
+    init_tracing();
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let server = tokio::spawn(async move {
+        let mut done = Vec::new();
+        for _ in 0..24 {
+            let handle = rx.next().await.unwrap().accept_host().await.unwrap();
+            done.push(handle.finished().await.map(|(m, _)| m.name().to_owned()));
+        }
+        (done, rx)
+    });
+    let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    for i in 0..24u64 {
+        let bytes = pattern(1000, i);
+        let frames: Vec<Frame> = vec![
+            u8_meta(&format!("t{i}"), 1000).into(),
+            Data::new(0, bytes.clone()).into(),
+            End {
+                checksum: u64::from(checksum::crc32c(&bytes)),
+            }
+            .into(),
+        ];
+        let answers = raw_exchange(&raw, &frames, true).await;
+        assert!(
+            answers.iter().any(|f| matches!(f, Frame::Complete(_))),
+            "tensor {i}: {answers:?}"
+        );
+    }
+    let (done, rx) = server.await.unwrap();
+    assert!(done.iter().all(Result::is_ok), "{done:?}");
+    assert_budget_returned(&rx).await;
+}
+
+/// A peer that cancels or resets tensors the application has not decided on yet frees
+/// them at once: the application sees them closed, and they count as failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensors_cancelled_or_reset_while_awaiting_a_decision_end_at_once() {
+    init_tracing();
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    let mut wire = BytesMut::new();
+    Frame::from(u8_meta("cancelled", 100)).encode(&mut wire);
+    Frame::from(Cancel::new(ErrorCode::CANCELLED, "changed my mind")).encode(&mut wire);
+    let (mut send, _recv_a) = raw.open_bi().await.unwrap();
+    send.write_all(&wire).await.unwrap();
+    send.finish().unwrap();
+    let (mut send, _recv_b) = raw.open_bi().await.unwrap();
+    send.write_all(&Frame::from(u8_meta("reset", 100)).to_bytes())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    send.reset(VarInt::from_u32(ErrorCode::CANCELLED.0))
+        .unwrap();
+    // Nobody decides: both streams must end on their own, well before any timeout.
+    eventually(&rx, "both failed", |rx| rx.metrics().tensors_failed == 2).await;
+    // Those that reached the queue before they ended are marked closed.
+    while let Ok(Some(incoming)) = tokio::time::timeout(Duration::from_millis(300), rx.next()).await
+    {
+        assert!(
+            incoming.is_closed(),
+            "{} still open",
+            incoming.meta().name()
+        );
+    }
+    assert_budget_returned(&rx).await;
+}
+
+/// Spec §10: one connection's undecided tensors cannot fill the receiver's queue; a
+/// legitimate sender on another connection is still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_holding_many_undecided_tensors_does_not_starve_another() {
+    let mut config = receiver_config();
+    config.max_pending_per_connection = 3;
+    let (mut rx, addr) = receiver(config).await;
+    let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    let mut hogs = Vec::new();
+    for i in 0..20 {
+        let (mut send, recv) = raw.open_bi().await.unwrap();
+        let meta = Frame::from(u8_meta(&format!("hog{i}"), 100)).to_bytes();
+        send.write_all(&meta).await.unwrap();
+        hogs.push((send, recv));
+    }
+    // The hog's first three reach the application, which holds them undecided.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(rx.next().await.unwrap());
+    }
+    let good = sender(addr).await;
+    let send = good.send(u8_meta("good", 1 << 20), pattern(1 << 20, 9));
+    let incoming = tokio::time::timeout(Duration::from_secs(10), rx.next())
+        .await
+        .expect("the other connection's tensor reached the application")
+        .unwrap();
+    assert_eq!(incoming.meta().name(), "good");
+    let (_, bytes) = incoming
+        .accept_host()
+        .await
+        .unwrap()
+        .finished()
+        .await
+        .unwrap();
+    assert_eq!(bytes, pattern(1 << 20, 9));
+    send.finished().await.unwrap();
+    drop(held);
+}
+
+/// Spec §3: a unidirectional stream is stopped with UNEXPECTED_FRAME.
+#[tokio::test]
+async fn a_unidirectional_stream_is_stopped_with_unexpected_frame() {
+    let (_rx, addr) = receiver(receiver_config()).await;
+    let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    let mut uni = raw.open_uni().await.unwrap();
+    let _ = uni
+        .write_all(&Frame::from(u8_meta("uni", 10)).to_bytes())
+        .await;
+    let stopped = tokio::time::timeout(Duration::from_secs(10), uni.stopped())
+        .await
+        .expect("the receiver stopped the stream")
+        .unwrap();
+    assert_eq!(
+        stopped,
+        Some(VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0))
+    );
+}
+
+/// Spec §10: a connection that opens no tensor stream ends, even if its peer keeps it alive.
+#[tokio::test]
+async fn a_connection_that_never_opens_a_stream_is_closed() {
+    let mut config = receiver_config();
+    config.connection_idle_timeout = Duration::from_millis(500);
+    let (_rx, addr) = receiver(config).await;
+    let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(20), raw.closed())
+        .await
+        .expect("the receiver closed the silent connection");
+    match closed {
+        quinn::ConnectionError::ApplicationClosed(close) => {
+            assert_eq!(
+                close.error_code,
+                VarInt::from_u32(ErrorCode::PROGRESS_TIMEOUT.0)
+            );
+        }
+        other => panic!("closed otherwise: {other}"),
+    }
+}
+
+/// Spec §7.5: host memory is admitted before ACCEPT. A tensor larger than the budget is
+/// refused at once; one that does not fit beside landed tensors waits, then is refused;
+/// once the application drops a landed tensor its memory is admitted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_memory_is_admitted_against_its_budget() {
+    let mut config = receiver_config();
+    config.host_memory_budget = 1 << 20;
+    config.admission_timeout = Duration::from_millis(300);
+    let (mut rx, addr) = receiver(config).await;
+    let tx = sender(addr).await;
+
+    // Larger than the whole budget: RESOURCE_EXHAUSTED, nothing committed.
+    let huge = tx.send(u8_meta("huge", 2 << 20), pattern(2 << 20, 1));
+    let err = rx.next().await.unwrap().accept_host().await.unwrap_err();
+    assert_eq!(err.code, ErrorCode::RESOURCE_EXHAUSTED);
+    let sent = huge.finished().await.unwrap_err();
+    assert_eq!(
+        remote_code(&sent),
+        Some(ErrorCode::RESOURCE_EXHAUSTED),
+        "{sent}"
+    );
+
+    // 700 KiB lands and is held by the application.
+    let first = tx.send(u8_meta("first", 700 << 10), pattern(700 << 10, 2));
+    let (_, kept) = rx
+        .next()
+        .await
+        .unwrap()
+        .accept_host()
+        .await
+        .unwrap()
+        .finished()
+        .await
+        .unwrap();
+    first.finished().await.unwrap();
+    assert_eq!(rx.host_memory().reserved, 700 << 10);
+
+    // 700 KiB more does not fit beside it: it waits, then is refused.
+    let second = tx.send(u8_meta("second", 700 << 10), pattern(700 << 10, 3));
+    let err = rx.next().await.unwrap().accept_host().await.unwrap_err();
+    assert_eq!(err.code, ErrorCode::RESOURCE_EXHAUSTED);
+    assert!(err.message.contains("waited"), "{err}");
+    assert_eq!(
+        remote_code(&second.finished().await.unwrap_err()),
+        Some(ErrorCode::RESOURCE_EXHAUSTED)
+    );
+
+    // Dropping the landed tensor gives its memory back.
+    drop(kept);
+    assert_eq!(rx.host_memory().reserved, 0);
+    let third = tx.send(u8_meta("third", 700 << 10), pattern(700 << 10, 4));
+    let (_, bytes) = rx
+        .next()
+        .await
+        .unwrap()
+        .accept_host()
+        .await
+        .unwrap()
+        .finished()
+        .await
+        .unwrap();
+    assert_eq!(bytes, pattern(700 << 10, 4));
+    third.finished().await.unwrap();
+    assert_eq!(rx.host_memory().peak, 700 << 10);
+    drop(bytes);
+    assert_budget_returned(&rx).await;
+    let _: Option<TransportError> = None;
+    let _ = cancel_code(&[]);
+}
