@@ -2,7 +2,9 @@
 
 use std::path::PathBuf;
 
-use tensorwire::quic::{ClientTls, ServerTls, TransportSettings};
+use std::time::Duration;
+
+use tensorwire::quic::{ClientTls, Congestion, ServerTls, TransportSettings};
 
 /// QUIC options.
 #[derive(clap::Args, Debug, Clone)]
@@ -11,15 +13,45 @@ pub struct TransportArgs {
     /// are several times faster at 6000.
     #[arg(long, default_value_t = 1200)]
     pub mtu: u16,
+    /// Congestion control: cubic, or bbr for long paths with loss (far faster there).
+    #[arg(long, default_value = "cubic")]
+    pub congestion: Congestion,
+    /// Seconds without any packet from the peer before the connection is declared dead.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(2..=3600))]
+    pub idle_timeout_s: u64,
 }
 
 impl TransportArgs {
     /// The transport settings these options describe.
     pub fn settings(&self) -> TransportSettings {
+        let idle_timeout = Duration::from_secs(self.idle_timeout_s);
         TransportSettings {
             mtu: self.mtu,
+            congestion: self.congestion,
+            idle_timeout,
+            keep_alive: (idle_timeout / 6).max(Duration::from_millis(500)),
             ..TransportSettings::default()
         }
+    }
+}
+
+/// A whole number of seconds from the command line as a duration, refusing 0.
+pub fn seconds(s: &str) -> Result<Duration, String> {
+    match s.parse::<u64>() {
+        Ok(0) => Err("must be at least 1 second".into()),
+        Ok(n) if n <= 86_400 => Ok(Duration::from_secs(n)),
+        Ok(_) => Err("must be at most 86400 seconds (a day)".into()),
+        Err(e) => Err(format!("{s:?}: {e}")),
+    }
+}
+
+/// MiB from the command line as bytes, refusing 0 and values that overflow.
+pub fn mebibytes(s: &str) -> Result<u64, String> {
+    let mib: u64 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    match mib.checked_mul(1 << 20) {
+        Some(0) => Err("must be at least 1 MiB".into()),
+        Some(bytes) => Ok(bytes),
+        None => Err(format!("{mib} MiB does not fit in 64 bits of bytes")),
     }
 }
 

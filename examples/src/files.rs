@@ -56,10 +56,14 @@ fn file_source(path: &Path, offset: u64) -> Source {
 }
 
 fn load_raw(path: &Path, dtype: DType, shape: Vec<u64>) -> anyhow::Result<Vec<Outgoing>> {
-    let meta = TensorMeta::new(shape, dtype)?.with_name(stem(path));
-    let len = std::fs::metadata(path)
+    let meta = TensorMeta::new(shape, dtype)
         .with_context(|| path.display().to_string())?
-        .len();
+        .with_name(stem(path));
+    let info = std::fs::metadata(path).with_context(|| path.display().to_string())?;
+    if !info.is_file() {
+        bail!("{}: not a regular file", path.display());
+    }
+    let len = info.len();
     if len != meta.byte_len() {
         bail!(
             "{}: {len} bytes, but {:?} of {dtype} is {} bytes",
@@ -75,67 +79,105 @@ fn load_raw(path: &Path, dtype: DType, shape: Vec<u64>) -> anyhow::Result<Vec<Ou
 }
 
 /// Every tensor of a `.safetensors` file, names kept, read in place from the file.
+///
+/// Validated as the safetensors format requires, before anything is sent: each tensor's
+/// `data_offsets` is two ordered integers matching its shape and dtype, and together the
+/// tensors cover the data section exactly, in order, without overlap or gaps.
 fn load_safetensors(path: &Path) -> anyhow::Result<Vec<Outgoing>> {
     use std::io::Read;
-    let mut file = std::fs::File::open(path).with_context(|| path.display().to_string())?;
-    let file_len = file.metadata()?.len();
+    let shown = path.display();
+    let mut file = std::fs::File::open(path).with_context(|| shown.to_string())?;
+    let file_len = file.metadata().with_context(|| shown.to_string())?.len();
     let mut len = [0u8; 8];
-    file.read_exact(&mut len)
-        .context("safetensors header length")?;
+    file.read_exact(&mut len).with_context(|| {
+        format!("{shown}: reading the 8-byte header length ({file_len} byte file)")
+    })?;
     let header_len = u64::from_le_bytes(len);
-    if header_len > 100 << 20 || 8 + header_len > file_len {
-        bail!(
-            "{}: header length {header_len} is not plausible",
-            path.display()
-        );
+    if header_len > 100 << 20 || header_len > file_len - 8 {
+        bail!("{shown}: header length {header_len} is not plausible for a {file_len} byte file");
     }
     let mut header = vec![0u8; header_len as usize];
-    file.read_exact(&mut header)?;
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
-        .with_context(|| format!("{}: header JSON", path.display()))?;
+    file.read_exact(&mut header)
+        .with_context(|| format!("{shown}: reading the {header_len} byte header"))?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).with_context(|| format!("{shown}: header JSON"))?;
     let data_start = 8 + header_len;
+    let data_len = file_len - data_start;
     let metadata = header.get("__metadata__").map(|m| m.to_string());
     let count = header.keys().filter(|k| *k != "__metadata__").count();
     let mut out = Vec::new();
+    let mut extents = Vec::new();
     for (name, info) in &header {
         if name == "__metadata__" {
             continue;
         }
+        let at = || format!("{shown}: tensor {name:?}");
         let dtype_name = info["dtype"].as_str().unwrap_or("");
-        let dtype = DType::from_name(dtype_name).with_context(|| {
-            format!(
-                "{}: tensor {name}: dtype {dtype_name} is not supported",
-                path.display()
-            )
-        })?;
+        let dtype = DType::from_name(dtype_name)
+            .with_context(|| format!("{}: dtype {dtype_name:?} is not supported", at()))?;
         let shape: Vec<u64> = info["shape"]
             .as_array()
-            .context("shape")?
+            .with_context(|| format!("{}: no shape array", at()))?
             .iter()
-            .map(|d| d.as_u64().context("dimension"))
+            .map(|d| {
+                d.as_u64()
+                    .with_context(|| format!("{}: dimension {d} is not an integer", at()))
+            })
             .collect::<anyhow::Result<_>>()?;
-        let offsets = info["data_offsets"].as_array().context("data_offsets")?;
-        let (begin, end) = (
-            offsets[0].as_u64().unwrap_or(0),
-            offsets[1].as_u64().unwrap_or(0),
-        );
-        let mut meta = TensorMeta::new(shape, dtype)?
+        let (begin, end) = match info["data_offsets"].as_array().map(Vec::as_slice) {
+            Some([begin, end]) => match (begin.as_u64(), end.as_u64()) {
+                (Some(begin), Some(end)) => (begin, end),
+                _ => bail!(
+                    "{}: data_offsets {} are not two integers",
+                    at(),
+                    info["data_offsets"]
+                ),
+            },
+            _ => bail!(
+                "{}: data_offsets must be [begin, end], not {}",
+                at(),
+                info["data_offsets"]
+            ),
+        };
+        let mut meta = TensorMeta::new(shape, dtype)
+            .with_context(at)?
             .with_name(name.clone())
             .with_attribute(FILE_ATTR, file_name(path))
             .with_attribute(FILE_TENSORS_ATTR, count.to_string());
         if let Some(metadata) = &metadata {
             meta = meta.with_attribute(FILE_METADATA_ATTR, metadata.clone());
         }
-        if end - begin != meta.byte_len() || data_start + end > file_len {
+        if begin > end || end > data_len || end - begin != meta.byte_len() {
             bail!(
-                "{}: tensor {name}: offsets [{begin}, {end}) disagree with its shape or the file",
-                path.display()
+                "{}: data_offsets [{begin}, {end}) do not hold its {} bytes within the {data_len} \
+                 byte data section",
+                at(),
+                meta.byte_len()
             );
         }
+        extents.push((begin, end, name.clone()));
         out.push(Outgoing {
             meta,
             source: file_source(path, data_start + begin),
         });
+    }
+    extents.sort();
+    let mut covered = 0;
+    for (begin, end, name) in &extents {
+        if *begin != covered {
+            let problem = if *begin < covered {
+                "overlaps the tensor before it"
+            } else {
+                "leaves a gap before it"
+            };
+            bail!(
+                "{shown}: tensor {name:?} at [{begin}, {end}) {problem} (expected to start at {covered})"
+            );
+        }
+        covered = *end;
+    }
+    if covered != data_len {
+        bail!("{shown}: the tensors cover {covered} of the {data_len} bytes after the header");
     }
     Ok(out)
 }

@@ -298,3 +298,137 @@ fn received_tensors_are_shared_with_local_processes() {
     assert!(receiver.wait().unwrap().success());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A `.safetensors` file with this JSON header and `data` after it.
+fn write_safetensors(path: &Path, header: &str, data: &[u8]) {
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(data);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Malformed offsets are refused with the file and the tensor named, never sent wrong bytes
+/// or panicking.
+#[test]
+fn malformed_safetensors_offsets_are_refused_with_the_file_and_tensor_named() {
+    let dir = temp_dir("bad-offsets");
+    let cases = [
+        (
+            r#"{"t":{"dtype":"U8","shape":[16],"data_offsets":[]}}"#,
+            "data_offsets must be",
+        ),
+        (
+            r#"{"t":{"dtype":"U8","shape":[16],"data_offsets":[18446744073709551599,18446744073709551615]}}"#,
+            "do not hold",
+        ),
+        (
+            r#"{"a":{"dtype":"U8","shape":[16],"data_offsets":[0,16]},"b":{"dtype":"U8","shape":[16],"data_offsets":[0,16]}}"#,
+            "overlaps",
+        ),
+        (
+            r#"{"t":{"dtype":"U8","shape":[8],"data_offsets":[8,16]}}"#,
+            "gap",
+        ),
+        (
+            r#"{"t":{"dtype":"U8","shape":[16],"data_offsets":[16,0]}}"#,
+            "do not hold",
+        ),
+    ];
+    for (i, (header, expected)) in cases.into_iter().enumerate() {
+        let path = dir.join(format!("bad{i}.safetensors"));
+        write_safetensors(&path, header, &[7u8; 16]);
+        let err = format!("{:#}", load(&path, None).err().unwrap());
+        assert!(err.contains(&format!("bad{i}.safetensors")), "{err}");
+        assert!(err.contains(expected), "case {i}: {err}");
+    }
+    let short = dir.join("short.safetensors");
+    std::fs::write(&short, [1u8, 2]).unwrap();
+    let err = format!("{:#}", load(&short, None).err().unwrap());
+    assert!(
+        err.contains("short.safetensors") && err.contains("header length"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_directory_with_dtype_and_shape_fails_before_connecting() {
+    let dir = temp_dir("raw-dir");
+    let err = format!(
+        "{:#}",
+        load(&dir, Some((DType::U8, vec![4096]))).err().unwrap()
+    );
+    assert!(err.contains("not a regular file"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Out-of-range receiver flags are refused with a message, not clamped or wrapped.
+#[test]
+fn out_of_range_receiver_flags_are_refused() {
+    for (args, expected) in [
+        (vec!["--budget-mib", "17592186044416"], "does not fit"),
+        (vec!["--budget-mib", "0"], "at least 1 MiB"),
+        (
+            vec!["--high-percent", "10", "--low-percent", "50"],
+            "below --high-percent",
+        ),
+        (vec!["--low-percent", "200"], "200"),
+        (vec!["--high-percent", "0"], "0"),
+        (vec!["--progress-timeout-s", "0"], "at least 1 second"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_receiver"))
+            .args(["--listen", "127.0.0.1:0", "--device", "host"])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
+
+/// The sender names each failed tensor with its wire code and why, even with --quiet.
+#[test]
+fn the_sender_prints_each_failed_tensor_with_its_code() {
+    let dir = temp_dir("refused");
+    let big = dir.join("big.bin");
+    std::fs::write(&big, vec![1u8; 3 << 20]).unwrap();
+    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--count",
+            "1",
+            "--device",
+            "host",
+        ])
+        .args(["--max-tensor-mib", "1"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let addr = first.strip_prefix("listening on ").unwrap().to_owned();
+    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
+        .args([
+            "--connect",
+            &addr,
+            "--quiet",
+            "--dtype",
+            "U8",
+            "--shape",
+            "3145728",
+        ])
+        .arg(&big)
+        .output()
+        .unwrap();
+    assert!(!sent.status.success());
+    let stderr = String::from_utf8_lossy(&sent.stderr);
+    assert!(
+        stderr.contains("failed: big: ") && stderr.contains("TENSOR_TOO_LARGE"),
+        "{stderr}"
+    );
+    let _ = receiver.kill();
+    let _ = receiver.wait();
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -40,6 +40,35 @@ pub struct TransportSettings {
     /// UDP socket send and receive buffer size requested from the OS (capped by
     /// `net.core.rmem_max` / `wmem_max` on Linux). Small buffers drop bursts on loopback.
     pub socket_buffer: usize,
+    /// Congestion control.
+    pub congestion: Congestion,
+}
+
+/// A QUIC congestion controller.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Congestion {
+    /// CUBIC (loss-based): quinn's default, good on clean LANs and loopback.
+    #[default]
+    Cubic,
+    /// BBR (model-based): far better on long paths with random loss, where loss-based
+    /// control collapses to a fraction of the link.
+    Bbr,
+}
+
+impl std::str::FromStr for Congestion {
+    type Err = String;
+
+    /// `cubic` or `bbr`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cubic" => Ok(Self::Cubic),
+            "bbr" => Ok(Self::Bbr),
+            other => Err(format!(
+                "congestion control {other:?}: expected cubic or bbr"
+            )),
+        }
+    }
 }
 
 impl Default for TransportSettings {
@@ -54,6 +83,7 @@ impl Default for TransportSettings {
             idle_timeout: Duration::from_secs(30),
             keep_alive: Duration::from_secs(5),
             socket_buffer: 8 << 20,
+            congestion: Congestion::Cubic,
         }
     }
 }
@@ -155,6 +185,9 @@ impl TransportSettings {
             .keep_alive_interval(keep_alive)
             .initial_mtu(self.mtu)
             .enable_segmentation_offload(self.segmentation_offload);
+        if self.congestion == Congestion::Bbr {
+            t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
+        }
         let mut mtu_discovery = MtuDiscoveryConfig::default();
         mtu_discovery.upper_bound(self.mtu.max(1200));
         t.mtu_discovery_config(Some(mtu_discovery));

@@ -19,8 +19,8 @@ pub mod tls;
 
 pub use budget::BudgetSnapshot;
 pub use config::{
-    ClientTls, MAX_MTU_WITH_GSO, ReceiverConfig, SenderConfig, ServerTls, TransportSettings,
-    dev_cert_path,
+    ClientTls, Congestion, MAX_MTU_WITH_GSO, ReceiverConfig, SenderConfig, ServerTls,
+    TransportSettings, dev_cert_path,
 };
 pub use error::TransportError;
 pub use metrics::MetricsSnapshot;

@@ -279,7 +279,16 @@ async fn send_tensor(
     let result = async {
         let (send, recv) = connection.open_bi().await?;
         let mut stream = FrameStream::new(send, recv, Limits::default());
-        let outcome = drive(&mut machine, &mut stream, source, &sent, &cancel, options).await;
+        let outcome = drive(
+            &mut machine,
+            &mut stream,
+            &connection,
+            source,
+            &sent,
+            &cancel,
+            options,
+        )
+        .await;
         let outcome = match outcome {
             Err(e) => Err(explain_stop(&mut machine, &mut stream, e).await),
             ok => ok,
@@ -298,6 +307,11 @@ async fn send_tensor(
             let _ = flush(&mut machine, &mut stream).await;
         }
         stream.close(code);
+        if code.is_some() {
+            // Our CANCEL must reach the receiver before the application closes the connection,
+            // which would discard it.
+            stream.delivered(CANCEL_GRACE).await;
+        }
         outcome
     }
     .await;
@@ -310,10 +324,18 @@ async fn send_tensor(
     })
 }
 
+/// How long a failed tensor waits for its CANCEL to be acknowledged before giving up.
+const CANCEL_GRACE: Duration = Duration::from_secs(2);
+
 /// Sends METADATA, then DATA as credit allows, then END; returns on COMPLETE.
+///
+/// The progress timeout counts time without progress, not silence: while the receiver has
+/// nothing to say (all credit granted, bytes still crossing a slow path), acknowledgements
+/// of our packets show that the transfer moves.
 async fn drive(
     machine: &mut TensorSender,
     stream: &mut FrameStream,
+    connection: &quinn::Connection,
     source: Source,
     sent: &AtomicU64,
     cancel: &CancellationToken,
@@ -356,12 +378,38 @@ async fn drive(
         }
         flush(machine, stream).await?;
         let frame = tokio::select! {
-            frame = tokio::time::timeout(progress_timeout, stream.next_frame()) => frame
-                .map_err(|_| TransportError::timed_out("frame from the receiver", progress_timeout))??,
+            frame = next_frame_while_progressing(stream, connection, progress_timeout) => frame?,
             _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),
         };
         if machine.handle_frame(frame)? == SenderEvent::Complete {
             return Ok(());
+        }
+    }
+}
+
+/// The receiver's next frame; PROGRESS_TIMEOUT only after `timeout` with neither a frame nor
+/// an acknowledgement of anything we sent.
+async fn next_frame_while_progressing(
+    stream: &mut FrameStream,
+    connection: &quinn::Connection,
+    timeout: Duration,
+) -> Result<tensorwire_proto::Frame, TransportError> {
+    let next = stream.next_frame();
+    tokio::pin!(next);
+    let mut acks = connection.stats().frame_rx.acks;
+    loop {
+        match tokio::time::timeout(timeout, &mut next).await {
+            Ok(frame) => return frame,
+            Err(_) => {
+                let now = connection.stats().frame_rx.acks;
+                if now == acks {
+                    return Err(TransportError::timed_out(
+                        "frame or acknowledgement from the receiver",
+                        timeout,
+                    ));
+                }
+                acks = now;
+            }
         }
     }
 }

@@ -4,13 +4,15 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 use tensorwire::gpu::{DeviceRequest, Placement};
 use tensorwire::ipc::{ShareConfig, ShareService};
 use tensorwire::quic::{Receiver, ReceiverConfig};
-use tensorwire_examples::cli::{ServerTlsArgs, TransportArgs, init_logging, rate, size};
+use tensorwire_examples::cli::{
+    ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, size,
+};
 use tensorwire_examples::save::SaveDir;
 use tokio::sync::mpsc;
 
@@ -26,17 +28,30 @@ struct Args {
     #[arg(long)]
     save: Option<PathBuf>,
     /// Receiver-wide byte budget in MiB: bytes granted but not yet stored never exceed it.
-    #[arg(long, default_value_t = 256)]
-    budget_mib: u64,
-    /// Stop granting credit at this percentage of the budget.
-    #[arg(long, default_value_t = 87)]
+    #[arg(long = "budget-mib", default_value = "256", value_parser = mebibytes)]
+    budget: u64,
+    /// Stop granting credit at this percentage of the budget (1-100, above --low-percent).
+    #[arg(long, default_value_t = 87, value_parser = clap::value_parser!(u64).range(1..=100))]
     high_percent: u64,
-    /// Resume granting at this percentage of the budget.
-    #[arg(long, default_value_t = 50)]
+    /// Resume granting at this percentage of the budget (0-99, below --high-percent).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(0..=99))]
     low_percent: u64,
     /// Largest tensor accepted, in MiB.
-    #[arg(long, default_value_t = 64 * 1024)]
-    max_tensor_mib: u64,
+    #[arg(long = "max-tensor-mib", default_value = "65536", value_parser = mebibytes)]
+    max_tensor: u64,
+    /// Host memory that landed host tensors may hold at once, in MiB (default: a quarter of
+    /// physical memory). A tensor that does not fit waits, then is rejected.
+    #[arg(long = "host-memory-mib", value_parser = mebibytes)]
+    host_memory: Option<u64>,
+    /// Seconds a stream may go without a frame before it is cancelled (PROGRESS_TIMEOUT).
+    #[arg(long = "progress-timeout-s", default_value = "30", value_parser = seconds)]
+    progress_timeout: Duration,
+    /// Seconds a tensor may wait for memory and admission before it is rejected.
+    #[arg(long = "admission-timeout-s", default_value = "30", value_parser = seconds)]
+    admission_timeout: Duration,
+    /// Seconds a connection may stay open with no tensor stream before it is closed.
+    #[arg(long = "connection-idle-timeout-s", default_value = "60", value_parser = seconds)]
+    connection_idle_timeout: Duration,
     /// Where tensors land: auto (GPU 0 if present, else host memory with a warning), host,
     /// cuda or cuda:N.
     #[arg(long, default_value = "auto")]
@@ -62,14 +77,27 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     init_logging("warn");
     let args = Args::parse();
-    let budget = args.budget_mib << 20;
+    if args.low_percent >= args.high_percent {
+        anyhow::bail!(
+            "--low-percent {} must be below --high-percent {}",
+            args.low_percent,
+            args.high_percent
+        );
+    }
+    let budget = args.budget;
     let mut config = ReceiverConfig::new(args.listen);
     config.tls = args.tls.tls();
     config.transport = args.transport.settings();
     config.budget = budget;
-    config.high_watermark = budget / 100 * args.high_percent.min(100);
-    config.low_watermark = budget / 100 * args.low_percent.min(args.high_percent).min(100);
-    config.limits.max_tensor_len = args.max_tensor_mib << 20;
+    config.high_watermark = budget / 100 * args.high_percent;
+    config.low_watermark = budget / 100 * args.low_percent;
+    config.limits.max_tensor_len = args.max_tensor;
+    if let Some(host_memory) = args.host_memory {
+        config.host_memory_budget = host_memory;
+    }
+    config.progress_timeout = args.progress_timeout;
+    config.admission_timeout = args.admission_timeout;
+    config.connection_idle_timeout = args.connection_idle_timeout;
     // Shared tensors land in VMM memory, which other processes can map with no copy.
     let placement =
         Placement::choose_shareable(args.device, args.require_gpu, args.share.is_some())?;

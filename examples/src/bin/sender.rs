@@ -6,11 +6,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use clap::Parser;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tensorwire::proto::DType;
-use tensorwire::quic::{Sender, SenderConfig};
-use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, rate, size};
+use tensorwire::quic::{Sender, SenderConfig, TransportError};
+use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, rate, seconds, size};
 use tensorwire_examples::files::{load, parse_shape};
 
 /// Send tensors over QUIC.
@@ -32,6 +33,10 @@ struct Args {
     /// No progress bars.
     #[arg(long)]
     quiet: bool,
+    /// Seconds without any progress (a frame or an acknowledgement from the receiver) before
+    /// a tensor fails with PROGRESS_TIMEOUT.
+    #[arg(long = "progress-timeout-s", default_value = "60", value_parser = seconds)]
+    progress_timeout: Duration,
     #[command(flatten)]
     tls: ClientTlsArgs,
     #[command(flatten)]
@@ -58,9 +63,12 @@ async fn main() -> anyhow::Result<()> {
         tls: args.tls.tls(),
         transport: args.transport.settings(),
         server_name: args.tls.server_name.clone(),
+        progress_timeout: args.progress_timeout,
         ..SenderConfig::default()
     };
-    let sender = Sender::connect(args.connect, config).await?;
+    let sender = Sender::connect(args.connect, config)
+        .await
+        .with_context(|| format!("connecting to {}", args.connect))?;
     let bars = MultiProgress::new();
     if args.quiet {
         bars.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -92,6 +100,8 @@ async fn main() -> anyhow::Result<()> {
             Err(e) => {
                 failed += 1;
                 bar.abandon_with_message(format!("{name}: {e}"));
+                // Also without progress bars (--quiet, no terminal): name, code, and why.
+                bars.suspend(|| eprintln!("failed: {name}: {}", explain(&e)));
             }
         }
     }
@@ -110,6 +120,22 @@ async fn main() -> anyhow::Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// A failure for people: the wire code (named, or hex) and who is to blame, then the message.
+fn explain(e: &anyhow::Error) -> String {
+    let Some(t) = e.downcast_ref::<TransportError>() else {
+        return format!("{e:#}");
+    };
+    let message = t.to_string();
+    let coded = match t.code() {
+        Some(code) if !message.contains(&code.to_string()) => format!("{code}: {message}"),
+        _ => message,
+    };
+    match t.blame() {
+        Some(blame) => format!("{coded} [blame: {blame:?}]"),
+        None => coded,
+    }
 }
 
 async fn send_with_progress(
