@@ -199,7 +199,7 @@ impl TransportSettings {
 #[derive(Clone, Debug)]
 pub enum ServerTls {
     /// Development trust: a fresh self-signed certificate for `localhost`, whose PEM is
-    /// written to [`dev_cert_path`] so that senders on the same host find it.
+    /// written to [`dev_cert_path`](crate::dev_cert_path) so that senders on the same host find it.
     Development,
     /// Production: PEM certificate chain and private key files.
     Pem {
@@ -216,7 +216,7 @@ pub enum ServerTls {
 #[derive(Clone, Debug)]
 pub enum ClientTls {
     /// Development trust: trust the certificate a development receiver on this host left at
-    /// [`dev_cert_path`] for the port being connected to.
+    /// [`dev_cert_path`](crate::dev_cert_path) for the port being connected to.
     Development,
     /// Production: trust receivers whose certificate chains to one of these CAs.
     Pem {
@@ -225,13 +225,6 @@ pub enum ClientTls {
         /// Client certificate and key (PEM), for receivers that require mTLS.
         identity: Option<(PathBuf, PathBuf)>,
     },
-}
-
-/// Where a development receiver listening on `port` leaves its certificate.
-pub fn dev_cert_path(port: u16) -> PathBuf {
-    std::env::temp_dir()
-        .join("tensorwire-dev")
-        .join(format!("receiver-{port}.pem"))
 }
 
 /// Everything a [`Receiver`](crate::Receiver) needs.

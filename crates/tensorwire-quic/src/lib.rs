@@ -10,6 +10,7 @@
 
 mod budget;
 mod config;
+mod dev_trust;
 mod error;
 mod metrics;
 mod receiver;
@@ -20,8 +21,9 @@ pub mod tls;
 pub use budget::BudgetSnapshot;
 pub use config::{
     ClientTls, Congestion, MAX_MTU_WITH_GSO, ReceiverConfig, SenderConfig, ServerTls,
-    TransportSettings, dev_cert_path,
+    TransportSettings,
 };
+pub use dev_trust::dev_cert_path;
 pub use error::TransportError;
 pub use metrics::MetricsSnapshot;
 pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -21,7 +21,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::budget::{Budget, BudgetSnapshot};
-use crate::config::{ReceiverConfig, dev_cert_path};
+use crate::config::ReceiverConfig;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::stream::FrameStream;
@@ -85,11 +85,7 @@ impl Receiver {
         let local = endpoint.local_addr()?;
         let dev_cert = match dev {
             Some(dev) => {
-                let path = dev_cert_path(local.port());
-                if let Some(dir) = path.parent() {
-                    std::fs::create_dir_all(dir)?;
-                }
-                std::fs::write(&path, &dev.pem)?;
+                let path = crate::dev_trust::write_dev_cert(local.port(), &dev.pem)?;
                 warn!(
                     path = %path.display(),
                     fingerprint = %dev.fingerprint(),
@@ -190,11 +186,17 @@ pub struct IncomingTensor {
     meta: TensorMeta,
     peer: SocketAddr,
     decision: oneshot::Sender<Decision>,
+    /// Why the stream ended before a decision, once it has.
+    ended: Ended,
     host_memory: MemoryBudget,
     /// When the admission timeout ends: memory waits give up then.
     deadline: tokio::time::Instant,
     admission_timeout: Duration,
 }
+
+/// Why a stream ended while its tensor waited for the application, set before the stream
+/// lets go of the decision channel, so a late accept reports the real cause.
+type Ended = Arc<OnceLock<ProtocolError>>;
 
 /// How long after the admission deadline the stream still waits for a decision, so that an
 /// application's own refusal at the deadline (such as no memory) reaches the sender.
@@ -227,6 +229,7 @@ impl IncomingTensor {
         let run: Run =
             Box::new(move |accepted| Box::pin(accepted.receive_into(sink, done, progress, token)));
         let handle = TensorHandle {
+            ended: self.ended.clone(),
             meta: self.meta.clone(),
             received,
             cancel,
@@ -258,9 +261,10 @@ impl IncomingTensor {
                     self.host_memory.limit(),
                 ))))
             }
-            () = self.decision.closed() => Err(SinkError::failed(
-                "the stream ended while waiting for host memory",
-            )),
+            () = self.decision.closed() => {
+                // The stream already ended: the handle reports why.
+                return Ok(self.accept(HostSink::new(0)?));
+            }
         };
         match reserved.and_then(HostSink::reserved) {
             Ok(sink) => Ok(self.accept(sink)),
@@ -289,6 +293,7 @@ pub struct TensorHandle<T> {
     received: Arc<AtomicU64>,
     cancel: CancellationToken,
     result: oneshot::Receiver<Result<T, TransportError>>,
+    ended: Ended,
 }
 
 impl<T> std::fmt::Debug for TensorHandle<T> {
@@ -321,13 +326,15 @@ impl<T> TensorHandle<T> {
     pub async fn finished(self) -> Result<(TensorMeta, T), TransportError> {
         match self.result.await {
             Ok(result) => result.map(|output| (self.meta, output)),
-            Err(_) => Err(ProtocolError::Local {
-                code: ErrorCode::SHUTDOWN,
-                reason: "the stream ended (cancelled, reset, timed out or shut down) before \
-                         the tensor was accepted"
-                    .into(),
-            }
-            .into()),
+            Err(_) => Err(self
+                .ended
+                .get()
+                .cloned()
+                .unwrap_or(ProtocolError::Local {
+                    code: ErrorCode::SHUTDOWN,
+                    reason: "the stream ended before the tensor was accepted".into(),
+                })
+                .into()),
         }
     }
 }
@@ -452,6 +459,7 @@ impl ConnectionState {
 
 /// One accepted stream, handed to the sink-specific receive loop.
 struct Accepted {
+    ended: Ended,
     shared: Arc<Shared>,
     connection: Arc<ConnectionState>,
     stream: FrameStream,
@@ -467,6 +475,7 @@ async fn serve_stream(
 ) {
     let machine = TensorReceiver::new(shared.config.limits.clone());
     let mut st = Accepted {
+        ended: Ended::default(),
         shared,
         connection,
         stream,
@@ -506,13 +515,18 @@ impl Accepted {
         debug!(name = meta.name(), bytes = meta.byte_len(), dtype = %meta.dtype(), "metadata");
         let connection = self.connection.clone();
         let deadline = tokio::time::Instant::now() + config.admission_timeout;
+        // Kept here, not in the wait, so it outlives the recording of why the wait ended.
+        let (decision, mut decided) = oneshot::channel();
+        let mut decision = Some(decision);
         let waited = tokio::time::timeout_at(deadline + DECISION_GRACE, async {
             let _slot = self.while_reading(connection.pending.acquire()).await?;
-            let (decision, decided) = oneshot::channel();
             let incoming = IncomingTensor {
                 meta,
                 peer: connection.remote,
-                decision,
+                decision: decision
+                    .take()
+                    .ok_or(ProtocolError::Misuse("decision taken twice"))?,
+                ended: self.ended.clone(),
                 host_memory: shared.host_memory.clone(),
                 deadline,
                 admission_timeout: config.admission_timeout,
@@ -520,26 +534,39 @@ impl Accepted {
             if self.while_reading(tx.send(incoming)).await?.is_err() {
                 return Ok(None);
             }
-            self.while_reading(decided).await.map(|d| Some(d.ok()))
+            self.while_reading(&mut decided).await.map(|d| Some(d.ok()))
         })
         .await;
-        match waited {
+        let waited = match waited {
             Err(_) => Err(TransportError::timed_out(
                 "decision from the application",
                 config.admission_timeout,
             )),
-            Ok(Err(e)) => Err(e),
-            Ok(Ok(None)) => {
+            Ok(waited) => waited,
+        };
+        if let Err(e) = &waited {
+            let _ = self.ended.set(match e {
+                TransportError::Protocol(e) => e.clone(),
+                other => ProtocolError::Local {
+                    code: other.code().unwrap_or(ErrorCode::INTERNAL),
+                    reason: other.to_string(),
+                },
+            });
+        }
+        drop(decided);
+        match waited {
+            Err(e) => Err(e),
+            Ok(None) => {
                 self.machine
                     .reject(ErrorCode::SHUTDOWN, "receiver is shutting down")?;
                 Ok(None)
             }
-            Ok(Ok(Some(Some(Decision::Accept(run))))) => Ok(Some(run)),
-            Ok(Ok(Some(Some(Decision::Reject(code, reason))))) => {
+            Ok(Some(Some(Decision::Accept(run)))) => Ok(Some(run)),
+            Ok(Some(Some(Decision::Reject(code, reason)))) => {
                 self.machine.reject(code, reason)?;
                 Ok(None)
             }
-            Ok(Ok(Some(None))) => {
+            Ok(Some(None)) => {
                 self.machine.reject(
                     ErrorCode::REJECTED,
                     "the application dropped the tensor undecided",

@@ -11,7 +11,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use tensorwire_proto::ALPN;
 
-use crate::config::{ClientTls, ServerTls, dev_cert_path};
+use crate::config::{ClientTls, ServerTls};
+use crate::dev_trust::dev_cert_path;
 use crate::error::TransportError;
 
 /// The one crypto provider: ring, TLS 1.3 suites only, AES-128-GCM preferred (fastest with
@@ -179,13 +180,16 @@ pub fn client_crypto(tls: &ClientTls, port: u16) -> Result<Arc<QuicClientConfig>
     let mut config = match tls {
         ClientTls::Development => {
             let path = dev_cert_path(port);
-            let certs = read_certs(&path).map_err(|_| {
-                TransportError::Tls(format!(
-                    "no development certificate at {}: start a receiver with development TLS on \
-                     this host and port first, or pass a CA file",
+            let pem = crate::dev_trust::read_dev_cert(port)?;
+            let certs = CertificateDer::pem_slice_iter(&pem)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| TransportError::Tls(format!("{}: {e}", path.display())))?;
+            if certs.is_empty() {
+                return Err(TransportError::Tls(format!(
+                    "no PEM certificate in {}",
                     path.display()
-                ))
-            })?;
+                )));
+            }
             tracing::warn!(
                 path = %path.display(),
                 fingerprint = %fingerprint(&certs[0]),

@@ -1,0 +1,57 @@
+//! Development trust cannot be subverted by another local user: a certificate others could
+//! have written is not trusted, and a planted link is not written through.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+
+use common::{receiver, receiver_config};
+use tensorwire_quic::{Sender, SenderConfig, TransportError, dev_cert_path};
+
+#[tokio::test]
+async fn a_certificate_others_can_write_is_not_trusted() {
+    let (_rx, addr) = receiver(receiver_config()).await;
+    let path = dev_cert_path(addr.port());
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let err = Sender::connect(addr, SenderConfig::default())
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(err, TransportError::Tls(_)), "{err}");
+    assert!(err.to_string().contains("lets others write it"), "{err}");
+}
+
+#[tokio::test]
+async fn a_link_planted_at_the_certificate_path_is_replaced_not_followed() {
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let victim = std::env::temp_dir().join(format!("tensorwire-victim-{}", std::process::id()));
+    std::fs::write(&victim, b"precious").unwrap();
+    let path = dev_cert_path(port);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let _ = std::fs::remove_file(&path);
+    std::os::unix::fs::symlink(&victim, &path).unwrap();
+    let mut config = receiver_config();
+    config.listen.set_port(port);
+    let (_rx, _addr) = receiver(config).await;
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    let meta = std::fs::symlink_metadata(&path).unwrap();
+    assert!(meta.file_type().is_file(), "the link was kept");
+    assert!(
+        std::fs::read_to_string(&path)
+            .unwrap()
+            .contains("CERTIFICATE")
+    );
+    std::fs::remove_file(victim).unwrap();
+}
+
+#[test]
+fn the_development_directory_is_private_to_its_user() {
+    let dir = dev_cert_path(1).parent().unwrap().to_owned();
+    let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(name.starts_with("tensorwire-dev-"), "{name}");
+}
