@@ -250,6 +250,15 @@ impl SharedTensor {
         }
     }
 
+    /// A host tensor's shared-memory file (sealed against resizing), to hand on to another
+    /// process or map with other tools; `None` for a GPU tensor.
+    pub fn host_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        match &self.mapping {
+            Some(Mapping::Host(memory)) => Some(memory.fd()),
+            _ => None,
+        }
+    }
+
     /// A host tensor's bytes, writable in place; `None` for a GPU tensor.
     pub fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
         let (start, end) = self.range();

@@ -19,25 +19,42 @@ impl SharedMemory {
     pub(crate) fn with_bytes(name: &str, bytes: &[u8]) -> Result<Self, IpcError> {
         let fd = rustix::fs::memfd_create(
             format!("tensorwire:{name}"),
-            rustix::fs::MemfdFlags::CLOEXEC,
+            rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
         )?;
         let file = File::from(fd);
         file.set_len(bytes.len().max(1) as u64)?;
+        // Sealed before any consumer sees it: no process can shrink it (which would make
+        // every other mapping fault with SIGBUS) or grow it, and the seals cannot be lifted.
+        rustix::fs::fcntl_add_seals(
+            &file,
+            rustix::fs::SealFlags::SHRINK
+                | rustix::fs::SealFlags::GROW
+                | rustix::fs::SealFlags::SEAL,
+        )?;
         let mut memory = Self::map(file)?;
         memory.map[..bytes.len()].copy_from_slice(bytes);
         Ok(memory)
     }
 
-    /// Maps a memfd received from the producer.
+    /// Maps a memfd received from the producer, if it is sealed against shrinking.
     pub(crate) fn from_fd(fd: OwnedFd) -> Result<Self, IpcError> {
+        let seals = rustix::fs::fcntl_get_seals(&fd)?;
+        if !seals.contains(rustix::fs::SealFlags::SHRINK) {
+            return Err(IpcError::Config(
+                "the producer's shared memory is not sealed against shrinking; mapping it \
+                 could fault"
+                    .into(),
+            ));
+        }
         Self::map(File::from(fd))
     }
 
     fn map(file: File) -> Result<Self, IpcError> {
         // SAFETY: the mapping is shared memory that other processes may write at any time;
         // it is only ever exposed as bytes (`&[u8]`/`&mut [u8]`), for which any value is
-        // valid, and the producer never shrinks a published memfd, so the mapping cannot be
-        // truncated under us.
+        // valid. The producer seals every memfd against shrinking before it is shared
+        // (`with_bytes`), so no process can truncate the mapping under us; a consumer checks
+        // the seals of a memfd it receives (`from_fd`) before mapping it.
         let map = unsafe { MmapOptions::new().map_mut(&file)? };
         Ok(Self { file, map })
     }

@@ -113,6 +113,39 @@ fn seqpacket() -> Result<OwnedFd, IpcError> {
     )?)
 }
 
+/// Removes what is at `path` only if it is a socket nobody listens on (left by a producer that
+/// died); refuses anything else: a file, a directory, or a live producer's socket.
+fn remove_stale_socket(path: &Path) -> Result<(), IpcError> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    if !meta.file_type().is_socket() {
+        return Err(IpcError::Config(format!(
+            "{} exists and is not a socket; refusing to replace it",
+            path.display()
+        )));
+    }
+    let probe = seqpacket()?;
+    match rustix::net::connect(&probe, &SocketAddrUnix::new(path)?) {
+        Ok(()) => Err(IpcError::Config(format!(
+            "{} is the socket of a live producer; stop it or choose another path",
+            path.display()
+        ))),
+        Err(rustix::io::Errno::CONNREFUSED) => {
+            tracing::info!(path = %path.display(), "replacing a stale sharing socket");
+            std::fs::remove_file(path)?;
+            Ok(())
+        }
+        Err(e) => Err(IpcError::Config(format!(
+            "{}: cannot tell whether a producer listens there ({e}); refusing to replace it",
+            path.display()
+        ))),
+    }
+}
+
 /// A listening socket at `path`, in a directory created (or checked to be) mode 0700 and
 /// owned by this process's user.
 pub(crate) fn listen(path: &Path) -> Result<OwnedFd, IpcError> {
@@ -141,7 +174,7 @@ pub(crate) fn listen(path: &Path) -> Result<OwnedFd, IpcError> {
             meta.mode() & 0o777
         )));
     }
-    let _ = std::fs::remove_file(path);
+    remove_stale_socket(path)?;
     let fd = seqpacket()?;
     rustix::net::bind(&fd, &SocketAddrUnix::new(path)?)?;
     rustix::net::listen(&fd, 64)?;

@@ -7,6 +7,7 @@ mod common;
 
 use std::io::{BufRead, BufReader, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -326,17 +327,95 @@ fn a_process_of_another_uid_cannot_reach_the_socket() {
     let path = socket_path("other-uid");
     let service = ShareService::start(&path, ShareConfig::default()).unwrap();
     let _ = publish(&service, "weights", 10);
-    let output = child(&path, "write")
+    // The test binary may live in a private directory (a 0700 home, a `mktemp -d` clone)
+    // that uid 65534 cannot enter: run a copy from a directory every uid can execute.
+    let runnable =
+        std::env::temp_dir().join(format!("tensorwire-ipc-child-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&runnable);
+    std::fs::create_dir(&runnable).unwrap();
+    std::fs::set_permissions(&runnable, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = runnable.join("sharing-child");
+    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut command = child(&path, "write");
+    let output = Command::new(&exe)
+        .args(command.get_args())
+        .envs(command.get_envs().filter_map(|(k, v)| Some((k, v?))))
+        .stdout(Stdio::piped())
         .uid(65534)
         .gid(65534)
         .output()
         .unwrap();
+    let _ = &mut command;
+    std::fs::remove_dir_all(&runnable).unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
+    // Refused by the directory's mode (EACCES on connect), not by anything later.
     assert!(
-        stdout.contains("CONNECT-FAILED"),
-        "the 0700 directory stops it: {stdout}"
+        stdout.contains("CONNECT-FAILED") && stdout.contains("Permission denied"),
+        "the 0700 directory stops it: {stdout} {}",
+        String::from_utf8_lossy(&output.stderr)
     );
     assert_eq!(service.list()[0].leases, 0);
+}
+
+/// `--share PATH` never deletes what is at PATH unless it is a dead socket.
+#[test]
+fn a_share_path_that_is_a_file_or_a_live_socket_is_refused() {
+    let path = socket_path("occupied");
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(path.parent().unwrap())
+        .unwrap();
+    std::fs::write(&path, b"not a socket").unwrap();
+    let err = ShareService::start(&path, ShareConfig::default())
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("not a socket"), "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), b"not a socket");
+    std::fs::remove_file(&path).unwrap();
+
+    let live = ShareService::start(&path, ShareConfig::default()).unwrap();
+    let _ = publish(&live, "weights", 10);
+    let err = ShareService::start(&path, ShareConfig::default())
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("live producer"), "{err}");
+    assert_eq!(
+        ShareClient::connect(&path).unwrap().list().unwrap().len(),
+        1
+    );
+}
+
+/// A stale socket (its producer gone) is replaced.
+#[test]
+fn a_stale_socket_is_replaced() {
+    let path = socket_path("stale");
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(path.parent().unwrap())
+        .unwrap();
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    drop(listener); // The file stays; nobody listens.
+    let service = ShareService::start(&path, ShareConfig::default()).unwrap();
+    let _ = publish(&service, "weights", 10);
+    assert_eq!(
+        ShareClient::connect(&path).unwrap().list().unwrap().len(),
+        1
+    );
+}
+
+/// A shared host tensor's memory is sealed: a consumer cannot truncate it under the others.
+#[test]
+fn a_consumer_cannot_shrink_shared_host_memory() {
+    let path = socket_path("sealed");
+    let service = ShareService::start(&path, ShareConfig::default()).unwrap();
+    let (_published, bytes) = publish(&service, "weights", 4096);
+    let client = ShareClient::connect(&path).unwrap();
+    let tensor = client.open("weights").unwrap();
+    let fd = tensor.host_fd().expect("a host tensor has its memfd");
+    let err = rustix::fs::ftruncate(fd, 0).unwrap_err();
+    assert_eq!(err, rustix::io::Errno::PERM, "shrinking must be sealed off");
+    assert_eq!(tensor.host_bytes().unwrap(), &bytes[..]);
 }
 
 #[test]
