@@ -128,6 +128,35 @@ impl TransportSettings {
         addr: SocketAddr,
         server: Option<quinn::ServerConfig>,
     ) -> Result<quinn::Endpoint, TransportError> {
+        self.bind(addr, server, false)
+    }
+
+    /// `count` server endpoints on one address, each its own UDP socket bound with
+    /// SO_REUSEPORT: the kernel spreads connections over the sockets by their addresses, and
+    /// each socket's receive path runs on its own task (spec §3: no migration across them).
+    /// With port 0, the first socket picks the port and the others join it.
+    pub fn reuse_port_endpoints(
+        &self,
+        addr: SocketAddr,
+        count: usize,
+        server: quinn::ServerConfig,
+    ) -> Result<Vec<quinn::Endpoint>, TransportError> {
+        let reuse = count > 1;
+        let first = self.bind(addr, Some(server.clone()), reuse)?;
+        let shared = first.local_addr()?;
+        let mut endpoints = vec![first];
+        for _ in 1..count {
+            endpoints.push(self.bind(shared, Some(server.clone()), reuse)?);
+        }
+        Ok(endpoints)
+    }
+
+    fn bind(
+        &self,
+        addr: SocketAddr,
+        server: Option<quinn::ServerConfig>,
+        reuse_port: bool,
+    ) -> Result<quinn::Endpoint, TransportError> {
         self.validate()?;
         let socket = socket2::Socket::new(
             socket2::Domain::for_address(addr),
@@ -136,6 +165,10 @@ impl TransportSettings {
         )?;
         if addr.is_ipv6() {
             socket.set_only_v6(false)?;
+        }
+        if reuse_port {
+            // Linux admits only sockets of the same effective user to the group.
+            socket.set_reuse_port(true)?;
         }
         // Best effort: the OS caps these at its maximum; a smaller buffer still works.
         let _ = socket.set_recv_buffer_size(self.socket_buffer);
@@ -232,6 +265,11 @@ pub enum ClientTls {
 pub struct ReceiverConfig {
     /// Address to listen on.
     pub listen: SocketAddr,
+    /// UDP sockets (quinn endpoints) bound on `listen` with SO_REUSEPORT. One socket's
+    /// receive path is one task on one core; connections spread over the sockets, and all of
+    /// them share this receiver's budgets and admission queue. Default: one per core, at
+    /// most [`MAX_DEFAULT_ENDPOINTS`].
+    pub endpoints: usize,
     /// Certificates.
     pub tls: ServerTls,
     /// QUIC settings.
@@ -279,6 +317,7 @@ impl ReceiverConfig {
         let budget = 256 << 20;
         Self {
             listen,
+            endpoints: default_endpoints(),
             tls: ServerTls::Development,
             transport: TransportSettings::default(),
             limits: Limits::default(),
@@ -304,6 +343,16 @@ impl ReceiverConfig {
         self.low_watermark = budget / 2;
         self
     }
+}
+
+/// The most endpoints a receiver binds by default.
+pub const MAX_DEFAULT_ENDPOINTS: usize = 8;
+
+/// One endpoint per core, at most [`MAX_DEFAULT_ENDPOINTS`].
+fn default_endpoints() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, MAX_DEFAULT_ENDPOINTS)
 }
 
 /// A quarter of physical memory (4 GiB where it cannot be read).

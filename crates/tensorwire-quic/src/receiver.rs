@@ -36,7 +36,7 @@ pub const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 /// A listening receiver. Call [`next`](Self::next) to admit incoming tensors.
 pub struct Receiver {
-    endpoint: quinn::Endpoint,
+    endpoints: Vec<quinn::Endpoint>,
     incoming: mpsc::Receiver<IncomingTensor>,
     shared: Arc<Shared>,
     dev_cert: Option<PathBuf>,
@@ -54,6 +54,7 @@ struct Shared {
 
 struct ConnectionState {
     remote: SocketAddr,
+    endpoint: usize,
     connection: quinn::Connection,
     metrics: Metrics,
     /// Spec §10: failed, cancelled, reset or refused streams.
@@ -71,6 +72,8 @@ struct ConnectionState {
 pub struct ConnectionSnapshot {
     /// The peer's address.
     pub remote: SocketAddr,
+    /// Which of the receiver's endpoints (UDP sockets) carries it.
+    pub endpoint: usize,
     /// Its tensors and bytes.
     pub metrics: MetricsSnapshot,
 }
@@ -81,8 +84,16 @@ impl Receiver {
         let (crypto, dev) = crate::tls::server_crypto(&config.tls)?;
         let mut server = quinn::ServerConfig::with_crypto(crypto);
         server.transport_config(config.transport.server_transport_config()?);
-        let endpoint = config.transport.endpoint(config.listen, Some(server))?;
-        let local = endpoint.local_addr()?;
+        if config.endpoints == 0 {
+            return Err(TransportError::Config(
+                "a receiver needs at least one endpoint".into(),
+            ));
+        }
+        let endpoints =
+            config
+                .transport
+                .reuse_port_endpoints(config.listen, config.endpoints, server)?;
+        let local = endpoints[0].local_addr()?;
         let dev_cert = match dev {
             Some(dev) => {
                 let path = crate::dev_trust::write_dev_cert(local.port(), &dev.pem)?;
@@ -109,10 +120,17 @@ impl Receiver {
             streams: TaskTracker::new(),
         });
         let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
-        tokio::spawn(accept_connections(endpoint.clone(), shared.clone(), tx));
-        info!(%local, "receiver listening");
+        for (index, endpoint) in endpoints.iter().enumerate() {
+            tokio::spawn(accept_connections(
+                index,
+                endpoint.clone(),
+                shared.clone(),
+                tx.clone(),
+            ));
+        }
+        info!(%local, endpoints = endpoints.len(), "receiver listening");
         Ok(Self {
-            endpoint,
+            endpoints,
             incoming,
             shared,
             dev_cert,
@@ -121,7 +139,12 @@ impl Receiver {
 
     /// The address the receiver listens on.
     pub fn local_addr(&self) -> Result<SocketAddr, TransportError> {
-        Ok(self.endpoint.local_addr()?)
+        Ok(self.endpoints[0].local_addr()?)
+    }
+
+    /// How many UDP sockets (endpoints) share the listening address.
+    pub fn endpoint_count(&self) -> usize {
+        self.endpoints.len()
     }
 
     /// The next incoming tensor, after its METADATA; `None` once the receiver is closed.
@@ -151,6 +174,7 @@ impl Receiver {
             .iter()
             .map(|c| ConnectionSnapshot {
                 remote: c.remote,
+                endpoint: c.endpoint,
                 metrics: c.metrics.snapshot(),
             })
             .collect()
@@ -162,11 +186,15 @@ impl Receiver {
         self.shared.shutdown.cancel();
         self.shared.streams.close();
         let _ = tokio::time::timeout(CLOSE_GRACE, self.shared.streams.wait()).await;
-        self.endpoint.close(
-            VarInt::from_u32(ErrorCode::SHUTDOWN.0),
-            b"receiver shutting down",
-        );
-        self.endpoint.wait_idle().await;
+        for endpoint in &self.endpoints {
+            endpoint.close(
+                VarInt::from_u32(ErrorCode::SHUTDOWN.0),
+                b"receiver shutting down",
+            );
+        }
+        for endpoint in &self.endpoints {
+            endpoint.wait_idle().await;
+        }
     }
 }
 
@@ -340,17 +368,21 @@ impl<T> TensorHandle<T> {
 }
 
 async fn accept_connections(
+    index: usize,
     endpoint: quinn::Endpoint,
     shared: Arc<Shared>,
     tx: mpsc::Sender<IncomingTensor>,
 ) {
     while let Some(incoming) = endpoint.accept().await {
-        let span = info_span!("connection", remote = %incoming.remote_address());
-        tokio::spawn(serve_connection(shared.clone(), incoming, tx.clone()).instrument(span));
+        let span = info_span!("connection", remote = %incoming.remote_address(), endpoint = index);
+        tokio::spawn(
+            serve_connection(index, shared.clone(), incoming, tx.clone()).instrument(span),
+        );
     }
 }
 
 async fn serve_connection(
+    endpoint: usize,
     shared: Arc<Shared>,
     incoming: quinn::Incoming,
     tx: mpsc::Sender<IncomingTensor>,
@@ -380,6 +412,7 @@ async fn serve_connection(
     let config = &shared.config;
     let state = Arc::new(ConnectionState {
         remote: connection.remote_address(),
+        endpoint,
         connection: connection.clone(),
         metrics: Metrics::default(),
         failures: Mutex::new(FloodBudget::new(

@@ -64,6 +64,10 @@ struct Args {
     /// host tensors as shared memory. Consumers: `tensorwire-share`, python/consume.py.
     #[arg(long)]
     share: Option<PathBuf>,
+    /// UDP sockets bound on the listening address with SO_REUSEPORT, so connections spread
+    /// over cores (0: one per core, at most 8). All share the budgets.
+    #[arg(long, default_value_t = 0)]
+    endpoints: usize,
     /// Exit after this many tensors (0: run until interrupted).
     #[arg(long, default_value_t = 0)]
     count: u64,
@@ -98,11 +102,15 @@ async fn main() -> anyhow::Result<()> {
     config.progress_timeout = args.progress_timeout;
     config.admission_timeout = args.admission_timeout;
     config.connection_idle_timeout = args.connection_idle_timeout;
+    if args.endpoints > 0 {
+        config.endpoints = args.endpoints;
+    }
     // Shared tensors land in VMM memory, which other processes can map with no copy.
     let placement =
         Placement::choose_shareable(args.device, args.require_gpu, args.share.is_some())?;
     let mut receiver = Receiver::bind(config).await?;
     println!("listening on {}", receiver.local_addr()?);
+    println!("{} endpoints (UDP sockets) share the address", receiver.endpoint_count());
     println!("tensors land in {}", placement.describe());
     let mut save = args.save.as_deref().map(SaveDir::new).transpose()?;
     let share = match &args.share {

@@ -1,0 +1,85 @@
+//! One receiver over several UDP sockets (SO_REUSEPORT) serves many connections under one
+//! budget: the connections spread over the sockets, and the credit held at once never
+//! exceeds the receiver-wide budget.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use common::{assert_budget_returned, pattern, receiver, receiver_config, sender, u8_meta};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_connections_over_several_endpoints_share_one_budget() {
+    const CONNECTIONS: u64 = 16;
+    const TENSORS: u64 = 3;
+    const LEN: usize = 3 << 20;
+    let budget = 8 << 20;
+    let mut config = receiver_config().with_budget(budget);
+    config.endpoints = 4;
+    config.grant_unit = 1 << 20;
+    config.stream_window = 2 << 20;
+    let (mut rx, addr) = receiver(config).await;
+    assert_eq!(rx.endpoint_count(), 4);
+    let server = tokio::spawn(async move {
+        let mut handles = Vec::new();
+        for _ in 0..CONNECTIONS * TENSORS {
+            let incoming = rx.next().await.unwrap();
+            handles.push(tokio::spawn(
+                incoming.accept_host().await.unwrap().finished(),
+            ));
+        }
+        let endpoints: std::collections::BTreeSet<usize> =
+            rx.connections().iter().map(|c| c.endpoint).collect();
+        let mut received = Vec::new();
+        for handle in handles {
+            let (meta, bytes) = handle.await.unwrap().unwrap();
+            received.push((meta.name().to_owned(), bytes));
+        }
+        (received, endpoints, rx)
+    });
+    let mut senders = Vec::new();
+    for c in 0..CONNECTIONS {
+        senders.push(tokio::spawn(async move {
+            let tx = sender(addr).await;
+            let sends: Vec<_> = (0..TENSORS)
+                .map(|t| {
+                    let seed = c * TENSORS + t;
+                    tx.send(u8_meta(&format!("c{c}t{t}"), LEN), pattern(LEN, seed))
+                })
+                .collect();
+            for send in sends {
+                send.finished().await.unwrap();
+            }
+            tx
+        }));
+    }
+    let mut keep = Vec::new();
+    for s in senders {
+        keep.push(s.await.unwrap());
+    }
+    let (received, endpoints, rx) = server.await.unwrap();
+    assert_eq!(received.len() as u64, CONNECTIONS * TENSORS);
+    for (name, bytes) in &received {
+        let (c, t) = name[1..].split_once('t').unwrap();
+        let seed = c.parse::<u64>().unwrap() * TENSORS + t.parse::<u64>().unwrap();
+        assert!(*bytes == pattern(LEN, seed), "{name} differs");
+    }
+    assert!(
+        endpoints.len() > 1,
+        "all connections on one socket: {endpoints:?}"
+    );
+    let peak = rx.budget().peak_outstanding;
+    assert!(
+        peak <= budget,
+        "peak outstanding {peak} over the budget {budget}"
+    );
+    assert!(peak > 0);
+    assert_budget_returned(&rx).await;
+}
+
+#[tokio::test]
+async fn a_receiver_needs_an_endpoint() {
+    let mut config = receiver_config();
+    config.endpoints = 0;
+    let err = tensorwire_quic::Receiver::bind(config).await.err().unwrap();
+    assert!(err.to_string().contains("at least one endpoint"), "{err}");
+}
