@@ -387,10 +387,16 @@ fn out_of_range_receiver_flags_are_refused() {
     }
 }
 
-/// The sender names each failed tensor with its wire code and why, even with --quiet.
+/// The sender names each failed tensor with its wire code and why, even with --quiet:
+/// here a tensor over the receiver's limit, and one whose device hint it cannot honour.
 #[test]
 fn the_sender_prints_each_failed_tensor_with_its_code() {
-    let dir = temp_dir("refused");
+    refused_with(&["--max-tensor-mib", "1"], &[], "TENSOR_TOO_LARGE");
+    refused_with(&[], &["--device", "cuda:7"], "UNSUPPORTED_DEVICE");
+}
+
+fn refused_with(receiver_args: &[&str], sender_args: &[&str], code: &str) {
+    let dir = temp_dir(&format!("refused-{code}"));
     let big = dir.join("big.bin");
     std::fs::write(&big, vec![1u8; 3 << 20]).unwrap();
     let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
@@ -402,7 +408,7 @@ fn the_sender_prints_each_failed_tensor_with_its_code() {
             "--device",
             "host",
         ])
-        .args(["--max-tensor-mib", "1"])
+        .args(receiver_args)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -419,13 +425,14 @@ fn the_sender_prints_each_failed_tensor_with_its_code() {
             "--shape",
             "3145728",
         ])
+        .args(sender_args)
         .arg(&big)
         .output()
         .unwrap();
     assert!(!sent.status.success());
     let stderr = String::from_utf8_lossy(&sent.stderr);
     assert!(
-        stderr.contains("failed: big: ") && stderr.contains("TENSOR_TOO_LARGE"),
+        stderr.contains("failed: big: ") && stderr.contains(code),
         "{stderr}"
     );
     let _ = receiver.kill();

@@ -157,6 +157,8 @@ mod with_cuda {
     pub struct CudaBuffer {
         memory: Memory,
         len: usize,
+        /// The device-memory budget's share this buffer holds, returned when it is dropped.
+        reservation: Option<tensorwire_sink::MemoryReservation>,
     }
 
     #[derive(Debug)]
@@ -180,6 +182,7 @@ mod with_cuda {
             Ok(Self {
                 memory: Memory::Owned(DeviceAllocation::new(&device, len)?),
                 len,
+                reservation: None,
             })
         }
 
@@ -189,6 +192,7 @@ mod with_cuda {
             Self {
                 memory: Memory::Pooled(PooledDevice(memory)),
                 len,
+                reservation: None,
             }
         }
 
@@ -197,7 +201,14 @@ mod with_cuda {
             Self {
                 memory: Memory::Owned(memory),
                 len,
+                reservation: None,
             }
+        }
+
+        /// Holds `reservation` of a device-memory budget for as long as this buffer lives.
+        pub fn with_reservation(mut self, reservation: tensorwire_sink::MemoryReservation) -> Self {
+            self.reservation = Some(reservation);
+            self
         }
 
         /// The allocation holding the bytes (from offset 0; it may be longer): what sharing

@@ -41,6 +41,14 @@ pub enum GpuError {
         /// The pool's limit.
         max: usize,
     },
+    /// The device-memory budget has no room for the tensor.
+    #[error("cuda:{device} memory budget: {message}")]
+    BudgetExhausted {
+        /// The device's ordinal.
+        device: usize,
+        /// How much was asked and how much is in use.
+        message: String,
+    },
     /// A CUDA driver call failed.
     #[error("CUDA {call} failed: {error}")]
     Cuda {
@@ -52,6 +60,19 @@ pub enum GpuError {
     /// Lengths or offsets do not fit.
     #[error("{0}")]
     Bounds(String),
+    /// A pool's buffers are all smaller than the request (callers allocate directly).
+    #[error("{pool} pool: {requested} bytes exceeds its largest buffer ({largest})")]
+    LargerThanPoolBuffers {
+        /// Which pool.
+        pool: &'static str,
+        /// Bytes asked for.
+        requested: usize,
+        /// Its largest buffer.
+        largest: usize,
+    },
+    /// Settings that cannot work together.
+    #[error("configuration: {0}")]
+    InvalidConfig(String),
     /// This memory cannot be shared the way asked.
     #[error("cannot export: {0}")]
     NotExportable(String),
@@ -64,9 +85,11 @@ impl GpuError {
     /// The wire code a tensor ended by this error carries.
     pub fn code(&self) -> ErrorCode {
         match self {
-            GpuError::OutOfMemory { .. } | GpuError::PoolExhausted { .. } => {
-                ErrorCode::RESOURCE_EXHAUSTED
-            }
+            GpuError::OutOfMemory { .. }
+            | GpuError::PoolExhausted { .. }
+            | GpuError::LargerThanPoolBuffers { .. }
+            | GpuError::BudgetExhausted { .. } => ErrorCode::RESOURCE_EXHAUSTED,
+            GpuError::InvalidConfig(_) => ErrorCode::INTERNAL,
             GpuError::NotCompiled | GpuError::NoDriver(_) | GpuError::NoDevice { .. } => {
                 ErrorCode::UNSUPPORTED_DEVICE
             }

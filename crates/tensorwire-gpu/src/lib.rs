@@ -43,5 +43,7 @@ pub use placement::{DeviceRequest, Placement, TensorSink};
 pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 pub use receiver::{GpuReceiverEvent, GpuTensorReceiver, LandError};
 #[cfg(feature = "cuda")]
-pub use sink::{GpuMemoryPool, GpuSink, PinnedMemoryPool, PooledGpuReceiver, STAGING_BUFFER};
+pub use sink::{
+    GpuMemoryPool, GpuSink, HostFallback, PinnedMemoryPool, PooledGpuReceiver, STAGING_BUFFER,
+};
 pub use status::{GpuStatus, gpus_or_skip};

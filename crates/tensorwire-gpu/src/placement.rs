@@ -1,9 +1,11 @@
 //! Where a receiver puts incoming tensors: a GPU when there is one, host memory otherwise,
 //! and a sink that lands each tensor there.
 
+use std::time::Duration;
+
 use bytes::Bytes;
-use tensorwire_proto::{Payload, TensorMeta};
-use tensorwire_sink::{CreditPermit, HostSink, Sink, SinkError};
+use tensorwire_proto::{Device, Payload, TensorMeta};
+use tensorwire_sink::{CreditPermit, HostSink, MemoryBudget, Sink, SinkError};
 
 use crate::buffer::TensorBuffer;
 use crate::error::GpuError;
@@ -68,7 +70,9 @@ impl Placement {
         let status = GpuStatus::detect();
         let ordinal = match request {
             DeviceRequest::Host if require_gpu => {
-                return Err(GpuError::Bounds("--require-gpu with host placement".into()));
+                return Err(GpuError::InvalidConfig(
+                    "a GPU is required, but host placement was asked for".into(),
+                ));
             }
             DeviceRequest::Host => {
                 return Ok(Placement::Host {
@@ -78,7 +82,7 @@ impl Placement {
             DeviceRequest::Auto => 0,
             DeviceRequest::Cuda(n) => n,
         };
-        match Self::open_gpu(ordinal, shareable) {
+        match Self::open_gpu(ordinal, shareable, require_gpu) {
             Ok(placement) => Ok(placement),
             Err(e) if require_gpu => Err(e),
             Err(e) => {
@@ -93,17 +97,27 @@ impl Placement {
     }
 
     #[cfg(feature = "cuda")]
-    fn open_gpu(ordinal: usize, shareable: bool) -> Result<Placement, GpuError> {
+    fn open_gpu(ordinal: usize, shareable: bool, require_gpu: bool) -> Result<Placement, GpuError> {
         let kind = if shareable {
             crate::cuda::DeviceMemoryKind::Vmm
         } else {
             crate::cuda::DeviceMemoryKind::Legacy
         };
-        crate::sink::PooledGpuReceiver::with_defaults_of_kind(ordinal, kind).map(Placement::Gpu)
+        let fallback = if require_gpu {
+            crate::sink::HostFallback::Forbidden
+        } else {
+            crate::sink::HostFallback::Allowed
+        };
+        crate::sink::PooledGpuReceiver::with_defaults_of_kind(ordinal, kind)
+            .map(|gpu| Placement::Gpu(gpu.with_host_fallback(fallback)))
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn open_gpu(_ordinal: usize, _shareable: bool) -> Result<Placement, GpuError> {
+    fn open_gpu(
+        _ordinal: usize,
+        _shareable: bool,
+        _require_gpu: bool,
+    ) -> Result<Placement, GpuError> {
         Err(GpuError::NotCompiled)
     }
 
@@ -119,20 +133,122 @@ impl Placement {
         }
     }
 
-    /// A sink for `meta` in this place; a GPU that cannot hold it falls back to host memory.
+    /// A sink for `meta` now, without waiting for memory: see [`admit`](Self::admit) for the
+    /// rules. Host memory here is outside any budget.
     pub fn sink(&self, meta: &TensorMeta) -> Result<TensorSink, SinkError> {
-        match self {
+        match self.target(meta)? {
             #[cfg(feature = "cuda")]
-            Placement::Gpu(gpu) => match gpu.sink(meta) {
+            Target::Gpu(gpu, fallback) => match gpu.sink(meta) {
                 Ok(sink) => Ok(TensorSink::Gpu(sink)),
-                Err(e) => {
-                    tracing::warn!(error = %e, tensor = meta.name(), "no GPU memory for this tensor; using host memory");
-                    HostSink::new(meta.byte_len()).map(TensorSink::Host)
-                }
+                Err(e) => Self::fall_back(meta, fallback, e.into(), HostSink::new(meta.byte_len())),
             },
-            Placement::Host { .. } => HostSink::new(meta.byte_len()).map(TensorSink::Host),
+            Target::Host => HostSink::new(meta.byte_len()).map(TensorSink::Host),
         }
     }
+
+    /// A sink for `meta`, its destination admitted against the device's memory budget (or
+    /// `host`'s, for host memory) before anything is allocated (spec §7.5), waiting up to
+    /// `wait` for memory to come back.
+    ///
+    /// The METADATA device hint is honoured (spec §5.2): `host` lands in host memory; `cuda:N`
+    /// lands on this receiver's GPU N or is refused with UNSUPPORTED_DEVICE, and never falls
+    /// back to host memory. Without a hint, a GPU placement falls back to host memory (with a
+    /// warning naming the tensor) only if its [`HostFallback`] allows; otherwise a tensor
+    /// that finds no device memory is refused with RESOURCE_EXHAUSTED.
+    ///
+    /// [`HostFallback`]: crate::HostFallback
+    pub async fn admit(
+        &self,
+        meta: &TensorMeta,
+        host: &MemoryBudget,
+        wait: Duration,
+    ) -> Result<TensorSink, SinkError> {
+        let host_sink = || async {
+            let reservation = tokio::time::timeout(wait, host.reserve(meta.byte_len()))
+                .await
+                .map_err(|_| waited_in_vain(host, meta, wait))??;
+            HostSink::reserved(reservation)
+        };
+        match self.target(meta)? {
+            #[cfg(feature = "cuda")]
+            Target::Gpu(gpu, fallback) => {
+                let reserved =
+                    tokio::time::timeout(wait, gpu.memory_budget().reserve(meta.byte_len())).await;
+                let sink = match reserved {
+                    Ok(Ok(reservation)) => gpu
+                        .sink_reserved(meta, reservation)
+                        .map_err(SinkError::from),
+                    Ok(Err(e)) => Err(e),
+                    Err(_) => Err(waited_in_vain(gpu.memory_budget(), meta, wait)),
+                };
+                match sink {
+                    Ok(sink) => Ok(TensorSink::Gpu(sink)),
+                    Err(e) => Self::fall_back(meta, fallback, e, host_sink().await),
+                }
+            }
+            Target::Host => host_sink().await.map(TensorSink::Host),
+        }
+    }
+
+    /// Where `meta` goes, per its device hint and this placement.
+    fn target(&self, meta: &TensorMeta) -> Result<Target, SinkError> {
+        match (self, meta.device()) {
+            (_, Device::Host) => Ok(Target::Host),
+            #[cfg(feature = "cuda")]
+            (Placement::Gpu(gpu), Device::Cuda(n)) if usize::from(n) == gpu.device().ordinal() => {
+                Ok(Target::Gpu(
+                    gpu.clone(),
+                    crate::sink::HostFallback::Forbidden,
+                ))
+            }
+            (_, Device::Cuda(n)) => Err(SinkError::unsupported_device(format!(
+                "{} asks for cuda:{n}; this receiver lands tensors in {}",
+                meta.name(),
+                self.describe()
+            ))),
+            #[cfg(feature = "cuda")]
+            (Placement::Gpu(gpu), _) => Ok(Target::Gpu(gpu.clone(), gpu.host_fallback())),
+            (Placement::Host { .. }, _) => Ok(Target::Host),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn fall_back(
+        meta: &TensorMeta,
+        fallback: crate::sink::HostFallback,
+        error: SinkError,
+        host: Result<HostSink, SinkError>,
+    ) -> Result<TensorSink, SinkError> {
+        if fallback == crate::sink::HostFallback::Forbidden {
+            return Err(error);
+        }
+        tracing::warn!(
+            tensor = meta.name(),
+            error = %error,
+            "no GPU memory for this tensor: it lands in host memory"
+        );
+        host.map(TensorSink::Host)
+    }
+}
+
+/// Where one tensor goes.
+enum Target {
+    #[cfg(feature = "cuda")]
+    Gpu(crate::sink::PooledGpuReceiver, crate::sink::HostFallback),
+    Host,
+}
+
+fn waited_in_vain(budget: &MemoryBudget, meta: &TensorMeta, wait: Duration) -> SinkError {
+    let state = budget.snapshot();
+    SinkError::exhausted(format!(
+        "{}: waited {:.1} s for {} bytes of {} memory; {} of its {} byte budget stayed in use",
+        meta.name(),
+        wait.as_secs_f64(),
+        meta.byte_len(),
+        budget.what(),
+        state.reserved,
+        state.limit
+    ))
 }
 
 /// A sink into GPU or host memory; its output says which.

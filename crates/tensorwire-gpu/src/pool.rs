@@ -151,7 +151,7 @@ impl<A: Allocation> MemoryPool<A> {
         allocate: impl Fn(usize) -> Result<A, GpuError> + Send + Sync + 'static,
     ) -> Result<Self, GpuError> {
         if config.min_buffer == 0 || config.min_buffer > config.max_buffer {
-            return Err(GpuError::Bounds(format!(
+            return Err(GpuError::InvalidConfig(format!(
                 "{name} pool: need 0 < min_buffer <= max_buffer"
             )));
         }
@@ -201,12 +201,13 @@ impl<A: Allocation> MemoryPool<A> {
     /// [`GpuError::PoolExhausted`].
     pub fn acquire(&self, size: usize) -> Result<Pooled<A>, GpuError> {
         let config = &self.inner.config;
-        let class = config.size_class(size).ok_or_else(|| {
-            GpuError::Bounds(format!(
-                "{} pool: {size} bytes exceeds the largest buffer ({})",
-                self.inner.name, config.max_buffer
-            ))
-        })?;
+        let class = config
+            .size_class(size)
+            .ok_or(GpuError::LargerThanPoolBuffers {
+                pool: self.inner.name,
+                requested: size,
+                largest: config.max_buffer,
+            })?;
         let mut released = Vec::new();
         {
             let mut state = self.lock();

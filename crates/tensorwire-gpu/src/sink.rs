@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tensorwire_proto::{Payload, TensorMeta};
-use tensorwire_sink::{CreditPermit, Sink, SinkError};
+use tensorwire_sink::{CreditPermit, MemoryBudget, MemoryReservation, Sink, SinkError};
 use tokio::sync::Notify;
 
 use crate::buffer::CudaBuffer;
@@ -61,7 +61,22 @@ pub struct PooledGpuReceiver {
     staging: PinnedMemoryPool,
     memory: GpuMemoryPool,
     kind: DeviceMemoryKind,
+    /// Destination buffers of landed tensors, admitted before ACCEPT (spec §7.5).
+    budget: MemoryBudget,
+    fallback: HostFallback,
 }
+
+/// Whether a tensor that finds no device memory may land in host memory instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostFallback {
+    /// Yes, with a warning naming the tensor (the default for `auto` placement).
+    Allowed,
+    /// No: the tensor waits for device memory, then is refused (`--require-gpu`).
+    Forbidden,
+}
+
+/// The default device-memory budget: this share of the memory free when the device opens.
+const DEFAULT_BUDGET_OF_FREE: (usize, usize) = (3, 4);
 
 impl PooledGpuReceiver {
     /// Opens CUDA device `ordinal` with the given pool sizes; staging buffers are all
@@ -84,12 +99,42 @@ impl PooledGpuReceiver {
             max_buffer: STAGING_BUFFER,
             ..staging
         };
+        let staging = PinnedMemoryPool::for_device(&device, staging)?;
+        let memory = GpuMemoryPool::for_device_with_kind(&device, memory, kind)?;
+        // Measured after the staging pool's preallocation: what is left for tensors.
+        let (free, _total) = device.memory()?;
+        let (num, den) = DEFAULT_BUDGET_OF_FREE;
+        let budget = MemoryBudget::new(format!("cuda:{ordinal}"), (free / den * num) as u64);
         Ok(Self {
-            staging: PinnedMemoryPool::for_device(&device, staging)?,
-            memory: GpuMemoryPool::for_device_with_kind(&device, memory, kind)?,
+            staging,
+            memory,
             kind,
             device,
+            budget,
+            fallback: HostFallback::Allowed,
         })
+    }
+
+    /// Sets the device-memory budget: landed tensors on this device never hold more.
+    pub fn with_memory_budget(mut self, bytes: u64) -> Self {
+        self.budget = MemoryBudget::new(format!("cuda:{}", self.device.ordinal()), bytes);
+        self
+    }
+
+    /// Sets whether tensors that find no device memory may land in host memory.
+    pub fn with_host_fallback(mut self, fallback: HostFallback) -> Self {
+        self.fallback = fallback;
+        self
+    }
+
+    /// The device-memory budget (clones share it).
+    pub fn memory_budget(&self) -> &MemoryBudget {
+        &self.budget
+    }
+
+    /// Whether host memory may stand in for device memory.
+    pub fn host_fallback(&self) -> HostFallback {
+        self.fallback
     }
 
     /// Defaults: 128 MiB of pinned staging allocated up front, the default device pool.
@@ -131,11 +176,27 @@ impl PooledGpuReceiver {
     /// what is cached, not what the device may hold). Fails only when the device is out of
     /// memory.
     pub fn sink(&self, meta: &TensorMeta) -> Result<GpuSink, GpuError> {
+        let reservation =
+            self.budget
+                .try_reserve(meta.byte_len())
+                .map_err(|e| GpuError::BudgetExhausted {
+                    device: self.device.ordinal(),
+                    message: e.message,
+                })?;
+        self.sink_reserved(meta, reservation)
+    }
+
+    /// A sink for `meta` into memory already admitted against [`Self::memory_budget`].
+    pub fn sink_reserved(
+        &self,
+        meta: &TensorMeta,
+        reservation: MemoryReservation,
+    ) -> Result<GpuSink, GpuError> {
         let len = usize::try_from(meta.byte_len())
             .map_err(|_| GpuError::Bounds("tensor larger than the address space".into()))?;
         let pooled = match self.memory.acquire(len) {
             Ok(buffer) => Some(buffer),
-            Err(GpuError::PoolExhausted { .. } | GpuError::Bounds(_)) => None,
+            Err(GpuError::PoolExhausted { .. } | GpuError::LargerThanPoolBuffers { .. }) => None,
             Err(e) => return Err(e),
         };
         let dest = match pooled {
@@ -153,7 +214,7 @@ impl PooledGpuReceiver {
         };
         Ok(GpuSink::new(
             self.device.clone(),
-            dest,
+            dest.with_reservation(reservation),
             self.staging.clone(),
         ))
     }

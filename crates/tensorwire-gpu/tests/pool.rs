@@ -36,7 +36,10 @@ fn requests_round_up_to_power_of_two_classes() {
     let (pool, _) = pool(config);
     let buffer = pool.acquire(100_000).unwrap();
     assert_eq!((buffer.len(), buffer.class()), (128 << 10, 128 << 10));
-    assert!(matches!(pool.acquire(65 << 20), Err(GpuError::Bounds(_))));
+    assert!(matches!(
+        pool.acquire(65 << 20),
+        Err(GpuError::LargerThanPoolBuffers { .. })
+    ));
 }
 
 #[test]

@@ -110,7 +110,10 @@ async fn main() -> anyhow::Result<()> {
         Placement::choose_shareable(args.device, args.require_gpu, args.share.is_some())?;
     let mut receiver = Receiver::bind(config).await?;
     println!("listening on {}", receiver.local_addr()?);
-    println!("{} endpoints (UDP sockets) share the address", receiver.endpoint_count());
+    println!(
+        "{} endpoints (UDP sockets) share the address",
+        receiver.endpoint_count()
+    );
     println!("tensors land in {}", placement.describe());
     let mut save = args.save.as_deref().map(SaveDir::new).transpose()?;
     let share = match &args.share {
@@ -130,21 +133,22 @@ async fn main() -> anyhow::Result<()> {
             incoming = receiver.next(), if args.count == 0 || accepted < args.count => {
                 let Some(incoming) = incoming else { break };
                 accepted += 1;
-                let meta = incoming.meta().clone();
-                let sink = match placement.sink(&meta) {
-                    Ok(sink) => sink,
-                    Err(e) => {
-                        eprintln!("{}: no memory for {}: {e}", meta.name(), size(meta.byte_len()));
-                        incoming.reject(e.code, e.message);
-                        failed += 1;
-                        continue;
-                    }
-                };
-                let handle = incoming.accept(sink);
-                let done_tx = done_tx.clone();
-                let started = Instant::now();
+                let (placement, done_tx) = (placement.clone(), done_tx.clone());
+                let wait = args.admission_timeout;
+                // Admission may wait for memory: off the loop, so other tensors go on.
                 tokio::spawn(async move {
-                    let result = handle.finished().await;
+                    let started = Instant::now();
+                    let meta = incoming.meta().clone();
+                    let admitted = placement.admit(&meta, incoming.host_memory(), wait).await;
+                    let result = match admitted {
+                        Ok(sink) => incoming.accept(sink).finished().await.map_err(|e| e.to_string()),
+                        Err(e) => {
+                            let why = format!("{}: {}", e.code, e.message);
+                            incoming.reject(e.code, e.message);
+                            Err(format!("refused: {why}"))
+                        }
+                    };
+                    let result = result.map_err(|e| format!("{} from {}: {e}", meta.name(), size(meta.byte_len())));
                     let _ = done_tx.send((result, started.elapsed()));
                 });
             }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
-use tensorwire::proto::DType;
+use tensorwire::proto::{DType, Device};
 use tensorwire::quic::{Sender, SenderConfig, TransportError};
 use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, rate, seconds, size};
 use tensorwire_examples::files::{load, parse_shape};
@@ -30,6 +30,10 @@ struct Args {
     /// Shape for --dtype, e.g. 1024,4096.
     #[arg(long, requires = "dtype")]
     shape: Option<String>,
+    /// Where the receiver should land the tensors (the METADATA device hint): host or
+    /// cuda:N. A receiver that cannot refuses them with UNSUPPORTED_DEVICE.
+    #[arg(long, value_parser = parse_device)]
+    device: Option<Device>,
     /// No progress bars.
     #[arg(long)]
     quiet: bool,
@@ -58,6 +62,11 @@ async fn main() -> anyhow::Result<()> {
     let mut outgoing = Vec::new();
     for file in &args.files {
         outgoing.extend(load(file, raw.clone())?);
+    }
+    if let Some(device) = args.device {
+        for item in &mut outgoing {
+            item.meta = item.meta.clone().with_device(device);
+        }
     }
     let config = SenderConfig {
         tls: args.tls.tls(),
@@ -120,6 +129,18 @@ async fn main() -> anyhow::Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// `host` or `cuda:N`.
+fn parse_device(s: &str) -> Result<Device, String> {
+    match s {
+        "host" | "cpu" => Ok(Device::Host),
+        other => other
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(Device::Cuda)
+            .ok_or_else(|| format!("device {other:?}: expected host or cuda:N")),
+    }
 }
 
 /// A failure for people: the wire code (named, or hex) and who is to blame, then the message.
