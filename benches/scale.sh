@@ -4,7 +4,8 @@
 #
 #   benches/scale.sh BIN_DIR [SENDERS] [MIB_PER_SENDER] [DEVICE] [ENDPOINTS]
 #
-# BIN_DIR holds receiver, sender and bench (cargo build --release -p tensorwire-examples
+# RECEIVER_FLAGS adds receiver flags (e.g. "--stream-window-mib 64"); BUDGET_MIB sets its
+# budget (default 512). BIN_DIR holds receiver, sender and bench (cargo build --release -p tensorwire-examples
 # -p tensorwire-bench). DEVICE: cuda:0 (default) or host. Prints one line per measurement.
 set -euo pipefail
 bin=$(cd "$1" && pwd)
@@ -20,7 +21,7 @@ for i in $(seq "$senders"); do
   head -c $((mib << 20)) /dev/urandom > "$work/t$i.bin"
 done
 "$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device "$device" --endpoints "$endpoints" \
-  --budget-mib "$budget_mib" --count "$senders" > "$work/receiver.log" 2>&1 &
+  --budget-mib "$budget_mib" --count "$senders" ${RECEIVER_FLAGS:-} > "$work/receiver.log" 2>&1 &
 receiver=$!
 for _ in $(seq 100); do grep -q "listening on" "$work/receiver.log" && break; sleep 0.1; done
 addr=$(sed -n 's/^listening on //p' "$work/receiver.log")
@@ -37,7 +38,7 @@ for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
 end=$(date +%s.%N)
 wait "$receiver" || failed=$((failed + 1))
 total=$((senders * mib))
-gbit=$(echo "$total * 1048576 * 8 / ($end - $start) / 1000000000" | bc -l)
+gbit=$(awk -v b="$total" -v s="$start" -v e="$end" 'BEGIN { print b * 1048576 * 8 / (e - s) / 1e9 }')
 printf 'programs: 1 receiver (%s, endpoints %s) <- %d senders x %d MiB: %.1f Gbit/s, %d failed\n' \
   "$device" "$(sed -n 's/ endpoints.*//p' "$work/receiver.log")" "$senders" "$mib" "$gbit" "$failed"
 grep -h "failed:" "$work"/sender-*.log || true

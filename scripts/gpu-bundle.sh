@@ -27,7 +27,7 @@ cargo test --release --locked -p tensorwire-gpu -p tensorwire-ipc --no-run --mes
     done
 mkdir -p "$out/scripts"
 cp -r python "$out/python"
-cp scripts/share-e2e.sh "$out/scripts/"
+cp scripts/share-e2e.sh benches/scale.sh "$out/scripts/"
 strip "$out"/bin/* "$out"/tests/* 2>/dev/null || true
 
 cat > "$out/run.sh" <<'RUN'
@@ -56,6 +56,11 @@ REQUIRE_GPU=1 "$here/scripts/share-e2e.sh" "$here/bin" 2>&1 | tee "$logs/share-e
 echo "== ipc-bench"
 "$here/bin/ipc-bench" --json "$logs/ipc-bench.json" 2>&1 | tee "$logs/ipc-bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if [ "${SCALE:-0}" = 1 ]; then
+  echo "== scale: 1 receiver <- 8 sender processes, beside raw quinn"
+  "$here/scripts/scale.sh" "$here/bin" 8 1024 cuda:0 2>&1 | tee "$logs/scale.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 grep -h "test result" "$logs"/test-*.log
 exit $status
 RUN

@@ -36,6 +36,13 @@ struct Args {
     /// Resume granting at this percentage of the budget (0-99, below --high-percent).
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(0..=99))]
     low_percent: u64,
+    /// Credit one tensor may hold unused, in MiB: with few tensors per connection, a larger
+    /// window keeps a fast link full.
+    #[arg(long = "stream-window-mib", default_value = "16", value_parser = mebibytes)]
+    stream_window: u64,
+    /// Bytes per CREDIT frame, in MiB.
+    #[arg(long = "grant-mib", default_value = "4", value_parser = mebibytes)]
+    grant_unit: u64,
     /// Largest tensor accepted, in MiB.
     #[arg(long = "max-tensor-mib", default_value = "65536", value_parser = mebibytes)]
     max_tensor: u64,
@@ -96,6 +103,8 @@ async fn main() -> anyhow::Result<()> {
     config.high_watermark = budget / 100 * args.high_percent;
     config.low_watermark = budget / 100 * args.low_percent;
     config.limits.max_tensor_len = args.max_tensor;
+    config.stream_window = args.stream_window;
+    config.grant_unit = args.grant_unit;
     if let Some(host_memory) = args.host_memory {
         config.host_memory_budget = host_memory;
     }
