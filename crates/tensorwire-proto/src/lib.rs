@@ -15,6 +15,10 @@
 //!    headers from [`Frame::encode_header`], DATA payloads as their own `Bytes`.
 //! 4. Across all streams, a [`CreditTracker`] decides how many bytes the receiver may grant.
 //!
+//! A receiving driver uses one [`Session`] per connection instead of steps 2 and 4 by hand:
+//! it owns the connection's [`TensorReceiver`]s, sizes grants, keeps both credit ledgers in
+//! step, and applies the connection's abuse budgets with time passed in.
+//!
 //! Errors are [`ProtocolError`]s: each carries its wire [`ErrorCode`] and says who is to
 //! [`Blame`]. Nothing here panics on input from the network, and every length is checked
 //! against [`Limits`] before the bytes it announces are awaited or allocated.
@@ -34,6 +38,7 @@ mod payload;
 mod ranges;
 mod receiver;
 mod sender;
+mod session;
 
 #[doc(hidden)]
 pub mod fuzzing;
@@ -53,6 +58,7 @@ pub use payload::Payload;
 pub use ranges::ReceivedRanges;
 pub use receiver::{ReceiverEvent, ReceiverInput, ReceiverState, TensorReceiver};
 pub use sender::{SenderEvent, SenderInput, SenderState, TensorSender};
+pub use session::{Session, SessionConfig, SessionEvent, StreamClosed, StreamId};
 
 /// The ALPN protocol identifier of this version (spec §3).
 pub const ALPN: &[u8] = b"tensorwire/1";

@@ -43,38 +43,24 @@ impl Budget {
         self.tracker.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Waits until at least one byte can be granted; returns up to `want` granted bytes.
-    pub(crate) async fn acquire(&self, want: u64) -> u64 {
-        loop {
-            let notified = self.released.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let granted = {
-                let mut tracker = self.lock();
-                let granted = tracker.grant(want);
-                self.peak_outstanding
-                    .fetch_max(tracker.outstanding(), Ordering::Relaxed);
-                granted
-            };
-            if granted > 0 {
-                return granted;
-            }
-            notified.await;
-        }
+    /// Runs `f` on the tracker (a sans-IO call that moves credit) and records the peak.
+    pub(crate) fn with_tracker<T>(&self, f: impl FnOnce(&mut CreditTracker) -> T) -> T {
+        let mut tracker = self.lock();
+        let out = f(&mut tracker);
+        self.peak_outstanding
+            .fetch_max(tracker.outstanding(), Ordering::Relaxed);
+        out
     }
 
-    /// Records arrived bytes (spec §7.1: in flight → held).
-    pub(crate) fn consume(&self, n: u64) -> Result<(), ProtocolError> {
-        self.lock().consume(n)
+    /// Resolves once credit may have come back (a release or a revoke) after `armed` was
+    /// taken: take it, try to grant, and await it if nothing was granted.
+    pub(crate) fn credit_returned(&self) -> tokio::sync::futures::Notified<'_> {
+        self.released.notified()
     }
 
-    /// Returns granted bytes that will never arrive.
-    pub(crate) fn revoke(&self, n: u64) {
-        if n > 0 {
-            let result = self.lock().revoke(n);
-            debug_assert!(result.is_ok(), "revoked more than in flight");
-            self.released.notify_waiters();
-        }
+    /// Wakes every stream waiting for credit (some came back).
+    pub(crate) fn wake(&self) {
+        self.released.notify_waiters();
     }
 
     pub(crate) fn snapshot(&self) -> BudgetSnapshot {

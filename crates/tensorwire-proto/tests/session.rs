@@ -1,0 +1,354 @@
+//! The connection session without sockets: senders wired to sessions in memory, several
+//! connections sharing one receiver-wide credit tracker, the sink's durability simulated by
+//! releasing held bytes late. Every test uses the policy that ships (`SessionConfig`).
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tensorwire_proto::frame::Cancel;
+use tensorwire_proto::testing::pattern;
+use tensorwire_proto::{
+    CreditTracker, DType, ErrorCode, Frame, Session, SessionConfig, SessionEvent, StreamClosed,
+    StreamId, TensorMeta, TensorSender,
+};
+
+/// The fake clock's origin: tests move time by adding durations to it.
+#[allow(clippy::disallowed_methods)] // The one read of the real clock, as the origin.
+fn epoch() -> Instant {
+    Instant::now()
+}
+
+fn meta(name: &str, len: usize) -> TensorMeta {
+    TensorMeta::new([len as u64], DType::U8)
+        .unwrap()
+        .with_name(name)
+}
+
+/// One tensor in flight: its sender, the bytes it sends, what landed, and bytes held by the
+/// simulated sink (arrived, not yet durable).
+struct Flow {
+    conn: usize,
+    id: StreamId,
+    sender: TensorSender,
+    source: Bytes,
+    landed: Vec<u8>,
+    held: Vec<u64>,
+    closed: Option<StreamClosed>,
+}
+
+/// Several connections (sessions) sharing one credit tracker.
+struct Receiver {
+    sessions: Vec<Session>,
+    credit: CreditTracker,
+    flows: Vec<Flow>,
+    peak_outstanding: u64,
+    pauses: u32,
+    now: Instant,
+}
+
+impl Receiver {
+    fn new(connections: usize, config: &SessionConfig, credit: CreditTracker) -> Self {
+        let now = epoch();
+        Self {
+            sessions: (0..connections)
+                .map(|_| Session::new(config.clone(), now))
+                .collect(),
+            credit,
+            flows: Vec::new(),
+            peak_outstanding: 0,
+            pauses: 0,
+            now,
+        }
+    }
+
+    fn send(&mut self, conn: usize, name: &str, len: usize, seed: u64) {
+        let id = self.flows.len() as StreamId;
+        self.sessions[conn].open_stream(id).unwrap();
+        let m = meta(name, len);
+        self.flows.push(Flow {
+            conn,
+            id,
+            sender: TensorSender::new(m).unwrap(),
+            source: Bytes::from(pattern(len, seed)),
+            landed: vec![0; len],
+            held: Vec::new(),
+            closed: None,
+        });
+    }
+
+    /// One round over every flow; `release_lag` is how many DATA chunks a sink holds before
+    /// the oldest becomes durable. Returns whether anything moved.
+    fn pump(&mut self, release_lag: usize) -> bool {
+        let mut moved = false;
+        for i in 0..self.flows.len() {
+            let flow = &mut self.flows[i];
+            if flow.closed.is_some() {
+                continue;
+            }
+            let session = &mut self.sessions[flow.conn];
+            // Sender → session, through the codec.
+            while flow.sender.next_chunk_len() > 0 && flow.sender.sent() < flow.source.len() as u64
+            {
+                let at = flow.sender.sent() as usize;
+                let n = (flow.sender.next_chunk_len() as usize)
+                    .min(flow.source.len() - at)
+                    .min(256 << 10);
+                flow.sender
+                    .send_data(flow.source.slice(at..at + n))
+                    .unwrap();
+            }
+            if flow.sender.sent() == flow.source.len() as u64
+                && flow.sender.state() == tensorwire_proto::SenderState::Sending
+            {
+                flow.sender.finish().unwrap();
+            }
+            while let Some(frame) = flow.sender.poll_frame() {
+                moved = true;
+                let frame = Frame::decode_one(&frame.to_bytes());
+                match session.handle_frame(flow.id, frame, &mut self.credit) {
+                    Ok(SessionEvent::Metadata(_)) => session.accept(flow.id).unwrap(),
+                    Ok(SessionEvent::Data(data)) => {
+                        let at = data.offset as usize;
+                        data.payload
+                            .copy_to_slice(&mut flow.landed[at..at + data.payload.len()]);
+                        flow.held.push(data.payload.len() as u64);
+                    }
+                    Ok(SessionEvent::End) => {
+                        for n in flow.held.drain(..) {
+                            let _ = self.credit.release(n).unwrap();
+                        }
+                        session.mark_resident(flow.id).unwrap();
+                    }
+                    Ok(_) => {}
+                    Err(_) => {}
+                }
+            }
+            // The sink makes the oldest bytes durable once it holds more than the lag.
+            while flow.held.len() > release_lag {
+                let n = flow.held.remove(0);
+                let _ = self.credit.release(n).unwrap();
+                moved = true;
+            }
+            let paused_before = self.credit.should_pause();
+            if session.grant(flow.id, &mut self.credit) > 0 {
+                moved = true;
+            }
+            if self.credit.should_pause() && !paused_before {
+                self.pauses += 1;
+            }
+            self.peak_outstanding = self.peak_outstanding.max(self.credit.outstanding());
+            // Session → sender.
+            while let Some(frame) = session.poll_frame(flow.id) {
+                moved = true;
+                let _ = flow
+                    .sender
+                    .handle_frame(Frame::decode_one(&frame.to_bytes()));
+            }
+            let done = session.meta(flow.id).is_some()
+                && (session.ending(flow.id).is_some()
+                    || flow.sender.state() == tensorwire_proto::SenderState::Complete);
+            if done {
+                for n in flow.held.drain(..) {
+                    let _ = self.credit.release(n).unwrap();
+                }
+                flow.closed = Some(session.close_stream(flow.id, &mut self.credit, self.now));
+                moved = true;
+            }
+        }
+        moved
+    }
+
+    fn run(&mut self, release_lag: usize) {
+        for _ in 0..1_000_000 {
+            if self.pump(release_lag) {
+                continue;
+            }
+            // Nothing moved: the sinks' copies complete (the oldest held chunk of each
+            // flow), as a GPU sink's would, or everything is done.
+            let mut released = false;
+            for flow in &mut self.flows {
+                if !flow.held.is_empty() {
+                    let _ = self.credit.release(flow.held.remove(0)).unwrap();
+                    released = true;
+                }
+            }
+            if !released {
+                return;
+            }
+        }
+        panic!("no quiescence");
+    }
+}
+
+/// Decoding helper: the frame as a peer would see it.
+trait DecodeOne {
+    fn decode_one(bytes: &[u8]) -> Frame;
+}
+
+impl DecodeOne for Frame {
+    fn decode_one(bytes: &[u8]) -> Frame {
+        let mut decoder = tensorwire_proto::FrameDecoder::new(Default::default());
+        decoder.push(Bytes::copy_from_slice(bytes));
+        decoder.next_frame().unwrap().unwrap()
+    }
+}
+
+#[test]
+fn grants_come_in_units_up_to_the_stream_window() {
+    let config = SessionConfig {
+        grant_unit: 4 << 20,
+        stream_window: 10 << 20,
+        ..SessionConfig::default()
+    };
+    let mut credit = CreditTracker::new(1 << 30, 1 << 30, 1 << 29).unwrap();
+    let mut session = Session::new(config, epoch());
+    session.open_stream(7).unwrap();
+    let event = session
+        .handle_frame(7, meta("big", 100 << 20).into(), &mut credit)
+        .unwrap();
+    assert!(matches!(event, SessionEvent::Metadata(_)));
+    assert!(!session.wants_credit(7), "no credit before ACCEPT");
+    assert_eq!(session.grant(7, &mut credit), 0);
+    session.accept(7).unwrap();
+    let grants: Vec<u64> = (0..4).map(|_| session.grant(7, &mut credit)).collect();
+    assert_eq!(
+        grants,
+        [4 << 20, 4 << 20, 2 << 20, 0],
+        "units, then the window's rest"
+    );
+    assert!(!session.wants_credit(7));
+    assert_eq!(credit.in_flight(), 10 << 20);
+    // Closing returns every unreceived byte to the receiver-wide budget.
+    assert_eq!(
+        session.close_stream(7, &mut credit, epoch()),
+        StreamClosed::Failed
+    );
+    assert_eq!(credit.outstanding(), 0);
+}
+
+/// Three connections, four tensors each, one 3 MiB budget that pauses at 2 MiB and resumes
+/// at 1 MiB: every byte lands, the budget is never exceeded, granting pauses and resumes,
+/// and all credit comes back.
+#[test]
+fn many_tensors_on_many_connections_stay_within_one_budget() {
+    let config = SessionConfig {
+        grant_unit: 256 << 10,
+        stream_window: 1 << 20,
+        ..SessionConfig::default()
+    };
+    let budget = 3 << 20;
+    let credit = CreditTracker::new(budget, 2 << 20, 1 << 20).unwrap();
+    let mut rx = Receiver::new(3, &config, credit);
+    for conn in 0..3 {
+        for t in 0..4 {
+            let len = (1 << 20) + 4093 * (conn * 4 + t);
+            rx.send(conn, &format!("c{conn}t{t}"), len, (conn * 4 + t) as u64);
+        }
+    }
+    rx.run(3);
+    for flow in &rx.flows {
+        assert_eq!(flow.closed, Some(StreamClosed::Completed), "{}", flow.id);
+        assert!(
+            flow.landed[..] == flow.source[..],
+            "stream {} differs",
+            flow.id
+        );
+    }
+    assert!(
+        rx.peak_outstanding <= budget,
+        "peak {}",
+        rx.peak_outstanding
+    );
+    assert!(rx.pauses > 0, "the high watermark was never reached");
+    assert_eq!(rx.credit.outstanding(), 0, "credit counted back");
+    assert!(rx.sessions.iter().all(|s| s.open_streams() == 0));
+}
+
+/// A tensor cancelled mid-transfer gives back its unreceived credit; the others complete.
+#[test]
+fn a_cancelled_tensor_returns_its_credit_and_others_complete() {
+    let config = SessionConfig {
+        grant_unit: 64 << 10,
+        stream_window: 256 << 10,
+        ..SessionConfig::default()
+    };
+    let credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
+    let mut rx = Receiver::new(1, &config, credit);
+    rx.send(0, "stays", 700 << 10, 1);
+    rx.send(0, "goes", 700 << 10, 2);
+    // Let both start, then the second sender cancels.
+    rx.pump(1);
+    rx.flows[1]
+        .sender
+        .cancel(ErrorCode::CANCELLED, "changed my mind")
+        .unwrap();
+    rx.run(1);
+    assert_eq!(rx.flows[0].closed, Some(StreamClosed::Completed));
+    assert_eq!(rx.flows[1].closed, Some(StreamClosed::Failed));
+    assert_eq!(rx.credit.outstanding(), 0);
+}
+
+/// Spec §10 with a fake clock: cancelled streams beyond the budget close the connection,
+/// and the budget refills with time.
+#[test]
+fn the_failure_budget_runs_dry_under_a_cancel_flood() {
+    let config = SessionConfig {
+        max_failed_streams: 3,
+        failure_window: Duration::from_secs(3),
+        ..SessionConfig::default()
+    };
+    let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
+    let start = epoch();
+    let mut session = Session::new(config, start);
+    let mut cancel_one = |session: &mut Session, id: StreamId, now: Instant| {
+        session.open_stream(id).unwrap();
+        let _ = session.handle_frame(id, meta("m", 10).into(), &mut credit);
+        let cancel = Frame::from(Cancel::new(ErrorCode::CANCELLED, "flood"));
+        assert!(session.handle_frame(id, cancel, &mut credit).is_err());
+        session.close_stream(id, &mut credit, now)
+    };
+    for id in 0..3 {
+        assert_eq!(cancel_one(&mut session, id, start), StreamClosed::Failed);
+    }
+    assert!(matches!(
+        cancel_one(&mut session, 3, start),
+        StreamClosed::Flood(_)
+    ));
+    // One second later, one more failure is allowed again.
+    let later = start + Duration::from_secs(1);
+    assert_eq!(cancel_one(&mut session, 4, later), StreamClosed::Failed);
+    assert!(matches!(
+        cancel_one(&mut session, 5, later),
+        StreamClosed::Flood(_)
+    ));
+}
+
+#[test]
+fn idle_time_counts_only_while_no_stream_is_open() {
+    let start = epoch();
+    let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
+    let mut session = Session::new(SessionConfig::default(), start);
+    assert_eq!(
+        session.idle_for(start + Duration::from_secs(5)),
+        Duration::from_secs(5)
+    );
+    session.open_stream(1).unwrap();
+    assert_eq!(
+        session.idle_for(start + Duration::from_secs(50)),
+        Duration::ZERO
+    );
+    let closed_at = start + Duration::from_secs(60);
+    let _ = session.close_stream(1, &mut credit, closed_at);
+    assert_eq!(
+        session.idle_for(closed_at + Duration::from_secs(2)),
+        Duration::from_secs(2)
+    );
+}
+
+#[test]
+fn a_stream_cannot_be_opened_twice() {
+    let mut session = Session::new(SessionConfig::default(), epoch());
+    session.open_stream(1).unwrap();
+    assert!(session.open_stream(1).is_err());
+}

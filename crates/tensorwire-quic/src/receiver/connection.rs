@@ -1,0 +1,154 @@
+//! One connection of a [`Receiver`](super::Receiver): the handshake checks, its sans-IO
+//! [`Session`], and the loop that accepts its streams, stops unidirectional ones and ends
+//! it when it stays idle (spec §3, §10).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use quinn::VarInt;
+use tensorwire_proto::{ErrorCode, Session, SessionConfig};
+use tokio::sync::{Semaphore, mpsc};
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use super::Shared;
+use super::incoming::IncomingTensor;
+use super::tensor::serve_stream;
+use crate::metrics::Metrics;
+use crate::stream::FrameStream;
+
+/// What the streams of one connection share.
+pub(super) struct ConnectionState {
+    pub(super) remote: SocketAddr,
+    pub(super) endpoint: usize,
+    pub(super) connection: quinn::Connection,
+    pub(super) metrics: Metrics,
+    /// Every tensor of the connection, its credit and its abuse budgets. Lock it before the
+    /// receiver's credit tracker, never after.
+    session: Mutex<Session>,
+    /// Tensors of this connection waiting for the application's decision: one peer cannot
+    /// fill the receiver's queue and starve the others.
+    pub(super) pending: Semaphore,
+}
+
+impl ConnectionState {
+    /// The connection's session (the lock is held only for a sans-IO call, never across an
+    /// await).
+    pub(super) fn session(&self) -> MutexGuard<'_, Session> {
+        // The session's invariants hold between calls; a panic elsewhere cannot break them.
+        self.session.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Closes the connection with `code`; its streams fail with it.
+    pub(super) fn close(&self, code: ErrorCode, reason: &[u8]) {
+        self.connection.close(VarInt::from_u32(code.0), reason);
+    }
+}
+
+pub(super) async fn accept_connections(
+    index: usize,
+    endpoint: quinn::Endpoint,
+    shared: Arc<Shared>,
+    tx: mpsc::Sender<IncomingTensor>,
+) {
+    while let Some(incoming) = endpoint.accept().await {
+        let span = info_span!("connection", remote = %incoming.remote_address(), endpoint = index);
+        tokio::spawn(
+            serve_connection(index, shared.clone(), incoming, tx.clone()).instrument(span),
+        );
+    }
+}
+
+async fn serve_connection(
+    endpoint: usize,
+    shared: Arc<Shared>,
+    incoming: quinn::Incoming,
+    tx: mpsc::Sender<IncomingTensor>,
+) {
+    // The handshake (client certificate included, for mTLS) completes before any stream is
+    // accepted, so no frame is acted on from an unverified peer.
+    let connection = match incoming.await {
+        Ok(connection) => connection,
+        Err(e) => {
+            warn!(error = %e, "handshake failed");
+            return;
+        }
+    };
+    let alpn = connection
+        .handshake_data()
+        .and_then(|data| data.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+        .and_then(|data| data.protocol);
+    if alpn.as_deref() != Some(tensorwire_proto::ALPN) {
+        warn!("refusing a connection that did not negotiate ALPN tensorwire/1");
+        connection.close(
+            VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0),
+            b"ALPN tensorwire/1 required",
+        );
+        return;
+    }
+    let id = connection.stable_id();
+    let config = &shared.config;
+    let session = SessionConfig {
+        limits: config.limits.clone(),
+        grant_unit: config.grant_unit,
+        stream_window: config.stream_window,
+        max_failed_streams: config.max_failed_streams,
+        failure_window: config.failure_window,
+    };
+    let state = Arc::new(ConnectionState {
+        remote: connection.remote_address(),
+        endpoint,
+        connection: connection.clone(),
+        metrics: Metrics::default(),
+        session: Mutex::new(Session::new(session, Instant::now())),
+        pending: Semaphore::new(config.max_pending_per_connection),
+    });
+    shared.connections.insert(id, state.clone());
+    info!("connection established");
+    let idle_check = config.connection_idle_timeout.min(Duration::from_secs(1));
+    loop {
+        let accepted = tokio::select! {
+            _ = shared.shutdown.cancelled() => break,
+            accepted = connection.accept_bi() => accepted,
+            uni = connection.accept_uni() => {
+                // Spec §3: unidirectional streams are not used; stop each at once.
+                if let Ok(mut recv) = uni {
+                    debug!("stopping a unidirectional stream");
+                    let _ = recv.stop(VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0));
+                }
+                continue;
+            }
+            () = tokio::time::sleep(idle_check) => {
+                if state.session().idle_for(Instant::now()) >= config.connection_idle_timeout {
+                    info!(idle = ?config.connection_idle_timeout, "closing a connection with no tensor streams");
+                    state.close(
+                        ErrorCode::PROGRESS_TIMEOUT,
+                        b"no tensor stream within the receiver's idle timeout",
+                    );
+                    break;
+                }
+                continue;
+            }
+        };
+        match accepted {
+            Ok((send, recv)) => {
+                let stream_id = VarInt::from(send.id()).into_inner();
+                let span = info_span!("tensor", stream = %send.id());
+                if let Err(e) = state.session().open_stream(stream_id) {
+                    warn!(error = %e, "stream refused");
+                    continue;
+                }
+                let stream = FrameStream::new(send, recv, shared.config.limits.clone());
+                shared.streams.spawn(
+                    serve_stream(shared.clone(), state.clone(), stream_id, stream, tx.clone())
+                        .instrument(span),
+                );
+            }
+            Err(e) => {
+                info!(reason = %e, "connection closed");
+                break;
+            }
+        }
+    }
+    shared.connections.remove(&id);
+}

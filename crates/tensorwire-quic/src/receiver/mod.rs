@@ -1,0 +1,200 @@
+//! The receiving endpoint: binds its UDP sockets, accepts connections, yields each incoming
+//! tensor for admission, and streams its DATA into the application's [`Sink`] under one
+//! receiver-wide credit budget and memory budget.
+//!
+//! - this module: the [`Receiver`] and what all its connections share;
+//! - `connection`: one connection, its sans-IO session and its stream loop;
+//! - `incoming`: [`IncomingTensor`] (admission) and [`TensorHandle`] (progress, result);
+//! - `tensor`: one tensor's stream, from METADATA to COMPLETE, pumped through the session.
+//!
+//! [`Sink`]: tensorwire_sink::Sink
+
+mod connection;
+mod incoming;
+mod tensor;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use quinn::VarInt;
+use tensorwire_proto::ErrorCode;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::budget::{Budget, BudgetSnapshot};
+use crate::config::ReceiverConfig;
+use crate::error::TransportError;
+use crate::metrics::{Metrics, MetricsSnapshot};
+use connection::{ConnectionState, accept_connections};
+pub use incoming::{IncomingTensor, TensorHandle};
+use tensorwire_sink::{MemoryBudget, MemorySnapshot};
+
+/// Incoming tensors waiting for the application before streams wait in turn.
+const INCOMING_QUEUE: usize = 1024;
+
+/// How long [`Receiver::close`] lets tensors in progress finish, and how long a finished
+/// stream waits for its last frame to be acknowledged.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// A listening receiver. Call [`next`](Self::next) to admit incoming tensors.
+pub struct Receiver {
+    endpoints: Vec<quinn::Endpoint>,
+    incoming: mpsc::Receiver<IncomingTensor>,
+    shared: Arc<Shared>,
+    dev_cert: Option<PathBuf>,
+}
+
+struct Shared {
+    config: ReceiverConfig,
+    budget: Arc<Budget>,
+    host_memory: MemoryBudget,
+    metrics: Metrics,
+    connections: DashMap<usize, Arc<ConnectionState>>,
+    shutdown: CancellationToken,
+    streams: TaskTracker,
+}
+
+/// Counters of one connection.
+#[derive(Clone, Debug)]
+pub struct ConnectionSnapshot {
+    /// The peer's address.
+    pub remote: SocketAddr,
+    /// Which of the receiver's endpoints (UDP sockets) carries it.
+    pub endpoint: usize,
+    /// Its tensors and bytes.
+    pub metrics: MetricsSnapshot,
+}
+
+impl Receiver {
+    /// Binds and starts accepting connections.
+    pub async fn bind(config: ReceiverConfig) -> Result<Self, TransportError> {
+        let (crypto, dev) = crate::tls::server_crypto(&config.tls)?;
+        let mut server = quinn::ServerConfig::with_crypto(crypto);
+        server.transport_config(config.transport.server_transport_config()?);
+        if config.endpoints == 0 {
+            return Err(TransportError::Config(
+                "a receiver needs at least one endpoint".into(),
+            ));
+        }
+        let endpoints =
+            config
+                .transport
+                .reuse_port_endpoints(config.listen, config.endpoints, server)?;
+        let local = endpoints[0].local_addr()?;
+        let dev_cert = match dev {
+            Some(dev) => {
+                let path = crate::dev_trust::write_dev_cert(local.port(), &dev.pem)?;
+                warn!(
+                    path = %path.display(),
+                    fingerprint = %dev.fingerprint(),
+                    "development trust: self-signed certificate for localhost; senders on this \
+                     host trust it with no flags. Use PEM certificates in production"
+                );
+                Some(path)
+            }
+            None => None,
+        };
+        let budget = Budget::new(config.budget, config.high_watermark, config.low_watermark)
+            .map_err(|e| TransportError::Config(format!("budget and watermarks: {e}")))?;
+        let host_memory = MemoryBudget::new("host", config.host_memory_budget);
+        let shared = Arc::new(Shared {
+            config,
+            budget: Arc::new(budget),
+            host_memory,
+            metrics: Metrics::default(),
+            connections: DashMap::new(),
+            shutdown: CancellationToken::new(),
+            streams: TaskTracker::new(),
+        });
+        let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
+        for (index, endpoint) in endpoints.iter().enumerate() {
+            tokio::spawn(accept_connections(
+                index,
+                endpoint.clone(),
+                shared.clone(),
+                tx.clone(),
+            ));
+        }
+        info!(%local, endpoints = endpoints.len(), "receiver listening");
+        Ok(Self {
+            endpoints,
+            incoming,
+            shared,
+            dev_cert,
+        })
+    }
+
+    /// The address the receiver listens on.
+    pub fn local_addr(&self) -> Result<SocketAddr, TransportError> {
+        Ok(self.endpoints[0].local_addr()?)
+    }
+
+    /// How many UDP sockets (endpoints) share the listening address.
+    pub fn endpoint_count(&self) -> usize {
+        self.endpoints.len()
+    }
+
+    /// The next incoming tensor, after its METADATA; `None` once the receiver is closed.
+    pub async fn next(&mut self) -> Option<IncomingTensor> {
+        self.incoming.recv().await
+    }
+
+    /// Tensor and byte counters over all connections.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.shared.metrics.snapshot()
+    }
+
+    /// The shared byte budget's state.
+    pub fn budget(&self) -> BudgetSnapshot {
+        self.shared.budget.snapshot()
+    }
+
+    /// The host-memory budget that [`IncomingTensor::accept_host`] admits tensors against.
+    pub fn host_memory(&self) -> MemorySnapshot {
+        self.shared.host_memory.snapshot()
+    }
+
+    /// Counters of each open connection.
+    pub fn connections(&self) -> Vec<ConnectionSnapshot> {
+        self.shared
+            .connections
+            .iter()
+            .map(|c| ConnectionSnapshot {
+                remote: c.remote,
+                endpoint: c.endpoint,
+                metrics: c.metrics.snapshot(),
+            })
+            .collect()
+    }
+
+    /// Stops accepting, lets tensors in progress finish for up to [`CLOSE_GRACE`], then
+    /// closes every connection with SHUTDOWN and waits for the endpoint to go idle.
+    pub async fn close(self) {
+        self.shared.shutdown.cancel();
+        self.shared.streams.close();
+        let _ = tokio::time::timeout(CLOSE_GRACE, self.shared.streams.wait()).await;
+        for endpoint in &self.endpoints {
+            endpoint.close(
+                VarInt::from_u32(ErrorCode::SHUTDOWN.0),
+                b"receiver shutting down",
+            );
+        }
+        for endpoint in &self.endpoints {
+            endpoint.wait_idle().await;
+        }
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.shared.shutdown.cancel();
+        if let Some(path) = &self.dev_cert {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}

@@ -1,0 +1,304 @@
+//! One tensor's stream, from METADATA to COMPLETE: the driver reads frames, hands them to the
+//! connection's [`Session`](tensorwire_proto::Session), writes what it queues, and moves DATA
+//! into the sink. Every protocol decision (credit, limits, budgets) is the session's.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use tensorwire_proto::{ErrorCode, Frame, ProtocolError, SessionEvent, StreamClosed, StreamId};
+use tensorwire_sink::{CreditPermit, Sink, SinkError};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::connection::ConnectionState;
+use super::incoming::{DECISION_GRACE, Decision, Ended, IncomingTensor, Run};
+use super::{CLOSE_GRACE, Shared};
+use crate::error::TransportError;
+use crate::stream::FrameStream;
+
+/// One tensor's stream, handed to the sink-specific receive loop once accepted.
+pub(super) struct Accepted {
+    id: StreamId,
+    ended: Ended,
+    shared: Arc<Shared>,
+    connection: Arc<ConnectionState>,
+    stream: FrameStream,
+    started: Instant,
+}
+
+pub(super) async fn serve_stream(
+    shared: Arc<Shared>,
+    connection: Arc<ConnectionState>,
+    id: StreamId,
+    stream: FrameStream,
+    tx: mpsc::Sender<IncomingTensor>,
+) {
+    let mut st = Accepted {
+        id,
+        ended: Ended::default(),
+        shared,
+        connection,
+        stream,
+        started: Instant::now(),
+    };
+    st.shared.metrics.started();
+    st.connection.metrics.started();
+    match st.admit(tx).await {
+        Ok(Some(run)) => run(st).await,
+        Ok(None) => st.end(None).await,
+        Err(e) => st.end(Some(&e)).await,
+    }
+}
+
+impl Accepted {
+    /// Hands one frame from the peer to the session (which moves its credit).
+    fn handle(&self, frame: Frame) -> Result<SessionEvent, ProtocolError> {
+        let mut session = self.connection.session();
+        self.shared
+            .budget
+            .with_tracker(|credit| session.handle_frame(self.id, frame, credit))
+    }
+
+    /// Reads METADATA and asks the application; `None` if the tensor was rejected.
+    ///
+    /// While the tensor waits (for a slot in the connection's share of the queue, then for the
+    /// decision) the stream is still read: a CANCEL, a reset or a FIN ends it at once, so
+    /// waiting tensors cannot pile up behind a peer that gave up on them.
+    async fn admit(
+        &mut self,
+        tx: mpsc::Sender<IncomingTensor>,
+    ) -> Result<Option<Run>, TransportError> {
+        let shared = self.shared.clone();
+        let config = &shared.config;
+        let frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame())
+            .await
+            .map_err(|_| TransportError::timed_out("METADATA", config.progress_timeout))??;
+        let SessionEvent::Metadata(meta) = self.handle(frame)? else {
+            return Err(ProtocolError::Misuse("first event was not METADATA").into());
+        };
+        debug!(name = meta.name(), bytes = meta.byte_len(), dtype = %meta.dtype(), "metadata");
+        let connection = self.connection.clone();
+        let deadline = tokio::time::Instant::now() + config.admission_timeout;
+        // Kept here, not in the wait, so it outlives the recording of why the wait ended.
+        let (decision, mut decided) = oneshot::channel();
+        let mut decision = Some(decision);
+        let waited = tokio::time::timeout_at(deadline + DECISION_GRACE, async {
+            let _slot = self.while_reading(connection.pending.acquire()).await?;
+            let incoming = IncomingTensor {
+                meta,
+                peer: connection.remote,
+                decision: decision
+                    .take()
+                    .ok_or(ProtocolError::Misuse("decision taken twice"))?,
+                ended: self.ended.clone(),
+                host_memory: shared.host_memory.clone(),
+                deadline,
+                admission_timeout: config.admission_timeout,
+            };
+            if self.while_reading(tx.send(incoming)).await?.is_err() {
+                return Ok(None);
+            }
+            self.while_reading(&mut decided).await.map(|d| Some(d.ok()))
+        })
+        .await;
+        let waited = match waited {
+            Err(_) => Err(TransportError::timed_out(
+                "decision from the application",
+                config.admission_timeout,
+            )),
+            Ok(waited) => waited,
+        };
+        if let Err(e) = &waited {
+            let _ = self.ended.set(match e {
+                TransportError::Protocol(e) => e.clone(),
+                other => ProtocolError::Local {
+                    code: other.code().unwrap_or(ErrorCode::INTERNAL),
+                    reason: other.to_string(),
+                },
+            });
+        }
+        drop(decided);
+        let id = self.id;
+        match waited? {
+            None => {
+                let mut session = self.connection.session();
+                session.reject(id, ErrorCode::SHUTDOWN, "receiver is shutting down")?;
+                Ok(None)
+            }
+            Some(Some(Decision::Accept(run))) => Ok(Some(run)),
+            Some(Some(Decision::Reject(code, reason))) => {
+                self.connection.session().reject(id, code, reason)?;
+                Ok(None)
+            }
+            Some(None) => {
+                self.connection.session().reject(
+                    id,
+                    ErrorCode::REJECTED,
+                    "the application dropped the tensor undecided",
+                )?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Awaits `wait` while reading the stream: before ACCEPT any frame (a CANCEL, DATA
+    /// without credit), a reset or a FIN ends the tensor with the matching error.
+    async fn while_reading<T>(
+        &mut self,
+        wait: impl Future<Output = T>,
+    ) -> Result<T, TransportError> {
+        tokio::select! {
+            out = wait => Ok(out),
+            frame = self.stream.next_frame() => {
+                self.handle(frame?)?;
+                Err(ProtocolError::Misuse("a frame was accepted before ACCEPT").into())
+            }
+        }
+    }
+
+    pub(super) async fn receive_into<S: Sink>(
+        mut self,
+        sink: S,
+        done: oneshot::Sender<Result<S::Output, TransportError>>,
+        progress: Arc<AtomicU64>,
+        cancel: CancellationToken,
+    ) {
+        let result = tokio::select! {
+            result = self.receive_loop(sink, &progress) => result,
+            _ = cancel.cancelled() => Err(TransportError::cancelled_by("receiving")),
+        };
+        self.end(result.as_ref().err()).await;
+        let _ = done.send(result);
+    }
+
+    async fn receive_loop<S: Sink>(
+        &mut self,
+        mut sink: S,
+        progress: &AtomicU64,
+    ) -> Result<S::Output, TransportError> {
+        let shared = self.shared.clone();
+        let config = &shared.config;
+        // Bytes of this tensor the sink holds and has not yet made durable.
+        let pending = Arc::new(AtomicU64::new(0));
+        self.connection.session().accept(self.id)?;
+        self.flush().await?;
+        loop {
+            // Armed before asking, so a release between the two is not missed.
+            let returned = shared.budget.credit_returned();
+            let (granted, wants_more) = {
+                let mut session = self.connection.session();
+                let granted = shared
+                    .budget
+                    .with_tracker(|credit| session.grant(self.id, credit));
+                (granted, session.wants_credit(self.id))
+            };
+            if granted > 0 {
+                self.flush().await?;
+                continue;
+            }
+            tokio::select! {
+                biased;
+                () = returned, if wants_more => {}
+                frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame()) => {
+                    let frame = frame.map_err(|_| TransportError::timed_out("DATA", config.progress_timeout))??;
+                    match self.handle(frame)? {
+                        SessionEvent::Data(data) => {
+                            let n = data.payload.len() as u64;
+                            let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
+                            sink.write(data.offset, data.payload, permit).await?;
+                            progress.fetch_add(n, Ordering::Relaxed);
+                            shared.metrics.add_bytes(n);
+                            self.connection.metrics.add_bytes(n);
+                        }
+                        SessionEvent::End => {
+                            let output = self.finish_watching(sink.finish()).await??;
+                            let left = pending.load(Ordering::Acquire);
+                            if left != 0 {
+                                return Err(SinkError::failed(format!("sink finished with {left} bytes not durable")).into());
+                            }
+                            // Spec §6.8: COMPLETE only now, with every byte verified and durable.
+                            self.connection.session().mark_resident(self.id)?;
+                            self.flush().await?;
+                            return Ok(output);
+                        }
+                        _ => return Err(ProtocolError::Misuse("second METADATA event").into()),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Awaits the sink after END while the sender may still CANCEL or reset; its FIN right
+    /// after END is legal (spec §4) and ends only the watching.
+    async fn finish_watching<T>(
+        &mut self,
+        finish: impl Future<Output = T>,
+    ) -> Result<T, TransportError> {
+        tokio::pin!(finish);
+        tokio::select! {
+            out = &mut finish => return Ok(out),
+            frame = self.stream.next_frame_or_fin() => match frame? {
+                None => {}
+                Some(frame) => {
+                    return Err(match self.handle(frame) {
+                        Err(e) => e.into(),
+                        Ok(_) => ProtocolError::Misuse("frame accepted after END").into(),
+                    });
+                }
+            },
+        }
+        Ok(finish.await)
+    }
+
+    /// Writes what the session queued for this stream.
+    async fn flush(&mut self) -> Result<(), TransportError> {
+        let frames: Vec<Frame> = {
+            let mut session = self.connection.session();
+            std::iter::from_fn(|| session.poll_frame(self.id)).collect()
+        };
+        self.stream.write_frames(frames).await
+    }
+
+    /// Tells the peer why (if the session has not already), closes the stream, returns its
+    /// unused credit through the session, and counts the outcome against the connection's
+    /// failure budget.
+    async fn end(&mut self, error: Option<&TransportError>) {
+        if let Some(e) = error {
+            let code = e.code().unwrap_or(ErrorCode::INTERNAL);
+            self.connection
+                .session()
+                .cancel(self.id, code, e.to_string());
+            warn!(error = %e, "tensor failed");
+        }
+        let _ = self.flush().await;
+        self.stream
+            .close(error.map(|e| e.code().unwrap_or(ErrorCode::INTERNAL)));
+        let closed = {
+            let mut session = self.connection.session();
+            self.shared
+                .budget
+                .with_tracker(|credit| session.close_stream(self.id, credit, Instant::now()))
+        };
+        self.shared.budget.wake();
+        let ok = closed == StreamClosed::Completed;
+        let elapsed = self.started.elapsed();
+        self.shared.metrics.finished(ok, elapsed);
+        self.connection.metrics.finished(ok, elapsed);
+        if let StreamClosed::Flood(flood) = closed {
+            warn!(
+                burst = flood.burst,
+                window = ?flood.window,
+                "closing connection: too many failed streams"
+            );
+            self.connection.close(
+                ErrorCode::CANCEL_FLOOD,
+                b"too many failed, cancelled or refused streams",
+            );
+        }
+        // Credit is already back; keep the stream until the peer has our last frame.
+        self.stream.delivered(CLOSE_GRACE).await;
+    }
+}
