@@ -2,12 +2,19 @@
 //! test), landed where a [`Placement`] says: the protocol state machine and a sink, no QUIC.
 
 use bytes::Bytes;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, PoisonError};
 use tensorwire_proto::ErrorCode;
+
 use tensorwire_proto::{
-    Frame, FrameDecoder, Limits, ProtocolError, ReceiverEvent, ReceiverState, TensorMeta,
-    TensorReceiver,
+    CreditTracker, Frame, FrameDecoder, Limits, ProtocolError, Session, SessionConfig,
+    SessionEvent, StreamId, TensorMeta,
 };
+use tensorwire_sink::CreditRelease;
 use tensorwire_sink::{CreditPermit, Sink, SinkError};
+
+/// The one stream this receiver's session holds.
+const STREAM: StreamId = 0;
 
 use crate::buffer::TensorBuffer;
 use crate::placement::{Placement, TensorSink};
@@ -60,25 +67,62 @@ impl LandError {
 /// Contract: [`push`](Self::push) bytes and call [`next_event`](Self::next_event) until it
 /// returns [`GpuReceiverEvent::NeedMoreData`], or feed decoded frames to
 /// [`handle_frame`](Self::handle_frame). Frames for the sender (ACCEPT, CREDIT, COMPLETE) come
-/// from [`poll_frame`](Self::poll_frame) for callers that have a way back; credit is granted
-/// in full, since memory is allocated for the whole tensor up front.
+/// from [`poll_frame`](Self::poll_frame) for callers that have a way back. The tensor goes
+/// through the same sans-IO [`Session`] as on a QUIC receiver; credit is granted in full,
+/// since its destination is admitted whole before ACCEPT.
 pub struct GpuTensorReceiver {
     placement: Placement,
-    machine: TensorReceiver,
+    session: Session,
+    credit: Arc<LocalCredit>,
+    /// Bytes handed to the sink and not yet durable.
+    pending: Arc<AtomicU64>,
     decoder: FrameDecoder,
     sink: Option<TensorSink>,
     output: Option<TensorBuffer>,
+    meta: Option<TensorMeta>,
+    complete: bool,
+}
+
+/// This receiver's own credit tracker, which the sink's permits release into.
+#[derive(Debug)]
+struct LocalCredit(Mutex<CreditTracker>);
+
+impl LocalCredit {
+    fn with<T>(&self, f: impl FnOnce(&mut CreditTracker) -> T) -> T {
+        f(&mut self.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+impl CreditRelease for LocalCredit {
+    fn release(&self, bytes: u64) {
+        let _ = self.with(|credit| credit.release(bytes));
+    }
 }
 
 impl GpuTensorReceiver {
     /// A receiver landing the tensor per `placement`, enforcing `limits`.
     pub fn new(placement: Placement, limits: Limits) -> Self {
+        let config = SessionConfig {
+            limits: limits.clone(),
+            grant_unit: u64::MAX,
+            stream_window: u64::MAX,
+            ..SessionConfig::default()
+        };
+        #[allow(clippy::disallowed_methods)] // This driver owns the clock; idleness is unused.
+        let mut session = Session::new(config, std::time::Instant::now());
+        let _ = session.open_stream(STREAM);
+        let credit = CreditTracker::new(u64::MAX, u64::MAX, u64::MAX / 2)
+            .unwrap_or_else(|_| unreachable!("0 < low <= high <= budget"));
         Self {
             placement,
-            machine: TensorReceiver::new(limits.clone()),
+            session,
+            credit: Arc::new(LocalCredit(Mutex::new(credit))),
+            pending: Arc::new(AtomicU64::new(0)),
             decoder: FrameDecoder::new(limits),
             sink: None,
             output: None,
+            meta: None,
+            complete: false,
         }
     }
 
@@ -97,7 +141,11 @@ impl GpuTensorReceiver {
 
     /// Handles one frame from the sender.
     pub async fn handle_frame(&mut self, frame: Frame) -> Result<GpuReceiverEvent, LandError> {
-        let event = match self.machine.handle_frame(frame) {
+        let session = &mut self.session;
+        let event = match self
+            .credit
+            .with(|credit| session.handle_frame(STREAM, frame, credit))
+        {
             Err(ProtocolError::Remote { reason, .. }) => {
                 self.sink = None;
                 return Ok(GpuReceiverEvent::Cancelled(reason));
@@ -105,63 +153,61 @@ impl GpuTensorReceiver {
             other => other?,
         };
         match event {
-            ReceiverEvent::Metadata => {
-                let meta = self
-                    .machine
-                    .meta()
-                    .cloned()
-                    .ok_or(ProtocolError::Misuse("METADATA without meta"))?;
+            SessionEvent::Metadata(meta) => {
                 self.sink = Some(self.placement.sink(&meta)?);
-                self.machine.accept()?;
-                let _ = self.machine.grant(meta.byte_len());
+                self.session.accept(STREAM)?;
+                let session = &mut self.session;
+                let _ = self.credit.with(|credit| session.grant(STREAM, credit));
+                self.meta = Some(meta.clone());
                 Ok(GpuReceiverEvent::Metadata(meta))
             }
-            ReceiverEvent::Data(data) => {
+            SessionEvent::Data(data) => {
                 let (offset, size) = (data.offset, data.payload.len() as u64);
                 let sink = self
                     .sink
                     .as_mut()
                     .ok_or(ProtocolError::Misuse("DATA before METADATA"))?;
-                sink.write(offset, data.payload, CreditPermit::unbudgeted(size))
-                    .await?;
+                let permit = CreditPermit::new(size, self.credit.clone(), self.pending.clone());
+                sink.write(offset, data.payload, permit).await?;
                 Ok(GpuReceiverEvent::Data { offset, size })
             }
-            ReceiverEvent::End => {
+            SessionEvent::End => {
                 let sink = self
                     .sink
                     .take()
                     .ok_or(ProtocolError::Misuse("END before METADATA"))?;
                 self.output = Some(sink.finish().await?);
-                self.machine.mark_resident()?;
+                self.session.mark_resident(STREAM)?;
+                self.complete = true;
                 Ok(GpuReceiverEvent::End)
             }
-            _ => Err(ProtocolError::Misuse("unexpected receiver event").into()),
+            _ => Err(ProtocolError::Misuse("unexpected session event").into()),
         }
     }
 
     /// The next frame for the sender (ACCEPT or REJECT, CREDIT, COMPLETE or CANCEL).
     pub fn poll_frame(&mut self) -> Option<Frame> {
-        self.machine.poll_frame()
+        self.session.poll_frame(STREAM)
     }
 
     /// The tensor's length, once METADATA arrived (0 before).
     pub fn expected_bytes(&self) -> u64 {
-        self.machine.meta().map_or(0, TensorMeta::byte_len)
+        self.meta.as_ref().map_or(0, TensorMeta::byte_len)
     }
 
     /// Payload bytes received so far.
     pub fn received_bytes(&self) -> u64 {
-        self.machine.received()
+        self.session.received(STREAM)
     }
 
     /// Whether every byte arrived, verified and resident.
     pub fn is_complete(&self) -> bool {
-        self.machine.state() == ReceiverState::Complete
+        self.complete
     }
 
     /// The completed tensor and its buffer (once).
     pub fn take(&mut self) -> Option<(TensorMeta, TensorBuffer)> {
-        let meta = self.machine.meta()?.clone();
+        let meta = self.meta.clone()?;
         self.output.take().map(|buffer| (meta, buffer))
     }
 
