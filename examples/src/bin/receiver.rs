@@ -135,6 +135,9 @@ async fn main() -> anyhow::Result<()> {
     };
 
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let mut saves: tokio::task::JoinSet<Saved> = tokio::task::JoinSet::new();
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
     let started = Instant::now();
     let (mut accepted, mut finished, mut failed, mut bytes) = (0u64, 0u64, 0u64, 0u64);
     loop {
@@ -148,6 +151,7 @@ async fn main() -> anyhow::Result<()> {
                 tokio::spawn(async move {
                     let started = Instant::now();
                     let meta = incoming.meta().clone();
+                    let origin = incoming.peer().to_string();
                     let admitted = placement.admit(&meta, incoming.host_memory(), wait).await;
                     let result = match admitted {
                         Ok(sink) => incoming.accept(sink).finished().await.map_err(|e| e.to_string()),
@@ -158,10 +162,15 @@ async fn main() -> anyhow::Result<()> {
                         }
                     };
                     let result = result.map_err(|e| format!("{} from {}: {e}", meta.name(), size(meta.byte_len())));
-                    let _ = done_tx.send((result, started.elapsed()));
+                    let _ = done_tx.send((result, started.elapsed(), origin));
                 });
             }
-            Some((result, elapsed)) = done_rx.recv() => {
+            Some(saved) = saves.join_next(), if !saves.is_empty() => report_save(saved),
+            () = &mut shutdown => {
+                eprintln!("stopping: a signal asked the receiver to stop");
+                break;
+            }
+            Some((result, elapsed, origin)) = done_rx.recv() => {
                 match result {
                     Ok((meta, buffer)) => {
                         finished += 1;
@@ -173,7 +182,14 @@ async fn main() -> anyhow::Result<()> {
                             buffer.location()
                         );
                         // Saving needs the bytes on the host (a device-to-host copy for GPU tensors).
-                        let host = if save.is_some() { Some(buffer.to_host()?) } else { None };
+                        let host = match (&save, buffer.to_host()) {
+                            (None, _) => None,
+                            (Some(_), Ok(host)) => Some(host),
+                            (Some(_), Err(e)) => {
+                                eprintln!("not saved: {}: copying it to the host failed: {e}", meta.name());
+                                None
+                            }
+                        };
                         if let Some(service) = &share {
                             match service.publish_buffer(&meta, buffer) {
                                 Ok(shared) => println!(
@@ -183,10 +199,12 @@ async fn main() -> anyhow::Result<()> {
                                 Err(e) => eprintln!("not shared: {}: {e}", meta.name()),
                             }
                         }
+                        // Written off the async path; a failed write is reported, never fatal.
                         if let (Some(save), Some(host)) = (save.as_mut(), host)
-                            && let Some(path) = save.add(meta, host)?
+                            && let Some(job) = save.add(&origin, meta, host)
                         {
-                            println!("saved {}", path.display());
+                            let file = job.file().to_owned();
+                            saves.spawn_blocking(move || job.write().map_err(|e| (file, e)));
                         }
                     }
                     Err(e) => {
@@ -206,11 +224,42 @@ async fn main() -> anyhow::Result<()> {
         size(bytes),
         rate(bytes, elapsed)
     );
-    if let Some(save) = &save {
+    if let Some(save) = &mut save {
         for (file, got, expected) in save.incomplete() {
-            eprintln!("not saved: {file} has {got} of {expected} tensors");
+            eprintln!(
+                "incomplete: {file} has {got} of {expected} tensors; saving those as a partial file"
+            );
         }
+        for job in save.drain_partial() {
+            let file = job.file().to_owned();
+            saves.spawn_blocking(move || job.write().map_err(|e| (file, e)));
+        }
+    }
+    while let Some(saved) = saves.join_next().await {
+        report_save(saved);
     }
     receiver.close().await;
     Ok(())
+}
+
+type Saved = Result<std::path::PathBuf, (String, anyhow::Error)>;
+
+fn report_save(saved: Result<Saved, tokio::task::JoinError>) {
+    match saved {
+        Ok(Ok(path)) => println!("saved {}", path.display()),
+        Ok(Err((file, e))) => eprintln!("not saved: {file}: {e:#}"),
+        Err(e) => eprintln!("not saved: the writer failed: {e}"),
+    }
+}
+
+/// Ctrl-C or SIGTERM: stop taking tensors, save what arrived, and exit.
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }
