@@ -14,4 +14,10 @@ for f in ../spec/vectors/sequences/*.bin; do
   # 8 ops: feed METADATA, accept, grant 255<<6 (op 0x63 = 3 | 6<<4), feed x4 ... then the rest.
   { printf '\x08\x00\x02\x63\xff\x00\x00\x00\x00'; cat "$f"; } > "corpus/receiver_state/seed-$name"
 done
-echo "seeded $(ls corpus/frame_decoder | wc -l) + $(ls corpus/receiver_state | wc -l) inputs"
+mkdir -p corpus/session_ops
+for f in ../spec/vectors/sequences/*.bin; do
+  name=$(basename "${f%.bin}")
+  # 12 ops on stream 0: feed METADATA, accept, grant x2, feed x4, release, feed x2, close.
+  { printf '\x0c\x00\x03\x04\x04\x00\x01\x02\x00\x25\x01\x02\x07'; cat "$f"; } > "corpus/session_ops/seed-$name"
+done
+echo "seeded $(ls corpus/frame_decoder | wc -l) + $(ls corpus/receiver_state | wc -l) + $(ls corpus/session_ops | wc -l) inputs"

@@ -108,3 +108,90 @@ pub fn receiver_ops(data: &[u8]) {
         while receiver.poll_frame().is_some() {}
     }
 }
+
+/// Streams a fuzzed session juggles at once.
+const SESSION_STREAMS: u64 = 4;
+
+/// Drives a connection [`Session`](crate::Session) with arbitrary frames on several streams,
+/// arbitrary local calls and a fake clock, checking after every step that the session and the
+/// receiver-wide tracker agree: held bytes are exactly those the sink has not released,
+/// nothing exceeds the budget, and once every stream is closed and every byte released, all
+/// credit is back.
+///
+/// Layout: `op_count: u8 | ops: [u8; op_count] | frame bytes`. Op `k`: stream `(k >> 4) % 4`;
+/// `k % 8`: 0–2 feed it the next decoded frame, 3 accept, 4 grant, 5 release held bytes,
+/// 6 cancel, 7 close and reopen it. Each op advances the clock by `k` milliseconds.
+pub fn session_ops(data: &[u8]) {
+    use std::time::{Duration, Instant};
+
+    use crate::{CreditTracker, Session, SessionConfig, SessionEvent, StreamId};
+
+    let Some((&op_count, rest)) = data.split_first() else {
+        return;
+    };
+    let (ops, frames) = rest.split_at(usize::from(op_count).min(rest.len()));
+    let limits = fuzz_limits();
+    let config = SessionConfig {
+        limits: limits.clone(),
+        grant_unit: 1024,
+        stream_window: 4096,
+        max_failed_streams: 8,
+        failure_window: Duration::from_secs(1),
+    };
+    let budget = 16 << 10;
+    let Ok(mut credit) = CreditTracker::new(budget, budget / 4 * 3, budget / 4) else {
+        return;
+    };
+    #[allow(clippy::disallowed_methods)] // The fake clock's origin; ops move it.
+    let mut now = Instant::now();
+    let mut session = Session::new(config, now);
+    let mut decoder = FrameDecoder::new(limits);
+    decoder.push(Bytes::copy_from_slice(frames));
+    // Stream slot -> its current id; held bytes per slot, as a sink would keep them.
+    let mut ids: Vec<StreamId> = (0..SESSION_STREAMS).collect();
+    let mut held = vec![0u64; SESSION_STREAMS as usize];
+    let mut next_id = SESSION_STREAMS;
+    for &id in &ids {
+        let _ = session.open_stream(id);
+    }
+    for &k in ops {
+        now += Duration::from_millis(u64::from(k));
+        let slot = usize::from(k >> 4) % ids.len();
+        let id = ids[slot];
+        match k % 8 {
+            0..=2 => {
+                if let Ok(Some(frame)) = decoder.next_frame()
+                    && let Ok(SessionEvent::Data(d)) = session.handle_frame(id, frame, &mut credit)
+                {
+                    held[slot] += d.payload.len() as u64;
+                }
+            }
+            3 => drop(session.accept(id)),
+            4 => {
+                let _ = session.grant(id, &mut credit);
+            }
+            5 => {
+                let n = held[slot].min(u64::from(k) * 64);
+                held[slot] -= n;
+                let _ = credit.release(n);
+            }
+            6 => session.cancel(id, ErrorCode::CANCELLED, "fuzz"),
+            _ => {
+                let _ = credit.release(std::mem::take(&mut held[slot]));
+                let _ = session.close_stream(id, &mut credit, now);
+                ids[slot] = next_id;
+                let _ = session.open_stream(next_id);
+                next_id += 1;
+            }
+        }
+        assert_eq!(credit.held(), held.iter().sum::<u64>(), "held bytes disagree");
+        assert!(credit.outstanding() <= budget);
+        while session.poll_frame(id).is_some() {}
+    }
+    for (slot, &id) in ids.iter().enumerate() {
+        let _ = credit.release(std::mem::take(&mut held[slot]));
+        let _ = session.close_stream(id, &mut credit, now);
+    }
+    assert_eq!(credit.outstanding(), 0, "credit not counted back");
+    assert_eq!(session.open_streams(), 0);
+}

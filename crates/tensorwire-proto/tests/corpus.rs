@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use tensorwire_proto::fuzzing::{decode_round_trip, receiver_ops};
+use tensorwire_proto::fuzzing::{decode_round_trip, receiver_ops, session_ops};
 
 fn replay(dir: &Path, run: fn(&[u8])) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -48,12 +48,19 @@ fn the_receiver_state_corpus_replays_cleanly() {
 }
 
 #[test]
-fn every_vector_replays_through_both_targets() {
+fn the_session_corpus_replays_cleanly() {
+    let n = replay(&root().join("fuzz/corpus/session_ops"), session_ops);
+    assert!(n >= 16, "only {n} corpus inputs: run fuzz/seed.sh");
+}
+
+#[test]
+fn every_vector_replays_through_every_target() {
     for sub in ["spec/vectors/frames", "spec/vectors/sequences"] {
         let n = replay(&root().join(sub), |bytes| {
             // Prefix a split step or an empty op list, as the fuzz inputs do.
             decode_round_trip(&[&[1u8][..], bytes].concat());
             receiver_ops(&[&[0u8][..], bytes].concat());
+            session_ops(&[&[0u8][..], bytes].concat());
         });
         assert!(n > 10, "{sub}");
     }
