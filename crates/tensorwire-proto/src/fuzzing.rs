@@ -184,7 +184,11 @@ pub fn session_ops(data: &[u8]) {
                 next_id += 1;
             }
         }
-        assert_eq!(credit.held(), held.iter().sum::<u64>(), "held bytes disagree");
+        assert_eq!(
+            credit.held(),
+            held.iter().sum::<u64>(),
+            "held bytes disagree"
+        );
         assert!(credit.outstanding() <= budget);
         while session.poll_frame(id).is_some() {}
     }
