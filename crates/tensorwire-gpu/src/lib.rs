@@ -1,6 +1,7 @@
 //! The GPU receive path of tensorwire: tensors stream from the network through pinned
-//! staging buffers into GPU memory with async copies, and everything falls back to host
-//! memory, with a clear message, where there is no GPU.
+//! staging buffers into GPU memory with async copies, admitted against a device-memory
+//! budget; host memory is used only where asked, where there is no GPU, or (with a warning
+//! naming the tensor, and never when the placement is strict) where device memory ran out.
 //!
 //! - [`GpuStatus::detect`] says what CUDA this process has, and never panics.
 //! - [`TensorBuffer`] / [`CudaBuffer`]: tensor bytes in host or device memory.
@@ -15,7 +16,8 @@
 //!   [`DeviceAllocation::ipc_handle`] (legacy), [`ImportedMemory`] on the consumer's side, and
 //!   [`dlpack`] to hand tensors to PyTorch/JAX/CuPy; `tensorwire-ipc` builds on these.
 //!
-//! This is the one crate with `unsafe`: FFI is layered raw (`cudarc::driver::sys`) →
+//! This crate holds the CUDA FFI `unsafe` (the only other `unsafe` is `tensorwire-ipc`'s
+//! mapping of shared memory): FFI is layered raw (`cudarc::driver::sys`) →
 //! checked (`cudarc::driver::result`) → the safe RAII types of the `cuda` module, and every
 //! block says why it is sound.
 #![deny(unsafe_op_in_unsafe_fn)]
