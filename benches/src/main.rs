@@ -341,8 +341,11 @@ async fn tensorwire_run(
     for _ in 0..connections {
         // One receiving endpoint (socket) per connection: quinn's receive path is one task
         // per endpoint.
-        let mut config =
-            ReceiverConfig::new("127.0.0.1:0".parse()?).with_budget((window * 8).max(256 << 20));
+        let mut config = ReceiverConfig::new(
+            "127.0.0.1:0".parse()?,
+            tensorwire::quic::ServerTls::Development,
+        )
+        .with_budget((window * 8).max(256 << 20));
         config.transport = transport(mtu);
         config.stream_window = window;
         config.grant_unit = grant;
@@ -367,7 +370,7 @@ async fn tensorwire_run(
         let config = SenderConfig {
             transport: transport(mtu),
             chunk_size: chunk,
-            ..SenderConfig::default()
+            ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
         };
         senders.push(Sender::connect(addr, config).await?);
     }
@@ -503,7 +506,10 @@ fn histogram() -> Histogram<u64> {
 
 /// One tensor at a time, METADATA → COMPLETE, on one connection.
 async fn tensorwire_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Result<Histogram<u64>> {
-    let mut config = ReceiverConfig::new("127.0.0.1:0".parse()?);
+    let mut config = ReceiverConfig::new(
+        "127.0.0.1:0".parse()?,
+        tensorwire::quic::ServerTls::Development,
+    );
     config.transport = transport(mtu);
     let mut receiver = Receiver::bind(config).await?;
     let addr = receiver.local_addr()?;
@@ -521,7 +527,7 @@ async fn tensorwire_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Resu
         addr,
         SenderConfig {
             transport: transport(mtu),
-            ..SenderConfig::default()
+            ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
         },
     )
     .await?;

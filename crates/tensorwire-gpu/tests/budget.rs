@@ -14,7 +14,11 @@ use tensorwire_quic::{
 };
 
 async fn pair() -> (Receiver, Sender) {
-    let mut config = ReceiverConfig::new("127.0.0.1:0".parse().unwrap()).with_budget(64 << 20);
+    let mut config = ReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        tensorwire_quic::ServerTls::Development,
+    )
+    .with_budget(64 << 20);
     config.transport = TransportSettings::jumbo();
     config.progress_timeout = Duration::from_secs(60);
     config.admission_timeout = Duration::from_secs(60);
@@ -24,7 +28,7 @@ async fn pair() -> (Receiver, Sender) {
         addr,
         SenderConfig {
             transport: TransportSettings::jumbo(),
-            ..SenderConfig::default()
+            ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
         },
     )
     .await

@@ -104,7 +104,11 @@ async fn stream_into(
     placement: &Placement,
     tensors: &[(TensorMeta, Vec<u8>)],
 ) -> Vec<TensorBuffer> {
-    let mut config = ReceiverConfig::new("127.0.0.1:0".parse().unwrap()).with_budget(64 << 20);
+    let mut config = ReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        tensorwire_quic::ServerTls::Development,
+    )
+    .with_budget(64 << 20);
     config.transport = TransportSettings::jumbo();
     config.progress_timeout = Duration::from_secs(20);
     let mut receiver = Receiver::bind(config).await.unwrap();
@@ -129,7 +133,7 @@ async fn stream_into(
         addr,
         SenderConfig {
             transport,
-            ..SenderConfig::default()
+            ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
         },
     )
     .await

@@ -312,13 +312,15 @@ pub struct ReceiverConfig {
 }
 
 impl ReceiverConfig {
-    /// Defaults: development TLS, 256 MiB budget (high 7/8, low 1/2), 4 MiB grants.
-    pub fn new(listen: SocketAddr) -> Self {
+    /// A receiver on `listen` proving itself with `tls` (an explicit choice: development
+    /// trust writes a certificate file, see [`ServerTls::Development`]); defaults otherwise:
+    /// 256 MiB budget (high 7/8, low 1/2), 4 MiB grants, one endpoint per core.
+    pub fn new(listen: SocketAddr, tls: ServerTls) -> Self {
         let budget = 256 << 20;
         Self {
             listen,
             endpoints: default_endpoints(),
-            tls: ServerTls::Development,
+            tls,
             transport: TransportSettings::default(),
             limits: Limits::default(),
             budget,
@@ -384,10 +386,12 @@ pub struct SenderConfig {
     pub chunk_size: u64,
 }
 
-impl Default for SenderConfig {
-    fn default() -> Self {
+impl SenderConfig {
+    /// A sender checking receivers with `tls` (an explicit choice); defaults otherwise: a 60 s
+    /// progress timeout, 1 MiB DATA payloads, 1200-byte packets.
+    pub fn new(tls: ClientTls) -> Self {
         Self {
-            tls: ClientTls::Development,
+            tls,
             transport: TransportSettings::default(),
             server_name: "localhost".into(),
             progress_timeout: Duration::from_secs(60),

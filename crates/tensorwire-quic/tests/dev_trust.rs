@@ -14,10 +14,13 @@ async fn a_certificate_others_can_write_is_not_trusted() {
     let (_rx, addr) = receiver(receiver_config()).await;
     let path = dev_cert_path(addr.port());
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let err = Sender::connect(addr, SenderConfig::default())
-        .await
-        .err()
-        .unwrap();
+    let err = Sender::connect(
+        addr,
+        SenderConfig::new(tensorwire_quic::ClientTls::Development),
+    )
+    .await
+    .err()
+    .unwrap();
     assert!(matches!(err, TransportError::Tls(_)), "{err}");
     assert!(err.to_string().contains("lets others write it"), "{err}");
 }

@@ -354,7 +354,7 @@ async fn a_wrong_certificate_is_refused_with_a_clear_error() {
     let config = SenderConfig {
         tls: ClientTls::Pem { ca, identity: None },
         transport: TransportSettings::jumbo(),
-        ..SenderConfig::default()
+        ..SenderConfig::new(ClientTls::Development)
     };
     let err = Sender::connect(addr, config)
         .await
@@ -364,10 +364,13 @@ async fn a_wrong_certificate_is_refused_with_a_clear_error() {
     assert!(err.to_lowercase().contains("certificate"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
     // With no development certificate to find, development trust says what to do.
-    let err = Sender::connect("127.0.0.1:9".parse().unwrap(), SenderConfig::default())
-        .await
-        .err()
-        .unwrap();
+    let err = Sender::connect(
+        "127.0.0.1:9".parse().unwrap(),
+        SenderConfig::new(ClientTls::Development),
+    )
+    .await
+    .err()
+    .unwrap();
     assert!(
         err.to_string().contains("no development certificate"),
         "{err}"

@@ -57,7 +57,7 @@ impl Drop for Pki {
 }
 
 async fn receiver(pki: &Pki, client_ca: Option<&Path>) -> Receiver {
-    let mut config = ReceiverConfig::new("127.0.0.1:0".parse().unwrap());
+    let mut config = ReceiverConfig::new("127.0.0.1:0".parse().unwrap(), ServerTls::Development);
     config.tls = ServerTls::Pem {
         cert: pki.path("server.pem"),
         key: pki.path("server.key"),
@@ -75,7 +75,7 @@ fn sender_config(pki: &Pki, identity: Option<&str>) -> SenderConfig {
                 .map(|n| (pki.path(&format!("{n}.pem")), pki.path(&format!("{n}.key")))),
         },
         transport: TransportSettings::jumbo(),
-        ..SenderConfig::default()
+        ..SenderConfig::new(ClientTls::Development)
     }
 }
 

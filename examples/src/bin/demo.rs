@@ -86,7 +86,10 @@ async fn main() -> anyhow::Result<()> {
         mtu: args.mtu,
         ..TransportSettings::default()
     };
-    let mut config = ReceiverConfig::new("127.0.0.1:0".parse()?);
+    let mut config = ReceiverConfig::new(
+        "127.0.0.1:0".parse()?,
+        tensorwire::quic::ServerTls::Development,
+    );
     config.transport = transport.clone();
     let placement = Placement::choose(args.device, args.require_gpu)?;
     let mut receiver = Receiver::bind(config).await?;
@@ -119,7 +122,7 @@ async fn main() -> anyhow::Result<()> {
         addr,
         SenderConfig {
             transport,
-            ..SenderConfig::default()
+            ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
         },
     )
     .await?;

@@ -66,7 +66,7 @@ async fn main() -> anyhow::Result<()> {
     let config = SenderConfig {
         tls,
         transport: TransportSettings::jumbo(),
-        ..SenderConfig::default()
+        ..SenderConfig::new(ClientTls::Development)
     };
     let crypto = tensorwire::quic::tls::client_crypto(&config.tls, args.connect.port())?;
     let mut client = quinn::ClientConfig::new(crypto);

@@ -96,7 +96,7 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     let budget = args.budget;
-    let mut config = ReceiverConfig::new(args.listen);
+    let mut config = ReceiverConfig::new(args.listen, tensorwire::quic::ServerTls::Development);
     config.tls = args.tls.tls();
     config.transport = args.transport.settings();
     config.budget = budget;

@@ -73,7 +73,7 @@ async fn main() -> anyhow::Result<()> {
         transport: args.transport.settings(),
         server_name: args.tls.server_name.clone(),
         progress_timeout: args.progress_timeout,
-        ..SenderConfig::default()
+        ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
     };
     let sender = Sender::connect(args.connect, config)
         .await

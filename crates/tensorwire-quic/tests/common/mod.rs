@@ -16,7 +16,10 @@ use tensorwire_quic::{
 
 /// Loopback, development TLS, jumbo MTU, short timeouts.
 pub fn receiver_config() -> ReceiverConfig {
-    let mut config = ReceiverConfig::new("127.0.0.1:0".parse().unwrap());
+    let mut config = ReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        tensorwire_quic::ServerTls::Development,
+    );
     config.transport = TransportSettings::jumbo();
     config.progress_timeout = Duration::from_secs(10);
     config
@@ -33,7 +36,7 @@ pub async fn receiver(config: ReceiverConfig) -> (Receiver, SocketAddr) {
 pub async fn sender(addr: SocketAddr) -> Sender {
     let config = SenderConfig {
         transport: TransportSettings::jumbo(),
-        ..SenderConfig::default()
+        ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
     };
     Sender::connect(addr, config).await.unwrap()
 }
