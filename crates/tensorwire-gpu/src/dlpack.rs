@@ -138,8 +138,14 @@ impl std::fmt::Debug for DlpackTensor {
 
 impl DlpackTensor {
     /// A tensor of `dtype` and `shape` at address `data` on `device`; `owner` is dropped when
-    /// the importer is done with it, and must keep `data` valid until then.
-    pub fn new(
+    /// the importer is done with it.
+    ///
+    /// # Safety
+    ///
+    /// `data` must be the address of at least `shape × dtype` bytes on `device` (host memory
+    /// for a CPU device), readable and writable by whoever imports the tensor, and `owner`
+    /// must keep them so until it is dropped: an importer reads and writes them freely.
+    pub unsafe fn new(
         data: u64,
         device: DLDevice,
         dtype: DType,
@@ -227,13 +233,16 @@ mod tests {
             device_type: KDL_CPU,
             device_id: 0,
         };
-        let tensor = DlpackTensor::new(
-            0x1000,
-            cpu,
-            DType::BF16,
-            &[2, 3],
-            Box::new(Flag(dropped.clone())),
-        )
+        // SAFETY: a made-up address, never read: the test only checks ownership and layout.
+        let tensor = unsafe {
+            DlpackTensor::new(
+                0x1000,
+                cpu,
+                DType::BF16,
+                &[2, 3],
+                Box::new(Flag(dropped.clone())),
+            )
+        }
         .unwrap();
         assert_eq!(tensor.shape(), [2, 3]);
         assert_eq!(tensor.tensor().ndim, 2);
@@ -259,7 +268,8 @@ mod tests {
             device_type: KDL_CUDA,
             device_id: 0,
         };
-        drop(
+        // SAFETY: never exported to an importer, so the address is never read.
+        let unexported = unsafe {
             DlpackTensor::new(
                 0,
                 cuda,
@@ -267,9 +277,11 @@ mod tests {
                 &[4],
                 Box::new(Flag(dropped.clone())),
             )
-            .unwrap(),
-        );
+        };
+        drop(unexported.unwrap());
         assert!(dropped.load(Ordering::SeqCst));
-        assert!(DlpackTensor::new(0, cuda, DType::U8, &[u64::MAX], Box::new(())).is_err());
+        // SAFETY: refused before anything is built.
+        let too_big = unsafe { DlpackTensor::new(0, cuda, DType::U8, &[u64::MAX], Box::new(())) };
+        assert!(too_big.is_err());
     }
 }

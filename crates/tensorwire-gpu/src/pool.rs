@@ -38,26 +38,6 @@ impl Default for PoolConfig {
 }
 
 impl PoolConfig {
-    /// 512 MiB, buffers of 1 MiB to 64 MiB, allocated up front.
-    pub fn high_throughput() -> Self {
-        Self {
-            max_pool_bytes: 512 << 20,
-            min_buffer: 1 << 20,
-            max_buffer: 64 << 20,
-            preallocate: true,
-        }
-    }
-
-    /// 64 MiB, buffers of 16 KiB to 64 MiB, allocated on demand.
-    pub fn low_memory() -> Self {
-        Self {
-            max_pool_bytes: 64 << 20,
-            min_buffer: 16 << 10,
-            max_buffer: 64 << 20,
-            preallocate: false,
-        }
-    }
-
     /// The size class serving `size` bytes, or `None` past `max_buffer`.
     pub fn size_class(&self, size: usize) -> Option<usize> {
         let class = size

@@ -269,11 +269,19 @@ struct Fill {
     permit: Option<CreditPermit>,
 }
 
+impl AsRef<[u8]> for Fill {
+    /// The filled part of the staging buffer: what the copy reads.
+    fn as_ref(&self) -> &[u8] {
+        &self.buffer.as_slice()[..self.filled]
+    }
+}
+
 /// Receives one tensor into device memory (see the module docs).
 pub struct GpuSink {
     device: Arc<GpuDevice>,
-    /// Taken by `finish`; `None` only afterwards.
-    dest: Option<CudaBuffer>,
+    /// Shared with every copy in flight, which keeps it allocated; taken by `finish` once
+    /// they all completed (`None` only afterwards).
+    dest: Option<Arc<CudaBuffer>>,
     staging: PinnedMemoryPool,
     fill: Option<Fill>,
     in_flight: Arc<InFlight>,
@@ -284,14 +292,14 @@ impl GpuSink {
     pub fn new(device: Arc<GpuDevice>, dest: CudaBuffer, staging: PinnedMemoryPool) -> Self {
         Self {
             device,
-            dest: Some(dest),
+            dest: Some(Arc::new(dest)),
             staging,
             fill: None,
             in_flight: Arc::default(),
         }
     }
 
-    fn dest(&self) -> Result<&CudaBuffer, GpuError> {
+    fn dest(&self) -> Result<&Arc<CudaBuffer>, GpuError> {
         self.dest
             .as_ref()
             .ok_or_else(|| GpuError::Bounds("sink already finished".into()))
@@ -299,9 +307,11 @@ impl GpuSink {
 
     /// Sets every destination byte to `value` first (tests poison destinations with it).
     pub fn poison(&mut self, value: u8) -> Result<(), GpuError> {
-        match self.dest.as_mut() {
+        match self.dest.as_mut().and_then(Arc::get_mut) {
             Some(dest) => dest.fill(value),
-            None => Err(GpuError::Bounds("sink already finished".into())),
+            None => Err(GpuError::Bounds(
+                "poison only before the first write (copies hold the buffer)".into(),
+            )),
         }
     }
 
@@ -314,23 +324,21 @@ impl GpuSink {
         if fill.filled == 0 {
             return Ok(());
         }
-        let dst = self.dest()?.device_ptr() + fill.start;
-        let (src, len) = (fill.buffer.as_ptr(), fill.filled);
+        let dest = self.dest()?.clone();
+        let offset = usize::try_from(fill.start)
+            .map_err(|_| GpuError::Bounds("offset past the address space".into()))?;
         let in_flight = self.in_flight.clone();
         in_flight.copies.fetch_add(1, Ordering::AcqRel);
-        let done = Box::new(move |result: Result<(), GpuError>| {
-            // Dropping `fill` returns the staging buffer to its pool and the bytes' credit to
-            // the receiver's budget, in that order, only now that the copy has completed.
-            let Fill { buffer, permit, .. } = fill;
-            drop(buffer);
-            drop(permit);
-            in_flight.finished(result);
-        });
-        // SAFETY: `src..src + len` lies in the pinned staging buffer owned by `done`, which the
-        // device runs only after the copy completed; `dst..dst + len` lies inside `self.dest`
-        // (write() checked `start + filled <= len`), which outlives every copy because
-        // `finish` and `Drop` wait for all of them.
-        unsafe { self.device.copy_to_device_async(src, dst, len, done) }
+        self.device
+            .copy_to_device_async(fill, dest, offset, move |fill, dest, result| {
+                // Only now that the copy completed: the staging buffer goes back to its pool,
+                // then the bytes' credit to the receiver's budget (Fill's field order), and
+                // this copy's hold on the destination ends.
+                drop(fill);
+                drop(dest);
+                in_flight.finished(result);
+            });
+        Ok(())
     }
 
     /// Starts a new staging buffer at tensor offset `at`, flushing the current one.
@@ -420,20 +428,15 @@ impl Sink for GpuSink {
         if let Some(e) = self.in_flight.error() {
             return Err(e.into());
         }
-        // Every copy completed: the destination holds all the bytes.
-        Ok(self
+        // Every copy completed and let go of the destination: it holds all the bytes.
+        let dest = self
             .dest
             .take()
-            .ok_or_else(|| GpuError::Bounds("sink already finished".into()))?)
+            .ok_or_else(|| GpuError::Bounds("sink already finished".into()))?;
+        Ok(Arc::try_unwrap(dest)
+            .map_err(|_| GpuError::Bounds("a completed copy still holds the buffer".into()))?)
     }
 }
 
-impl Drop for GpuSink {
-    /// A cancelled sink must not free its destination under a running copy.
-    fn drop(&mut self) {
-        self.fill = None;
-        if self.in_flight.copies.load(Ordering::Acquire) > 0 {
-            let _ = self.device.synchronize_copies();
-        }
-    }
-}
+// A sink dropped mid-tensor (cancelled) needs no Drop: each copy in flight owns its staging
+// buffer and a share of the destination, which are freed when that copy's event completes.

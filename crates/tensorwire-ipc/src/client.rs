@@ -328,7 +328,11 @@ impl SharedTensor {
             None => return Err(IpcError::Closed),
         };
         let shape = self.descriptor.tensor.shape.clone();
-        DlpackTensor::new(data, device, dtype, &shape, Box::new(self))
+        // SAFETY: `data` is this tensor's first byte in the memory mapped for it (offset
+        // included), on `device`, and holds shape × dtype bytes (checked against the mapping
+        // when it was opened); `self`, moved in as the owner, keeps the mapping and the lease
+        // until the importer calls the deleter.
+        unsafe { DlpackTensor::new(data, device, dtype, &shape, Box::new(self)) }
             .map_err(|e| IpcError::BadMessage(e.to_string()))
     }
 

@@ -189,31 +189,56 @@ impl GpuDevice {
         self.ctx.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))
     }
 
-    /// Enqueues a copy of `len` bytes from pinned `src` to device address `dst` on the copy
-    /// stream, records an event after it, and runs `done` on the completion thread once the
-    /// event has completed (or the wait failed).
+    /// Enqueues a copy of `src`'s bytes into `dst` at byte `offset` on the copy stream,
+    /// records an event after it, and once the event has completed (or the copy could not be
+    /// made) hands `src`, `dst` and the outcome to `done` on the completion thread.
     ///
-    /// # Safety
-    ///
-    /// `src..src + len` must be pinned host memory and `dst..dst + len` device memory of this
-    /// device; both must stay allocated and `src` unwritten until `done` runs. Callers ensure
-    /// it by moving the owners of both into `done`.
-    pub(crate) unsafe fn copy_to_device_async(
+    /// Owning both until then is what keeps the host bytes unwritten and the device memory
+    /// allocated while the DMA runs: no caller can free or reuse either early. `done` runs
+    /// exactly once, on every path.
+    pub(crate) fn copy_to_device_async<S: AsRef<[u8]> + Send + 'static>(
         &self,
-        src: *const u8,
-        dst: sys::CUdeviceptr,
-        len: usize,
-        done: Box<dyn FnOnce(Result<(), GpuError>) + Send>,
-    ) -> Result<(), GpuError> {
-        self.bind()?;
-        // SAFETY: the caller guarantees `src` points to `len` live bytes of pinned memory.
-        let src = unsafe { std::slice::from_raw_parts(src, len) };
-        // SAFETY: `dst` is device memory of this context with room for `len` bytes (caller);
-        // the stream belongs to this context, which is current.
-        unsafe { result::memcpy_htod_async(dst, src, self.stream.0) }
-            .map_err(cuda("cuMemcpyHtoDAsync"))?;
-        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(cuda("cuEventCreate"))?;
+        src: S,
+        dst: Arc<crate::buffer::CudaBuffer>,
+        offset: usize,
+        done: impl FnOnce(S, Arc<crate::buffer::CudaBuffer>, Result<(), GpuError>) + Send + 'static,
+    ) {
+        // Boxed so the bytes `src` refers to stay put however the box moves.
+        let src = Box::new(src);
+        let len = (*src).as_ref().len();
+        if offset.checked_add(len).is_none_or(|end| end > dst.len()) {
+            let err = GpuError::Bounds(format!(
+                "copy of {len} bytes at {offset} into a {}-byte buffer",
+                dst.len()
+            ));
+            return done(*src, dst, Err(err));
+        }
+        let target = dst.device_ptr() + offset as u64;
+        let ptr = (*src).as_ref().as_ptr();
+        let done: Box<dyn FnOnce(Result<(), GpuError>) + Send> =
+            Box::new(move |result| done(*src, dst, result));
+        if let Err(e) = self.bind() {
+            return done(Err(e));
+        }
+        // SAFETY: `ptr..ptr + len` are the bytes of the boxed `src`, which `done` owns: they
+        // neither move nor change until `done` runs, after the copy's event completed (or
+        // right below, if enqueueing failed).
+        let src = unsafe { std::slice::from_raw_parts(ptr, len) };
+        // SAFETY: `target..target + len` lies inside `dst` (checked above), device memory of
+        // this context that `done` keeps allocated; the stream belongs to this context, which
+        // is current.
+        if let Err(e) = unsafe { result::memcpy_htod_async(target, src, self.stream.0) } {
+            return done(Err(cuda("cuMemcpyHtoDAsync")(e)));
+        }
+        let event = match result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
+            Ok(event) => event,
+            Err(e) => {
+                // The copy is enqueued but cannot be tracked: wait for the stream instead.
+                // SAFETY: the stream is live and its context current.
+                let _ = unsafe { result::stream::synchronize(self.stream.0) };
+                return done(Err(cuda("cuEventCreate")(e)));
+            }
+        };
         // SAFETY: the event and the stream are live handles of the current context.
         if let Err(e) = unsafe { result::event::record(event, self.stream.0) } {
             // SAFETY: the event was created above and is not recorded anywhere.
@@ -221,8 +246,7 @@ impl GpuDevice {
             // The copy is enqueued but cannot be tracked: wait for the stream instead.
             // SAFETY: the stream is live and its context current.
             let _ = unsafe { result::stream::synchronize(self.stream.0) };
-            done(Err(cuda("cuEventRecord")(e)));
-            return Ok(());
+            return done(Err(cuda("cuEventRecord")(e)));
         }
         let sender = self
             .completions
@@ -236,7 +260,6 @@ impl GpuDevice {
             let _ = unsafe { result::event::destroy(job.event) };
             (job.done)(waited.map_err(cuda("cuEventSynchronize")));
         }
-        Ok(())
     }
 
     /// Waits until every copy enqueued so far has completed.

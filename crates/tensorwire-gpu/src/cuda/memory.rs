@@ -278,9 +278,13 @@ impl Drop for DeviceAllocation {
         if self.ptr == 0 {
             return;
         }
-        // Pending copies into this memory must finish before it is freed. A VMM mapping
-        // frees itself when `backing` drops, right after this.
-        let _ = self.device.synchronize_copies();
+        // No copy into this memory can be pending: each async copy owns a share of its
+        // destination until its event completes (`GpuDevice::copy_to_device_async`), and the
+        // other copies are synchronous. A VMM mapping frees itself when `backing` drops.
+        if self.device.bind().is_err() {
+            tracing::error!("cannot bind the CUDA context to free device memory");
+            return;
+        }
         if let Backing::Legacy { .. } = *self.backing {
             // SAFETY: allocated by cuMemAlloc in `new`, freed only here; the context is bound
             // above.
@@ -333,10 +337,6 @@ impl PinnedAllocation {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as `as_slice`, and `&mut self` makes the access exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-
-    pub(crate) fn as_ptr(&self) -> *const u8 {
-        self.ptr
     }
 }
 
