@@ -65,7 +65,7 @@ while [ $SECONDS -lt $end ]; do
     >> "$work/hostile.log" 2>&1
   hostile=$((hostile + 1))
   kill -9 $stopped 2>/dev/null
-  wait "${pids[@]}" $victim 2>/dev/null
+  { wait "${pids[@]}" $victim; } 2>/dev/null
 done
 normal=$(wc -l < "$work/normal-status")
 normal_failed=$(grep -c failed "$work/normal-status")

@@ -185,6 +185,11 @@ impl ErrorCode {
     pub fn lease_limit() -> Self {
         Self("lease_limit".into())
     }
+    /// The producer serves as many consumer connections as it allows (in all, or for this
+    /// process).
+    pub fn too_many_connections() -> Self {
+        Self("too_many_connections".into())
+    }
     /// The peer's credentials are not allowed.
     pub fn forbidden() -> Self {
         Self("forbidden".into())

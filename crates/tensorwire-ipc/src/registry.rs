@@ -20,6 +20,8 @@ struct Entry {
 struct Lease {
     tensor: Uuid,
     client: ClientId,
+    /// The consumer process (pid from `SO_PEERCRED`): limits count across its connections.
+    process: u32,
 }
 
 /// Every published tensor, by id and name, and every lease.
@@ -28,7 +30,7 @@ pub(crate) struct Registry {
     names: HashMap<String, Uuid>,
     leases: HashMap<u64, Lease>,
     next_lease: u64,
-    max_leases_per_client: usize,
+    max_leases_per_process: usize,
 }
 
 /// Why a request was refused, as its error reply carries it.
@@ -42,13 +44,13 @@ fn refuse(code: ErrorCode, message: impl Into<String>) -> Refusal {
 }
 
 impl Registry {
-    pub(crate) fn new(max_leases_per_client: usize) -> Self {
+    pub(crate) fn new(max_leases_per_process: usize) -> Self {
         Self {
             tensors: HashMap::new(),
             names: HashMap::new(),
             leases: HashMap::new(),
             next_lease: 1,
-            max_leases_per_client,
+            max_leases_per_process,
         }
     }
 
@@ -122,18 +124,24 @@ impl Registry {
         &mut self,
         tensor: &str,
         client: ClientId,
+        process: u32,
     ) -> Result<(u64, Descriptor, Exported), Refusal> {
         let id = self
             .resolve(tensor)
             .filter(|id| !self.tensors[id].deleting)
             .ok_or_else(|| refuse(ErrorCode::not_found(), format!("no tensor {tensor:?}")))?;
-        let held = self.leases.values().filter(|l| l.client == client).count();
-        if held >= self.max_leases_per_client {
+        let held = self
+            .leases
+            .values()
+            .filter(|l| l.process == process)
+            .count();
+        if held >= self.max_leases_per_process {
             return Err(refuse(
                 ErrorCode::lease_limit(),
                 format!(
-                    "{held} leases held; the limit is {}",
-                    self.max_leases_per_client
+                    "process {process} holds {held} leases over all its connections; the \
+                     limit is {}",
+                    self.max_leases_per_process
                 ),
             ));
         }
@@ -149,7 +157,14 @@ impl Registry {
         entry.leases += 1;
         let lease = self.next_lease;
         self.next_lease += 1;
-        self.leases.insert(lease, Lease { tensor: id, client });
+        self.leases.insert(
+            lease,
+            Lease {
+                tensor: id,
+                client,
+                process,
+            },
+        );
         let descriptor = Descriptor {
             tensor: Self::fields(id, entry),
             offset: entry.memory.offset(),

@@ -1,5 +1,6 @@
 //! The producer's side: a registry served on a checked Unix socket (spec/ipc.md).
 
+use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,15 +23,22 @@ use crate::socket::{Packets, listen};
 pub struct ShareConfig {
     /// Uids allowed to connect (`SO_PEERCRED`); default: this process's effective uid.
     pub allowed_uids: Vec<u32>,
-    /// Most leases one consumer connection may hold.
-    pub max_leases_per_client: usize,
+    /// Most leases one consumer process may hold, over all its connections.
+    pub max_leases_per_process: usize,
+    /// Most consumer connections served at once (each has a thread); more are refused with
+    /// `too_many_connections`.
+    pub max_connections: usize,
+    /// Most connections one consumer process may have open at once.
+    pub max_connections_per_process: usize,
 }
 
 impl Default for ShareConfig {
     fn default() -> Self {
         Self {
             allowed_uids: vec![rustix::process::geteuid().as_raw()],
-            max_leases_per_client: 1024,
+            max_leases_per_process: 1024,
+            max_connections: 256,
+            max_connections_per_process: 16,
         }
     }
 }
@@ -40,12 +48,65 @@ struct Shared {
     config: ShareConfig,
     next_client: AtomicU64,
     stopping: AtomicBool,
+    /// Open consumer connections, in all and by process id.
+    connections: Mutex<HashMap<u32, usize>>,
 }
 
 impl Shared {
     fn registry(&self) -> MutexGuard<'_, Registry> {
         self.registry.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    fn connections(&self) -> MutexGuard<'_, HashMap<u32, usize>> {
+        self.connections
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts a new connection of `process`, or says which limit it would break.
+    fn admit_connection(&self, process: u32) -> Result<(), String> {
+        let mut open = self.connections();
+        let total: usize = open.values().sum();
+        if total >= self.config.max_connections {
+            return Err(format!(
+                "{total} consumer connections are open; the limit is {}",
+                self.config.max_connections
+            ));
+        }
+        let mine = open.entry(process).or_default();
+        if *mine >= self.config.max_connections_per_process {
+            return Err(format!(
+                "process {process} has {mine} connections open; the limit is {}",
+                self.config.max_connections_per_process
+            ));
+        }
+        *mine += 1;
+        Ok(())
+    }
+
+    fn connection_closed(&self, process: u32) {
+        let mut open = self.connections();
+        if let Some(n) = open.get_mut(&process) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&process);
+            }
+        }
+    }
+}
+
+/// Answers a refused peer's first request with `code` and `why`, then disconnects. Its first
+/// request is read first: closing with unread data would reset the connection and the peer
+/// would never see why. A silent peer waits at most 2 s.
+fn refuse_connection(packets: &Packets, code: ErrorCode, why: String) {
+    let timeout = Some(std::time::Duration::from_secs(2));
+    let _ = rustix::net::sockopt::set_socket_timeout(
+        packets.as_fd(),
+        rustix::net::sockopt::Timeout::Recv,
+        timeout,
+    );
+    let _ = packets.recv();
+    let _ = send(packets, &Reply::error(code, why), None);
 }
 
 /// A running sharing service: publish tensors; consumers connect to [`path`](Self::path).
@@ -90,7 +151,8 @@ impl ShareService {
         let path = path.as_ref().to_owned();
         let listener = Arc::new(listen(&path)?);
         let shared = Arc::new(Shared {
-            registry: Mutex::new(Registry::new(config.max_leases_per_client)),
+            registry: Mutex::new(Registry::new(config.max_leases_per_process)),
+            connections: Mutex::new(HashMap::new()),
             config,
             next_client: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
@@ -240,12 +302,27 @@ fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
             return;
         }
         let Ok(fd) = accepted else { continue };
+        let packets = Packets::from_fd(fd);
+        let process = rustix::net::sockopt::socket_peercred(packets.as_fd())
+            .map_or(0, |cred| cred.pid.as_raw_nonzero().get() as u32);
+        if let Err(why) = shared.admit_connection(process) {
+            tracing::warn!(process, %why, "refusing a consumer connection");
+            refuse_connection(&packets, ErrorCode::too_many_connections(), why);
+            continue;
+        }
         let client = shared.next_client.fetch_add(1, Ordering::Relaxed);
         let shared = shared.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("tensorwire-share-client-{client}"))
-            .spawn(move || serve_client(&shared, Packets::from_fd(fd), client));
+            .spawn({
+                let shared = shared.clone();
+                move || {
+                    serve_client(&shared, packets, client, process);
+                    shared.connection_closed(process);
+                }
+            });
         if let Err(e) = spawned {
+            shared.connection_closed(process);
             tracing::error!(error = %e, "cannot serve a consumer");
         }
     }
@@ -260,7 +337,7 @@ fn send(
     packets.send(&bytes, fd)
 }
 
-fn serve_client(shared: &Shared, packets: Packets, client: ClientId) {
+fn serve_client(shared: &Shared, packets: Packets, client: ClientId, process: u32) {
     let peer = rustix::net::sockopt::socket_peercred(packets.as_fd());
     let allowed = peer
         .as_ref()
@@ -270,19 +347,10 @@ fn serve_client(shared: &Shared, packets: Packets, client: ClientId) {
             .map(|c| format!("uid {}", c.uid.as_raw()))
             .unwrap_or_else(|e| e.to_string());
         tracing::warn!(%who, "refusing a consumer");
-        // Read its first request before answering: closing with unread data would reset the
-        // connection and the peer would never see why. A silent peer waits at most 2 s.
-        let timeout = Some(std::time::Duration::from_secs(2));
-        let _ = rustix::net::sockopt::set_socket_timeout(
-            packets.as_fd(),
-            rustix::net::sockopt::Timeout::Recv,
-            timeout,
-        );
-        let _ = packets.recv();
-        let _ = send(
+        refuse_connection(
             &packets,
-            &Reply::error(ErrorCode::forbidden(), format!("{who} may not connect")),
-            None,
+            ErrorCode::forbidden(),
+            format!("{who} may not connect"),
         );
         return;
     }
@@ -340,7 +408,7 @@ fn serve_client(shared: &Shared, packets: Packets, client: ClientId) {
                 &Reply::error(ErrorCode::bad_request(), "send hello first"),
                 None,
             ),
-            (request, true) => handle(shared, &packets, request, client),
+            (request, true) => handle(shared, &packets, request, (client, process)),
         };
         if sent.is_err() {
             break;
@@ -353,7 +421,7 @@ fn handle(
     shared: &Shared,
     packets: &Packets,
     request: &Request,
-    client: ClientId,
+    (client, process): (ClientId, u32),
 ) -> Result<(), IpcError> {
     let mut registry = shared.registry();
     let reply = match request {
@@ -369,7 +437,7 @@ fn handle(
             },
             Err(refusal) => Reply::refusal(refusal),
         },
-        Request::Open { tensor } => match registry.open(tensor, client) {
+        Request::Open { tensor } => match registry.open(tensor, client, process) {
             Ok((lease, descriptor, memory)) => {
                 drop(registry);
                 let fd = match memory.fd() {

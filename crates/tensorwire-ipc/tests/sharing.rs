@@ -141,7 +141,7 @@ fn a_consumer_killed_mid_lease_loses_it_and_a_deferred_delete_completes() {
 fn leases_defer_deletes_and_are_limited_per_consumer() {
     let path = socket_path("leases");
     let config = ShareConfig {
-        max_leases_per_client: 2,
+        max_leases_per_process: 2,
         ..ShareConfig::default()
     };
     let service = ShareService::start(&path, config).unwrap();
@@ -161,6 +161,10 @@ fn leases_defer_deletes_and_are_limited_per_consumer() {
         .unwrap();
     assert_eq!(by_id.host_bytes(), first.host_bytes());
     assert_eq!(refused_code(client.open("b")), "lease_limit");
+    // The limit is the process's, not the connection's: a second connection gets no more.
+    let second = ShareClient::connect(&path).unwrap();
+    assert_eq!(refused_code(second.open("b")), "lease_limit");
+    drop(second);
     assert_eq!(client.info("a").unwrap().leases, 2);
     assert!(client.delete("a").unwrap(), "deferred while leased");
     assert_eq!(
@@ -356,6 +360,32 @@ fn a_process_of_another_uid_cannot_reach_the_socket() {
         String::from_utf8_lossy(&output.stderr)
     );
     assert_eq!(service.list()[0].leases, 0);
+}
+
+/// Consumer connections are bounded in all and per process, each refused with a reason.
+#[test]
+fn consumer_connections_are_bounded() {
+    let path = socket_path("connections");
+    let config = ShareConfig {
+        max_connections: 5,
+        max_connections_per_process: 3,
+        ..ShareConfig::default()
+    };
+    let service = ShareService::start(&path, config).unwrap();
+    let _ = publish(&service, "weights", 10);
+    let held: Vec<_> = (0..3)
+        .map(|_| ShareClient::connect(&path).unwrap())
+        .collect();
+    let err = ShareClient::connect(&path)
+        .err()
+        .expect("a fourth connection is refused");
+    assert!(err.to_string().contains("too_many_connections"), "{err}");
+    assert!(err.to_string().contains("3 connections open"), "{err}");
+    // Closing one makes room again.
+    drop(held);
+    wait_for("the connections to close", || {
+        ShareClient::connect(&path).is_ok()
+    });
 }
 
 /// `--share PATH` never deletes what is at PATH unless it is a dead socket.
