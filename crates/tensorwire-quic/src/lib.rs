@@ -1,7 +1,9 @@
 //! tensorwire over QUIC: quinn + rustls endpoints that drive the sans-IO state machines of
 //! `tensorwire-proto`.
 //!
-//! - [`Sender`] connects and sends many tensors at once, one stream each, within credit.
+//! - [`Sender`] connects and sends many tensors at once, one stream each, within credit; it
+//!   can also [`receive`](Sender::receive) what the receiver sends back on that connection
+//!   ([`IncomingTensor::reply_sender`]): either endpoint may send (spec §3).
 //! - [`Receiver`] listens, yields each [`IncomingTensor`] for admission, and streams its bytes
 //!   into a [`Sink`] under one receiver-wide byte budget ([`CreditPermit`]s return bytes to it).
 //! - TLS 1.3 only, ALPN `tensorwire/1`, 0-RTT off; development certificates for one host,
@@ -27,7 +29,7 @@ pub use dev_trust::dev_cert_path;
 pub use error::TransportError;
 pub use metrics::MetricsSnapshot;
 pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
-pub use sender::{SendHandle, SendProgress, SendReport, Sender, Source};
+pub use sender::{ConnectionSender, SendHandle, SendProgress, SendReport, Sender, Source};
 pub use tensorwire_proto as proto;
 pub use tensorwire_sink::{
     CreditPermit, HostSink, MemoryBudget, MemoryReservation, MemorySnapshot, Sink, SinkError,

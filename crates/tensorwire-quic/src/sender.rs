@@ -19,9 +19,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span};
 
-use crate::config::SenderConfig;
+use crate::config::{ReceiverConfig, SenderConfig};
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::receiver::Receiver;
 use crate::stream::FrameStream;
 
 /// Where a tensor's bytes come from.
@@ -97,9 +98,20 @@ impl SourceReader {
     }
 }
 
-/// A connection to a receiver that sends tensors, each on its own stream.
+/// A connection to a receiver that sends tensors, each on its own stream; it can also
+/// receive the tensors the receiver sends back on it ([`receive`](Self::receive)).
 pub struct Sender {
     endpoint: quinn::Endpoint,
+    sender: ConnectionSender,
+}
+
+/// Sends tensors on a connection someone else owns: the way back of a [`Receiver`]'s
+/// connection ([`IncomingTensor::reply_sender`]), or a [`Sender`]'s own. Cheap to clone.
+///
+/// [`Receiver`]: crate::Receiver
+/// [`IncomingTensor::reply_sender`]: crate::IncomingTensor::reply_sender
+#[derive(Clone)]
+pub struct ConnectionSender {
     connection: quinn::Connection,
     metrics: Arc<Metrics>,
     options: SendOptions,
@@ -141,16 +153,52 @@ impl Sender {
         tokio::spawn(stop_unidirectional_streams(connection.clone()));
         Ok(Self {
             endpoint,
+            sender: ConnectionSender::new(connection, &config),
+        })
+    }
+
+    /// Starts sending one tensor; resolves (through the handle) on the receiver's COMPLETE.
+    pub fn send(&self, meta: TensorMeta, source: impl Into<Source>) -> SendHandle {
+        self.sender.send(meta, source)
+    }
+
+    /// Receives the tensors the receiver sends back on this connection (spec §3), under
+    /// `config`'s budgets, limits and timeouts (its listening address, TLS, transport and
+    /// endpoint count are not used). Until this is called, the receiver's streams wait.
+    pub fn receive(&self, config: ReceiverConfig) -> Result<Receiver, TransportError> {
+        Receiver::on_connection(self.sender.connection.clone(), config)
+    }
+
+    /// Tensor and byte counters of this connection's sends.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.sender.metrics()
+    }
+
+    /// The QUIC connection's own statistics (packets, losses, path MTU, RTT).
+    pub fn connection_stats(&self) -> quinn::ConnectionStats {
+        self.sender.connection.stats()
+    }
+
+    /// Closes the connection cleanly and waits for the endpoint to go idle.
+    pub async fn close(self) {
+        self.sender.connection.close(VarInt::from_u32(0), b"done");
+        self.endpoint.wait_idle().await;
+    }
+}
+
+impl ConnectionSender {
+    pub(crate) fn new(connection: quinn::Connection, config: &SenderConfig) -> Self {
+        Self {
             connection,
             metrics: Arc::new(Metrics::default()),
             options: SendOptions {
                 progress_timeout: config.progress_timeout,
                 chunk_size: config.chunk_size.max(1),
             },
-        })
+        }
     }
 
-    /// Starts sending one tensor; resolves (through the handle) on the receiver's COMPLETE.
+    /// Starts sending one tensor; resolves (through the handle) on the peer's COMPLETE.
     pub fn send(&self, meta: TensorMeta, source: impl Into<Source>) -> SendHandle {
         let sent = Arc::new(AtomicU64::new(0));
         let cancel = CancellationToken::new();
@@ -176,20 +224,14 @@ impl Sender {
         }
     }
 
-    /// Tensor and byte counters of this connection.
+    /// Tensor and byte counters of the tensors sent through this handle (and its clones).
     pub fn metrics(&self) -> MetricsSnapshot {
         self.metrics.snapshot()
     }
 
-    /// The QUIC connection's own statistics (packets, losses, path MTU, RTT).
-    pub fn connection_stats(&self) -> quinn::ConnectionStats {
-        self.connection.stats()
-    }
-
-    /// Closes the connection cleanly and waits for the endpoint to go idle.
-    pub async fn close(self) {
-        self.connection.close(VarInt::from_u32(0), b"done");
-        self.endpoint.wait_idle().await;
+    /// The peer's address.
+    pub fn peer(&self) -> SocketAddr {
+        self.connection.remote_address()
     }
 }
 

@@ -86,6 +86,16 @@ async fn serve_connection(
         );
         return;
     }
+    serve_streams(endpoint, shared, connection, tx).await;
+}
+
+/// Serves the tensor streams the peer opens on `connection`, whichever side opened it.
+pub(super) async fn serve_streams(
+    endpoint: usize,
+    shared: Arc<Shared>,
+    connection: quinn::Connection,
+    tx: mpsc::Sender<IncomingTensor>,
+) {
     let id = connection.stable_id();
     let config = &shared.config;
     let session = SessionConfig {

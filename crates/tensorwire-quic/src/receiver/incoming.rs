@@ -26,6 +26,8 @@ pub struct IncomingTensor {
     pub(super) decision: oneshot::Sender<Decision>,
     /// Why the stream ended before a decision, once it has.
     pub(super) ended: Ended,
+    /// The connection it came on, to send tensors back.
+    pub(super) connection: quinn::Connection,
     pub(super) host_memory: MemoryBudget,
     /// When the admission timeout ends: memory waits give up then.
     pub(super) deadline: tokio::time::Instant,
@@ -76,6 +78,13 @@ impl IncomingTensor {
         // If the stream already ended, the handle reports it: `done` is dropped with `run`.
         let _ = self.decision.send(Decision::Accept(run));
         handle
+    }
+
+    /// Sends tensors back to this tensor's sender, on the same connection (spec §3: either
+    /// endpoint may open tensor streams), under the peer's credit. The peer receives them
+    /// with [`Sender::receive`](crate::Sender::receive).
+    pub fn reply_sender(&self, config: &crate::SenderConfig) -> crate::ConnectionSender {
+        crate::ConnectionSender::new(self.connection.clone(), config)
     }
 
     /// Whether the stream already ended (the sender cancelled, reset it or timed out): a

@@ -43,10 +43,31 @@ pub const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 /// A listening receiver. Call [`next`](Self::next) to admit incoming tensors.
 pub struct Receiver {
+    /// Empty for a receiver on a connection this side opened ([`Sender::receive`]).
+    ///
+    /// [`Sender::receive`]: crate::Sender::receive
     endpoints: Vec<quinn::Endpoint>,
+    local: SocketAddr,
     incoming: mpsc::Receiver<IncomingTensor>,
     shared: Arc<Shared>,
     dev_cert: Option<PathBuf>,
+}
+
+impl Shared {
+    fn new(config: ReceiverConfig) -> Result<Arc<Self>, TransportError> {
+        let budget = Budget::new(config.budget, config.high_watermark, config.low_watermark)
+            .map_err(|e| TransportError::Config(format!("budget and watermarks: {e}")))?;
+        let host_memory = MemoryBudget::new("host", config.host_memory_budget);
+        Ok(Arc::new(Self {
+            config,
+            budget: Arc::new(budget),
+            host_memory,
+            metrics: Metrics::default(),
+            connections: DashMap::new(),
+            shutdown: CancellationToken::new(),
+            streams: TaskTracker::new(),
+        }))
+    }
 }
 
 struct Shared {
@@ -99,18 +120,7 @@ impl Receiver {
             }
             None => None,
         };
-        let budget = Budget::new(config.budget, config.high_watermark, config.low_watermark)
-            .map_err(|e| TransportError::Config(format!("budget and watermarks: {e}")))?;
-        let host_memory = MemoryBudget::new("host", config.host_memory_budget);
-        let shared = Arc::new(Shared {
-            config,
-            budget: Arc::new(budget),
-            host_memory,
-            metrics: Metrics::default(),
-            connections: DashMap::new(),
-            shutdown: CancellationToken::new(),
-            streams: TaskTracker::new(),
-        });
+        let shared = Shared::new(config)?;
         let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
         for (index, endpoint) in endpoints.iter().enumerate() {
             tokio::spawn(accept_connections(
@@ -123,15 +133,47 @@ impl Receiver {
         info!(%local, endpoints = endpoints.len(), "receiver listening");
         Ok(Self {
             endpoints,
+            local,
             incoming,
             shared,
             dev_cert,
         })
     }
 
-    /// The address the receiver listens on.
+    /// Receives the tensors the peer of `connection` (opened by this side) sends on it
+    /// (spec §3: either endpoint may send), under `config`'s budgets and limits; its
+    /// `listen`, `tls`, `transport` and `endpoints` are not used, and the connection is never
+    /// closed for idleness from this side.
+    pub(crate) fn on_connection(
+        connection: quinn::Connection,
+        mut config: ReceiverConfig,
+    ) -> Result<Self, TransportError> {
+        config.connection_idle_timeout = Duration::MAX;
+        let local = SocketAddr::new(
+            connection
+                .local_ip()
+                .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into()),
+            0,
+        );
+        let shared = Shared::new(config)?;
+        let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
+        tokio::spawn(connection::serve_streams(0, shared.clone(), connection, tx));
+        Ok(Self {
+            endpoints: Vec::new(),
+            local,
+            incoming,
+            shared,
+            dev_cert: None,
+        })
+    }
+
+    /// The address the receiver listens on (for one on a connection this side opened, its
+    /// local IP and port 0).
     pub fn local_addr(&self) -> Result<SocketAddr, TransportError> {
-        Ok(self.endpoints[0].local_addr()?)
+        match self.endpoints.first() {
+            Some(endpoint) => Ok(endpoint.local_addr()?),
+            None => Ok(self.local),
+        }
     }
 
     /// How many UDP sockets (endpoints) share the listening address.

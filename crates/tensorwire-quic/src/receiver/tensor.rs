@@ -94,6 +94,7 @@ impl Accepted {
                     .take()
                     .ok_or(ProtocolError::Misuse("decision taken twice"))?,
                 ended: self.ended.clone(),
+                connection: connection.connection.clone(),
                 host_memory: shared.host_memory.clone(),
                 deadline,
                 admission_timeout: config.admission_timeout,
