@@ -372,8 +372,8 @@ const CANCEL_GRACE: Duration = Duration::from_secs(2);
 /// Sends METADATA, then DATA as credit allows, then END; returns on COMPLETE.
 ///
 /// The progress timeout counts time without progress, not silence: while the receiver has
-/// nothing to say (all credit granted, bytes still crossing a slow path), acknowledgements
-/// of our packets show that the transfer moves.
+/// nothing to say (all credit granted, bytes still crossing a slow path), our data being
+/// sent and resent shows that the transfer moves.
 async fn drive(
     machine: &mut TensorSender,
     stream: &mut FrameStream,
@@ -430,7 +430,8 @@ async fn drive(
 }
 
 /// The receiver's next frame; PROGRESS_TIMEOUT only after `timeout` with neither a frame nor
-/// an acknowledgement of anything we sent.
+/// any STREAM frame sent on the connection (first sends and retransmissions: our data is
+/// still crossing the path). Keep-alives and their acknowledgements are not progress.
 async fn next_frame_while_progressing(
     stream: &mut FrameStream,
     connection: &quinn::Connection,
@@ -438,19 +439,19 @@ async fn next_frame_while_progressing(
 ) -> Result<tensorwire_proto::Frame, TransportError> {
     let next = stream.next_frame();
     tokio::pin!(next);
-    let mut acks = connection.stats().frame_rx.acks;
+    let mut sent = connection.stats().frame_tx.stream;
     loop {
         match tokio::time::timeout(timeout, &mut next).await {
             Ok(frame) => return frame,
             Err(_) => {
-                let now = connection.stats().frame_rx.acks;
-                if now == acks {
+                let now = connection.stats().frame_tx.stream;
+                if now == sent {
                     return Err(TransportError::timed_out(
-                        "frame or acknowledgement from the receiver",
+                        "frame from the receiver while no data was moving",
                         timeout,
                     ));
                 }
-                acks = now;
+                sent = now;
             }
         }
     }

@@ -245,3 +245,73 @@ async fn host_memory_is_admitted_against_its_budget() {
     let _: Option<TransportError> = None;
     let _ = cancel_code(&[]);
 }
+
+/// Keeps every credit permit it is given: the bytes are never durable, so their credit never
+/// comes back.
+struct HoardingSink(Vec<tensorwire_quic::CreditPermit>);
+
+impl tensorwire_quic::Sink for HoardingSink {
+    type Output = ();
+
+    async fn write(
+        &mut self,
+        _offset: u64,
+        _payload: tensorwire_quic::proto::Payload,
+        permit: tensorwire_quic::CreditPermit,
+    ) -> Result<(), tensorwire_quic::SinkError> {
+        self.0.push(permit);
+        Ok(())
+    }
+
+    async fn finish(self) -> Result<(), tensorwire_quic::SinkError> {
+        std::future::pending().await
+    }
+}
+
+/// A tensor accepted but never granted credit (the budget is held elsewhere) fails at the
+/// sender with PROGRESS_TIMEOUT after its progress timeout, although the connection is alive
+/// and keep-alives are answered: silence about this tensor is not progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accepted_tensor_without_credit_times_out_at_the_sender() {
+    let config = receiver_config().with_budget(1 << 20);
+    let (mut rx, addr) = receiver(config).await;
+    let tx = tensorwire_quic::Sender::connect(
+        addr,
+        tensorwire_quic::SenderConfig {
+            transport: tensorwire_quic::TransportSettings::jumbo(),
+            progress_timeout: Duration::from_millis(1500),
+            ..tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development)
+        },
+    )
+    .await
+    .unwrap();
+    let hog = tx.send(u8_meta("hog", 4 << 20), pattern(4 << 20, 1));
+    let _hog_handle = rx.next().await.unwrap().accept(HoardingSink(Vec::new()));
+    let starved = tx.send(u8_meta("starved", 1 << 20), pattern(1 << 20, 2));
+    let _starved_handle = rx.next().await.unwrap().accept(HoardingSink(Vec::new()));
+    let err = tokio::time::timeout(Duration::from_secs(30), starved.finished())
+        .await
+        .expect("the sender gave up on its own")
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::PROGRESS_TIMEOUT), "{err}");
+    let _ = hog.finished().await;
+}
+
+/// A sender whose tensor fails on its side (its source ends early) tells the receiver why
+/// with CANCEL before the application closes the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_senders_cancel_reaches_the_receiver_before_close() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let tx = sender(addr).await;
+    // Claims 2 MiB, has 1 MiB: the sender fails with an IO error mid-tensor.
+    let short = tx.send(u8_meta("short", 2 << 20), pattern(1 << 20, 3));
+    let handle = rx.next().await.unwrap().accept_host().await.unwrap();
+    assert!(short.finished().await.is_err());
+    tx.close().await; // At once, as a program does after a failure.
+    let err = handle.finished().await.unwrap_err();
+    assert!(
+        remote_code(&err).is_some_and(|code| code != ErrorCode::TRUNCATED_FRAME),
+        "the receiver learned the sender's code, not a lost connection: {err}"
+    );
+    assert_budget_returned(&rx).await;
+}

@@ -161,7 +161,9 @@ async fn main() -> anyhow::Result<()> {
                             Err(format!("refused: {why}"))
                         }
                     };
-                    let result = result.map_err(|e| format!("{} from {}: {e}", meta.name(), size(meta.byte_len())));
+                    let result = result.map_err(|e| {
+                        format!("{} ({}) from {origin}: {e}", meta.name(), size(meta.byte_len()))
+                    });
                     let _ = done_tx.send((result, started.elapsed(), origin));
                 });
             }

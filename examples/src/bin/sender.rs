@@ -37,7 +37,8 @@ struct Args {
     /// No progress bars.
     #[arg(long)]
     quiet: bool,
-    /// Seconds without any progress (a frame or an acknowledgement from the receiver) before
+    /// Seconds without any progress (a frame from the receiver, or tensor data still being sent
+    /// or resent) before
     /// a tensor fails with PROGRESS_TIMEOUT.
     #[arg(long = "progress-timeout-s", default_value = "60", value_parser = seconds)]
     progress_timeout: Duration,
