@@ -10,6 +10,17 @@ use std::process::{Command, Stdio};
 use tensorwire::proto::DType;
 use tensorwire_examples::files::load;
 
+/// Runs `sender --quiet` on `file` as a raw U8 tensor of `len` bytes, with `extra` flags.
+fn send_raw(addr: &str, len: usize, file: &Path, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_sender"))
+        .args(["--connect", addr, "--quiet", "--dtype", "U8", "--shape"])
+        .arg(len.to_string())
+        .args(extra)
+        .arg(file)
+        .output()
+        .unwrap()
+}
+
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tensorwire-cli-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -281,19 +292,7 @@ fn received_tensors_are_shared_with_local_processes() {
         Err(_) => eprintln!("SKIPPED the Python part: no python3"),
     }
 
-    let last = Command::new(env!("CARGO_BIN_EXE_sender"))
-        .args([
-            "--connect",
-            &addr,
-            "--quiet",
-            "--dtype",
-            "U8",
-            "--shape",
-            "10",
-        ])
-        .arg(&blob)
-        .output()
-        .unwrap();
+    let last = send_raw(&addr, 10, &blob, &[]);
     assert!(last.status.success());
     assert!(receiver.wait().unwrap().success());
     std::fs::remove_dir_all(dir).unwrap();
@@ -415,20 +414,7 @@ fn refused_with(receiver_args: &[&str], sender_args: &[&str], code: &str) {
     let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
     let first = lines.next().unwrap().unwrap();
     let addr = first.strip_prefix("listening on ").unwrap().to_owned();
-    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
-        .args([
-            "--connect",
-            &addr,
-            "--quiet",
-            "--dtype",
-            "U8",
-            "--shape",
-            "3145728",
-        ])
-        .args(sender_args)
-        .arg(&big)
-        .output()
-        .unwrap();
+    let sent = send_raw(&addr, 3 << 20, &big, sender_args);
     assert!(!sent.status.success());
     let stderr = String::from_utf8_lossy(&sent.stderr);
     assert!(

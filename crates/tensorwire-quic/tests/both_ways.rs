@@ -5,7 +5,8 @@
 mod common;
 
 use common::{
-    assert_budget_returned, pattern, receive_host, receiver, receiver_config, sender, u8_meta,
+    assert_budget_returned, land_host, pattern, receive_host, receiver, receiver_config, sender,
+    u8_meta,
 };
 use tensorwire_quic::{ClientTls, SenderConfig, TransportSettings};
 
@@ -25,13 +26,7 @@ async fn the_accepting_side_sends_tensors_back_on_the_same_connection() {
         ..SenderConfig::new(ClientTls::Development)
     });
     assert_eq!(reply.peer(), incoming.peer());
-    let (meta, bytes) = incoming
-        .accept_host()
-        .await
-        .unwrap()
-        .finished()
-        .await
-        .unwrap();
+    let (meta, bytes) = land_host(incoming).await;
     assert_eq!((meta.name(), bytes), ("request", pattern(4096, 1)));
     request.finished().await.unwrap();
 

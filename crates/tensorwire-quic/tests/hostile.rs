@@ -8,13 +8,13 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use common::{
-    assert_budget_returned, cancel_code, init_tracing, pattern, raw_connection, raw_exchange,
-    receiver, receiver_config, remote_code, sender, u8_meta,
+    assert_budget_returned, init_tracing, land_host, pattern, raw_connection, raw_exchange,
+    receive_host, receiver, receiver_config, remote_code, sender, u8_meta,
 };
 use quinn::VarInt;
+use tensorwire_quic::Receiver;
 use tensorwire_quic::proto::frame::{Cancel, Data, End};
 use tensorwire_quic::proto::{ErrorCode, Frame, checksum};
-use tensorwire_quic::{Receiver, TransportError};
 
 /// Waits (bounded) until `done` holds for the receiver.
 async fn eventually(rx: &Receiver, what: &str, done: impl Fn(&Receiver) -> bool) {
@@ -124,13 +124,7 @@ async fn one_peer_holding_many_undecided_tensors_does_not_starve_another() {
         .expect("the other connection's tensor reached the application")
         .unwrap();
     assert_eq!(incoming.meta().name(), "good");
-    let (_, bytes) = incoming
-        .accept_host()
-        .await
-        .unwrap()
-        .finished()
-        .await
-        .unwrap();
+    let (_, bytes) = land_host(incoming).await;
     assert_eq!(bytes, pattern(1 << 20, 9));
     send.finished().await.unwrap();
     drop(held);
@@ -200,16 +194,7 @@ async fn host_memory_is_admitted_against_its_budget() {
 
     // 700 KiB lands and is held by the application.
     let first = tx.send(u8_meta("first", 700 << 10), pattern(700 << 10, 2));
-    let (_, kept) = rx
-        .next()
-        .await
-        .unwrap()
-        .accept_host()
-        .await
-        .unwrap()
-        .finished()
-        .await
-        .unwrap();
+    let (_, kept) = receive_host(&mut rx).await.unwrap();
     first.finished().await.unwrap();
     assert_eq!(rx.host_memory().reserved, 700 << 10);
 
@@ -227,23 +212,12 @@ async fn host_memory_is_admitted_against_its_budget() {
     drop(kept);
     assert_eq!(rx.host_memory().reserved, 0);
     let third = tx.send(u8_meta("third", 700 << 10), pattern(700 << 10, 4));
-    let (_, bytes) = rx
-        .next()
-        .await
-        .unwrap()
-        .accept_host()
-        .await
-        .unwrap()
-        .finished()
-        .await
-        .unwrap();
+    let (_, bytes) = receive_host(&mut rx).await.unwrap();
     assert_eq!(bytes, pattern(700 << 10, 4));
     third.finished().await.unwrap();
     assert_eq!(rx.host_memory().peak, 700 << 10);
     drop(bytes);
     assert_budget_returned(&rx).await;
-    let _: Option<TransportError> = None;
-    let _ = cancel_code(&[]);
 }
 
 /// Keeps every credit permit it is given: the bytes are never durable, so their credit never

@@ -7,7 +7,9 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{init_tracing, pattern, receive_host, receiver, receiver_config, sender, u8_meta};
+use common::{
+    init_tracing, land_host, pattern, receive_host, receiver, receiver_config, sender, u8_meta,
+};
 use tensorwire_quic::proto::Payload;
 use tensorwire_quic::{CreditPermit, Sink, SinkError};
 
@@ -20,13 +22,7 @@ async fn a_one_gib_tensor_arrives_intact() {
     let expected = tensorwire_quic::proto::checksum::crc32c(&data);
     let server = tokio::spawn(async move {
         let incoming = rx.next().await.unwrap();
-        let (meta, bytes) = incoming
-            .accept_host()
-            .await
-            .unwrap()
-            .finished()
-            .await
-            .unwrap();
+        let (meta, bytes) = land_host(incoming).await;
         (
             meta,
             tensorwire_quic::proto::checksum::crc32c(&bytes),
@@ -282,13 +278,7 @@ async fn drop_after_complete_rounds(lane: u64) {
         let (mut rx, addr) = receiver(receiver_config()).await;
         let server = tokio::spawn(async move {
             let incoming = rx.next().await.unwrap();
-            incoming
-                .accept_host()
-                .await
-                .unwrap()
-                .finished()
-                .await
-                .unwrap();
+            land_host(incoming).await;
             drop(rx);
         });
         let tx = sender(addr).await;

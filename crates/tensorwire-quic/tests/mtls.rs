@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{pattern, receive_host, u8_meta};
+use common::{land_host, pattern, receive_host, u8_meta};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
 use tensorwire_quic::{
     ClientTls, Receiver, ReceiverConfig, Sender, SenderConfig, ServerTls, TransportSettings,
@@ -139,12 +139,6 @@ async fn mutual_tls_admits_only_clients_of_the_configured_ca() {
         "ok",
         "the refused clients' tensors never reached the application"
     );
-    incoming
-        .accept_host()
-        .await
-        .unwrap()
-        .finished()
-        .await
-        .unwrap();
+    land_host(incoming).await;
     send.finished().await.unwrap();
 }

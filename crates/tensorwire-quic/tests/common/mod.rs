@@ -57,6 +57,17 @@ pub async fn receive_host(rx: &mut Receiver) -> Result<(TensorMeta, Bytes), Tran
         .await
 }
 
+/// Accepts `incoming` into host memory and waits until it landed.
+pub async fn land_host(incoming: tensorwire_quic::IncomingTensor) -> (TensorMeta, Bytes) {
+    incoming
+        .accept_host()
+        .await
+        .expect("host memory")
+        .finished()
+        .await
+        .expect("the tensor lands")
+}
+
 /// A named one-dimensional U8 tensor of `len` bytes.
 pub fn u8_meta(name: &str, len: usize) -> TensorMeta {
     TensorMeta::new([len as u64], DType::U8)
