@@ -108,7 +108,6 @@ impl GpuTensorReceiver {
             stream_window: u64::MAX,
             ..SessionConfig::default()
         };
-        #[allow(clippy::disallowed_methods)] // This driver owns the clock; idleness is unused.
         let mut session = Session::new(config, std::time::Instant::now());
         let _ = session.open_stream(STREAM);
         let credit = CreditTracker::new(u64::MAX, u64::MAX, u64::MAX / 2)
