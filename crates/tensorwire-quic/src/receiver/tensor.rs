@@ -26,6 +26,9 @@ pub(super) struct Accepted {
     shared: Arc<Shared>,
     connection: Arc<ConnectionState>,
     stream: FrameStream,
+    /// Frames the session queued, moved out under its lock and written after; reused, so a
+    /// flush allocates nothing once warm.
+    outbox: Vec<Frame>,
     started: Instant,
 }
 
@@ -42,6 +45,7 @@ pub(super) async fn serve_stream(
         shared,
         connection,
         stream,
+        outbox: Vec::new(),
         started: Instant::now(),
     };
     st.shared.metrics.started();
@@ -256,11 +260,12 @@ impl Accepted {
 
     /// Writes what the session queued for this stream.
     async fn flush(&mut self) -> Result<(), TransportError> {
-        let frames: Vec<Frame> = {
+        {
             let mut session = self.connection.session();
-            std::iter::from_fn(|| session.poll_frame(self.id)).collect()
-        };
-        self.stream.write_frames(frames).await
+            self.outbox
+                .extend(std::iter::from_fn(|| session.poll_frame(self.id)));
+        }
+        self.stream.write_frames(self.outbox.drain(..)).await
     }
 
     /// Tells the peer why (if the session has not already), closes the stream, returns its
