@@ -106,6 +106,7 @@ impl GpuTensorReceiver {
             limits: limits.clone(),
             grant_unit: u64::MAX,
             stream_window: u64::MAX,
+            connection_window: u64::MAX,
             ..SessionConfig::default()
         };
         let mut session = Session::new(config, std::time::Instant::now());

@@ -109,22 +109,28 @@ pub fn receiver_ops(data: &[u8]) {
     }
 }
 
-/// Streams a fuzzed session juggles at once.
+/// Streams a fuzzed session juggles at once: the first half the peer's, the rest ours.
 const SESSION_STREAMS: u64 = 4;
 
-/// Drives a connection [`Session`](crate::Session) with arbitrary frames on several streams,
-/// arbitrary local calls and a fake clock, checking after every step that the session and the
-/// receiver-wide tracker agree: held bytes are exactly those the sink has not released,
-/// nothing exceeds the budget, and once every stream is closed and every byte released, all
-/// credit is back.
+/// Bytes of each tensor the fuzzed session sends.
+const SENT_TENSOR_LEN: u64 = 3000;
+
+/// Drives a connection [`Session`](crate::Session) in both directions with arbitrary frames on
+/// several streams, arbitrary local calls and a fake clock, checking after every step that the
+/// session and the receiver-wide tracker agree: held bytes are exactly those the sink has not
+/// released, the connection's granted-but-unarrived credit is the tracker's in-flight credit,
+/// nothing exceeds a window or the budget, and once every stream is closed and every byte
+/// released, all credit is back.
 ///
-/// Layout: `op_count: u8 | ops: [u8; op_count] | frame bytes`. Op `k`: stream `(k >> 4) % 4`;
-/// `k % 8`: 0–2 feed it the next decoded frame, 3 accept, 4 grant, 5 release held bytes,
-/// 6 cancel, 7 close and reopen it. Each op advances the clock by `k` milliseconds.
+/// Layout: `op_count: u8 | ops: [u8; op_count] | frame bytes`. Op `k`: stream `(k >> 4) % 4`
+/// (streams 0 and 1 receive, 2 and 3 send); `k % 8`: 0–2 feed it the next decoded frame,
+/// 3 accept (receiving) or send the next chunk (sending), 4 grant (receiving) or finish
+/// (sending), 5 release held bytes, 6 cancel, 7 close and reopen it. Each op advances the
+/// clock by `k` milliseconds.
 pub fn session_ops(data: &[u8]) {
     use std::time::{Duration, Instant};
 
-    use crate::{CreditTracker, Session, SessionConfig, SessionEvent, StreamId};
+    use crate::{CreditTracker, DType, Session, SessionConfig, SessionEvent, StreamId, TensorMeta};
 
     let Some((&op_count, rest)) = data.split_first() else {
         return;
@@ -135,11 +141,16 @@ pub fn session_ops(data: &[u8]) {
         limits: limits.clone(),
         grant_unit: 1024,
         stream_window: 4096,
+        connection_window: 6144,
         max_failed_streams: 8,
         failure_window: Duration::from_secs(1),
     };
+    let connection_window = config.connection_window;
     let budget = 16 << 10;
     let Ok(mut credit) = CreditTracker::new(budget, budget / 4 * 3, budget / 4) else {
+        return;
+    };
+    let Ok(sent_meta) = TensorMeta::new([SENT_TENSOR_LEN], DType::U8) else {
         return;
     };
     #[allow(clippy::disallowed_methods)] // The fake clock's origin; ops move it.
@@ -147,40 +158,60 @@ pub fn session_ops(data: &[u8]) {
     let mut session = Session::new(config, now);
     let mut decoder = FrameDecoder::new(limits);
     decoder.push(Bytes::copy_from_slice(frames));
+    let receiving = |slot: usize| (slot as u64) < SESSION_STREAMS / 2;
+    let open = |session: &mut Session, slot: usize, id: StreamId| {
+        if receiving(slot) {
+            let _ = session.open_stream(id);
+        } else if let Ok(tensor) = crate::TensorSender::new(sent_meta.clone()) {
+            let _ = session.start_sending(id, tensor);
+        }
+    };
     // Stream slot -> its current id; held bytes per slot, as a sink would keep them.
     let mut ids: Vec<StreamId> = (0..SESSION_STREAMS).collect();
     let mut held = vec![0u64; SESSION_STREAMS as usize];
     let mut next_id = SESSION_STREAMS;
-    for &id in &ids {
-        let _ = session.open_stream(id);
+    for (slot, &id) in ids.iter().enumerate() {
+        open(&mut session, slot, id);
     }
+    let filler = Bytes::from(vec![0x5a; SENT_TENSOR_LEN as usize]);
     for &k in ops {
         now += Duration::from_millis(u64::from(k));
         let slot = usize::from(k >> 4) % ids.len();
         let id = ids[slot];
-        match k % 8 {
-            0..=2 => {
+        match (k % 8, receiving(slot)) {
+            (0..=2, _) => {
                 if let Ok(Some(frame)) = decoder.next_frame()
                     && let Ok(SessionEvent::Data(d)) = session.handle_frame(id, frame, &mut credit)
                 {
                     held[slot] += d.payload.len() as u64;
                 }
             }
-            3 => drop(session.accept(id)),
-            4 => {
+            (3, true) => drop(session.accept(id)),
+            (3, false) => {
+                let len = session
+                    .next_chunk_len(id)
+                    .min(SENT_TENSOR_LEN - session.sent(id));
+                if len > 0 {
+                    let start = session.sent(id) as usize;
+                    let chunk = filler.slice(start..start + len as usize);
+                    let _ = session.send_data(id, chunk);
+                }
+            }
+            (4, true) => {
                 let _ = session.grant(id, &mut credit);
             }
-            5 => {
+            (4, false) => drop(session.finish(id)),
+            (5, _) => {
                 let n = held[slot].min(u64::from(k) * 64);
                 held[slot] -= n;
                 let _ = credit.release(n);
             }
-            6 => session.cancel(id, ErrorCode::CANCELLED, "fuzz"),
+            (6, _) => session.cancel(id, ErrorCode::CANCELLED, "fuzz"),
             _ => {
                 let _ = credit.release(std::mem::take(&mut held[slot]));
                 let _ = session.close_stream(id, &mut credit, now);
                 ids[slot] = next_id;
-                let _ = session.open_stream(next_id);
+                open(&mut session, slot, next_id);
                 next_id += 1;
             }
         }
@@ -190,6 +221,13 @@ pub fn session_ops(data: &[u8]) {
             "held bytes disagree"
         );
         assert!(credit.outstanding() <= budget);
+        assert_eq!(
+            session.outstanding_credit(),
+            credit.in_flight(),
+            "the session's unarrived credit disagrees with the tracker's"
+        );
+        assert!(session.outstanding_credit() <= connection_window);
+        assert!(session.sent(id) <= SENT_TENSOR_LEN);
         while session.poll_frame(id).is_some() {}
     }
     for (slot, &id) in ids.iter().enumerate() {
@@ -197,5 +235,6 @@ pub fn session_ops(data: &[u8]) {
         let _ = session.close_stream(id, &mut credit, now);
     }
     assert_eq!(credit.outstanding(), 0, "credit not counted back");
+    assert_eq!(session.outstanding_credit(), 0);
     assert_eq!(session.open_streams(), 0);
 }

@@ -15,9 +15,11 @@
 //!    headers from [`Frame::encode_header`], DATA payloads as their own `Bytes`.
 //! 4. Across all streams, a [`CreditTracker`] decides how many bytes the receiver may grant.
 //!
-//! A receiving driver uses one [`Session`] per connection instead of steps 2 and 4 by hand:
-//! it owns the connection's [`TensorReceiver`]s, sizes grants, keeps both credit ledgers in
-//! step, and applies the connection's abuse budgets with time passed in.
+//! A driver uses one [`Session`] per connection instead of steps 2 and 4 by hand: it owns the
+//! connection's tensors in both directions ([`TensorReceiver`]s for the peer's streams,
+//! [`TensorSender`]s for ours), sizes grants within the stream and connection windows, keeps
+//! both credit ledgers in step, and applies the connection's abuse budgets with time passed
+//! in.
 //!
 //! Errors are [`ProtocolError`]s: each carries its wire [`ErrorCode`] and says who is to
 //! [`Blame`]. Nothing here panics on input from the network, and every length is checked

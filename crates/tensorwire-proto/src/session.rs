@@ -1,6 +1,6 @@
-//! The receiving side of one connection, without IO or clock: every tensor the peer sends
-//! on it, the credit they are granted against the receiver-wide [`CreditTracker`], and the
-//! connection's abuse budgets (spec §7, §10).
+//! One connection, without IO or clock: every tensor on it in both directions (spec §3),
+//! the credit the peer's tensors are granted against the receiver-wide [`CreditTracker`],
+//! the connection's credit window, and its abuse budgets (spec §7, §10).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -12,6 +12,16 @@ use crate::frame::{Data, Frame};
 use crate::limits::Limits;
 use crate::meta::TensorMeta;
 use crate::receiver::{ReceiverEvent, ReceiverState, TensorReceiver};
+use crate::sender::{SenderEvent, SenderState, TensorSender};
+
+/// One tensor of the connection, in the direction its stream runs.
+#[derive(Debug)]
+enum Tensor {
+    /// The peer opened the stream and sends the tensor to us.
+    Incoming(TensorReceiver),
+    /// We opened the stream and send the tensor to the peer.
+    Outgoing(TensorSender),
+}
 
 /// A tensor's stream on its connection: the QUIC stream ID, or any number unique among the
 /// connection's open streams.
@@ -27,6 +37,9 @@ pub struct SessionConfig {
     /// Most credit one tensor may hold granted and not yet arrived, so one tensor cannot
     /// take the whole budget.
     pub stream_window: u64,
+    /// Most credit the whole connection may hold granted and not yet arrived, so one peer
+    /// cannot take the receiver-wide budget from the others (spec §7.1).
+    pub connection_window: u64,
     /// Failed, cancelled, reset or refused streams allowed at once (spec §10) ...
     pub max_failed_streams: u32,
     /// ... refilled at `max_failed_streams` per this window.
@@ -34,13 +47,14 @@ pub struct SessionConfig {
 }
 
 impl Default for SessionConfig {
-    /// The reference implementation's policy: 4 MiB grants, a 16 MiB window, 1000 failed
-    /// streams per 10 s.
+    /// The reference implementation's policy: 4 MiB grants, a 16 MiB window per tensor and
+    /// 128 MiB per connection, 1000 failed streams per 10 s.
     fn default() -> Self {
         Self {
             limits: Limits::default(),
             grant_unit: 4 << 20,
             stream_window: 16 << 20,
+            connection_window: 128 << 20,
             max_failed_streams: 1000,
             failure_window: Duration::from_secs(10),
         }
@@ -59,6 +73,12 @@ pub enum SessionEvent {
     /// Every byte arrived and the checksum matched: finish the sink, then
     /// [`Session::mark_resident`].
     End,
+    /// Our tensor was accepted: DATA follows as credit arrives.
+    Accepted,
+    /// The peer granted our tensor this many more bytes.
+    Credit(u64),
+    /// The peer verified and kept every byte of our tensor. Done: close the stream.
+    Complete,
 }
 
 /// How a stream ended, as [`Session::close_stream`] counted it.
@@ -74,9 +94,9 @@ pub enum StreamClosed {
     Flood(FloodExceeded),
 }
 
-/// The receiving side of one connection (spec §7, §10).
+/// One connection's tensors in both directions (spec §3, §7, §10).
 ///
-/// Contract: call [`open_stream`](Self::open_stream) for each stream the peer opens and feed
+/// Receiving: call [`open_stream`](Self::open_stream) for each stream the peer opens and feed
 /// every frame decoded from it to [`handle_frame`](Self::handle_frame); decide each
 /// [`SessionEvent::Metadata`] with [`accept`](Self::accept) or [`reject`](Self::reject);
 /// ask [`grant`](Self::grant) for credit while [`wants_credit`](Self::wants_credit) (waiting
@@ -89,10 +109,18 @@ pub enum StreamClosed {
 ///
 /// Credit moves in the tracker only through these calls, so a tensor's own ledger (granted,
 /// received) and the receiver-wide one (in flight, held) cannot drift apart.
+///
+/// Sending: build a [`TensorSender`] (which checks the metadata fits the wire) before
+/// opening the stream, hand it over with [`start_sending`](Self::start_sending), feed the
+/// peer's frames to [`handle_frame`](Self::handle_frame) as for any stream, send bytes with
+/// [`send_data`](Self::send_data) up to [`next_chunk_len`](Self::next_chunk_len), then
+/// [`finish`](Self::finish); on [`SessionEvent::Complete`] or an error, close the stream.
 #[derive(Debug)]
 pub struct Session {
     config: SessionConfig,
-    tensors: BTreeMap<StreamId, TensorReceiver>,
+    tensors: BTreeMap<StreamId, Tensor>,
+    /// Credit granted to the peer's tensors and not yet arrived, over the connection.
+    outstanding: u64,
     failures: FloodBudget,
     /// When the last stream closed, while none is open (the idle timeout counts from it).
     idle_since: Option<Instant>,
@@ -105,6 +133,7 @@ impl Session {
         Self {
             config,
             tensors: BTreeMap::new(),
+            outstanding: 0,
             failures,
             idle_since: Some(now),
         }
@@ -115,20 +144,49 @@ impl Session {
         if self.tensors.contains_key(&id) {
             return Err(ProtocolError::Misuse("stream opened twice"));
         }
-        self.tensors
-            .insert(id, TensorReceiver::new(self.config.limits.clone()));
+        let tensor = TensorReceiver::new(self.config.limits.clone());
+        self.tensors.insert(id, Tensor::Incoming(tensor));
         self.idle_since = None;
         Ok(())
     }
 
-    fn tensor(&mut self, id: StreamId) -> Result<&mut TensorReceiver, ProtocolError> {
-        self.tensors
-            .get_mut(&id)
-            .ok_or(ProtocolError::Misuse("no such stream in the session"))
+    /// We opened stream `id` to send `tensor` on it; its METADATA is queued.
+    pub fn start_sending(
+        &mut self,
+        id: StreamId,
+        tensor: TensorSender,
+    ) -> Result<(), ProtocolError> {
+        if self.tensors.contains_key(&id) {
+            return Err(ProtocolError::Misuse("stream opened twice"));
+        }
+        self.tensors.insert(id, Tensor::Outgoing(tensor));
+        self.idle_since = None;
+        Ok(())
     }
 
-    /// Feeds one frame from stream `id`. DATA is checked against the tensor's credit and
-    /// moves its bytes from in flight to held in `credit`, in the same step.
+    fn incoming(&mut self, id: StreamId) -> Result<&mut TensorReceiver, ProtocolError> {
+        match self.tensors.get_mut(&id) {
+            Some(Tensor::Incoming(tensor)) => Ok(tensor),
+            Some(Tensor::Outgoing(_)) => Err(ProtocolError::Misuse(
+                "a receiving call on a tensor we send",
+            )),
+            None => Err(ProtocolError::Misuse("no such stream in the session")),
+        }
+    }
+
+    fn outgoing(&mut self, id: StreamId) -> Result<&mut TensorSender, ProtocolError> {
+        match self.tensors.get_mut(&id) {
+            Some(Tensor::Outgoing(tensor)) => Ok(tensor),
+            Some(Tensor::Incoming(_)) => Err(ProtocolError::Misuse(
+                "a sending call on a tensor we receive",
+            )),
+            None => Err(ProtocolError::Misuse("no such stream in the session")),
+        }
+    }
+
+    /// Feeds one frame from stream `id`, in whichever direction the stream runs. DATA is
+    /// checked against the tensor's credit and moves its bytes from in flight to held in
+    /// `credit`, in the same step; frames about our own tensors leave `credit` alone.
     ///
     /// An error closes the tensor and queues the REJECT or CANCEL that says why (unless the
     /// peer ended it); the driver then calls [`close_stream`](Self::close_stream).
@@ -138,7 +196,11 @@ impl Session {
         frame: Frame,
         credit: &mut CreditTracker,
     ) -> Result<SessionEvent, ProtocolError> {
-        let tensor = self.tensor(id)?;
+        let tensor = match self.tensors.get_mut(&id) {
+            Some(Tensor::Incoming(tensor)) => tensor,
+            Some(Tensor::Outgoing(_)) => return self.handle_reply(id, frame),
+            None => return Err(ProtocolError::Misuse("no such stream in the session")),
+        };
         match tensor.handle_frame(frame)? {
             ReceiverEvent::Metadata => tensor
                 .meta()
@@ -146,20 +208,38 @@ impl Session {
                 .map(SessionEvent::Metadata)
                 .ok_or(ProtocolError::Misuse("METADATA without meta")),
             ReceiverEvent::Data(data) => {
-                if let Err(e) = credit.consume(data.payload.len() as u64) {
+                let len = data.payload.len() as u64;
+                if let Err(e) = credit.consume(len) {
                     // The tensor's own check passed, so the ledgers disagree: a bug here.
                     let _ = tensor.cancel(ErrorCode::INTERNAL, e.to_string());
                     return Err(e);
                 }
+                self.outstanding = self.outstanding.saturating_sub(len);
                 Ok(SessionEvent::Data(data))
             }
             ReceiverEvent::End => Ok(SessionEvent::End),
         }
     }
 
+    /// Feeds one frame the peer sent on stream `id`, a stream we opened to send on (ACCEPT,
+    /// REJECT, CREDIT, COMPLETE, CANCEL). Needs no credit tracker: the peer's credit for our
+    /// tensors is the tensor's own. An error closes the tensor and queues our CANCEL unless
+    /// the peer ended it.
+    pub fn handle_reply(
+        &mut self,
+        id: StreamId,
+        frame: Frame,
+    ) -> Result<SessionEvent, ProtocolError> {
+        Ok(match self.outgoing(id)?.handle_frame(frame)? {
+            SenderEvent::Accepted => SessionEvent::Accepted,
+            SenderEvent::Credit(bytes) => SessionEvent::Credit(bytes),
+            SenderEvent::Complete => SessionEvent::Complete,
+        })
+    }
+
     /// Admits the tensor on stream `id`; queues ACCEPT.
     pub fn accept(&mut self, id: StreamId) -> Result<(), ProtocolError> {
-        self.tensor(id)?.accept()
+        self.incoming(id)?.accept()
     }
 
     /// Refuses the tensor on stream `id`; queues REJECT.
@@ -169,36 +249,47 @@ impl Session {
         code: ErrorCode,
         reason: impl Into<String>,
     ) -> Result<(), ProtocolError> {
-        self.tensor(id)?.reject(code, reason)
+        self.incoming(id)?.reject(code, reason)
     }
 
-    /// Ends the tensor on stream `id` from this side (REJECT before ACCEPT, CANCEL after).
-    /// A tensor that already ended is left as it is.
+    /// Ends the tensor on stream `id` from this side (a receiver's REJECT before ACCEPT,
+    /// CANCEL otherwise). A tensor that already ended is left as it is.
     pub fn cancel(&mut self, id: StreamId, code: ErrorCode, reason: impl Into<String>) {
-        if let Ok(tensor) = self.tensor(id) {
-            let _ = tensor.cancel(code, reason);
+        match self.tensors.get_mut(&id) {
+            Some(Tensor::Incoming(tensor)) => {
+                let _ = tensor.cancel(code, reason);
+            }
+            Some(Tensor::Outgoing(tensor)) => {
+                let _ = tensor.cancel(code, reason);
+            }
+            None => {}
         }
     }
 
-    /// Whether the tensor on `id` is accepted and still needs credit its window allows.
+    /// Whether the tensor on `id` is accepted and still needs credit its stream window
+    /// allows: it waits for credit coming back to the tracker (or to this connection's
+    /// window) while [`grant`](Self::grant) gives it none.
     pub fn wants_credit(&self, id: StreamId) -> bool {
-        self.tensors.get(&id).is_some_and(|t| self.wanted(t) > 0)
+        self.stream_wants(id) > 0
     }
 
-    /// Spec §7.1: what a tensor may be granted now, by its needs, the grant unit and its
-    /// window of granted-but-unarrived bytes.
-    fn wanted(&self, tensor: &TensorReceiver) -> u64 {
+    /// Spec §7.1: what a tensor may be granted by its needs, the grant unit and its window
+    /// of granted-but-unarrived bytes.
+    fn stream_wants(&self, id: StreamId) -> u64 {
+        let Some(Tensor::Incoming(tensor)) = self.tensors.get(&id) else {
+            return 0;
+        };
         if tensor.state() != ReceiverState::Receiving {
             return 0;
         }
-        let window_left = self
+        let stream_left = self
             .config
             .stream_window
             .saturating_sub(tensor.revocable_credit());
         tensor
             .ungranted()
             .min(self.config.grant_unit)
-            .min(window_left)
+            .min(stream_left)
     }
 
     /// Grants the tensor on `id` what the tracker allows of what it wants; queues CREDIT.
@@ -206,51 +297,112 @@ impl Session {
     /// or when the tensor wants none.
     #[must_use = "granted bytes are sent as CREDIT by flushing poll_frame"]
     pub fn grant(&mut self, id: StreamId, credit: &mut CreditTracker) -> u64 {
-        let Some(tensor) = self.tensors.get(&id) else {
-            return 0;
-        };
-        let want = self.wanted(tensor);
+        let connection_left = self
+            .config
+            .connection_window
+            .saturating_sub(self.outstanding);
+        let want = self.stream_wants(id).min(connection_left);
         if want == 0 {
             return 0;
         }
         let granted = credit.grant(want);
-        let Some(tensor) = self.tensors.get_mut(&id) else {
+        let Some(Tensor::Incoming(tensor)) = self.tensors.get_mut(&id) else {
+            let _ = credit.revoke(granted);
             return 0;
         };
         let used = tensor.grant(granted);
         // `want` never exceeds what the tensor takes; return any rest all the same.
         let _ = credit.revoke(granted - used);
+        self.outstanding += used;
         used
     }
 
     /// The sink made every byte of `id` durable: queues COMPLETE (spec §6.8).
     pub fn mark_resident(&mut self, id: StreamId) -> Result<(), ProtocolError> {
-        self.tensor(id)?.mark_resident()
+        self.incoming(id)?.mark_resident()
+    }
+
+    /// The longest DATA payload our tensor on `id` may send now: 0 while it waits for
+    /// ACCEPT or credit, or once it ended.
+    pub fn next_chunk_len(&self, id: StreamId) -> u64 {
+        match self.tensors.get(&id) {
+            Some(Tensor::Outgoing(tensor)) => tensor.next_chunk_len(),
+            _ => 0,
+        }
+    }
+
+    /// Queues DATA with the next `payload.len()` bytes of our tensor on `id`.
+    pub fn send_data(&mut self, id: StreamId, payload: bytes::Bytes) -> Result<(), ProtocolError> {
+        self.outgoing(id)?.send_data(payload)
+    }
+
+    /// Queues END for our tensor on `id` once every byte is sent.
+    pub fn finish(&mut self, id: StreamId) -> Result<(), ProtocolError> {
+        self.outgoing(id)?.finish()
+    }
+
+    /// Whether our tensor on `id` was accepted and has bytes left to send.
+    pub fn is_sending(&self, id: StreamId) -> bool {
+        matches!(self.tensors.get(&id), Some(Tensor::Outgoing(t)) if t.state() == SenderState::Sending)
     }
 
     /// The next frame to send on stream `id`.
     pub fn poll_frame(&mut self, id: StreamId) -> Option<Frame> {
-        self.tensors.get_mut(&id)?.poll_frame()
+        match self.tensors.get_mut(&id)? {
+            Tensor::Incoming(tensor) => tensor.poll_frame(),
+            Tensor::Outgoing(tensor) => tensor.poll_frame(),
+        }
     }
 
-    /// The tensor's metadata, once received.
+    /// The tensor's metadata (of a peer's tensor, once received).
     pub fn meta(&self, id: StreamId) -> Option<&TensorMeta> {
-        self.tensors.get(&id)?.meta()
+        match self.tensors.get(&id)? {
+            Tensor::Incoming(tensor) => tensor.meta(),
+            Tensor::Outgoing(tensor) => Some(tensor.meta()),
+        }
     }
 
     /// Why the tensor on `id` closed, if it did without completing.
     pub fn ending(&self, id: StreamId) -> Option<&ProtocolError> {
-        self.tensors.get(&id)?.ending()
+        match self.tensors.get(&id)? {
+            Tensor::Incoming(tensor) => tensor.ending(),
+            Tensor::Outgoing(tensor) => tensor.ending(),
+        }
     }
 
-    /// Payload bytes received on `id` so far.
+    /// Payload bytes received on `id` so far (a peer's tensor).
     pub fn received(&self, id: StreamId) -> u64 {
-        self.tensors.get(&id).map_or(0, TensorReceiver::received)
+        match self.tensors.get(&id) {
+            Some(Tensor::Incoming(tensor)) => tensor.received(),
+            _ => 0,
+        }
     }
 
-    /// Stream `id` is done: its granted, unreceived credit returns to `credit`, and a tensor
-    /// that did not complete counts against the connection's failure budget at `now`.
-    /// Frames still queued for it are dropped: flush [`poll_frame`](Self::poll_frame) first.
+    /// Payload bytes sent on `id` so far (our tensor).
+    pub fn sent(&self, id: StreamId) -> u64 {
+        match self.tensors.get(&id) {
+            Some(Tensor::Outgoing(tensor)) => tensor.sent(),
+            _ => 0,
+        }
+    }
+
+    /// Credit granted to the peer's tensors on this connection and not yet arrived.
+    pub fn outstanding_credit(&self) -> u64 {
+        self.outstanding
+    }
+
+    /// What the connection's window still allows to be granted.
+    pub fn connection_window_left(&self) -> u64 {
+        self.config
+            .connection_window
+            .saturating_sub(self.outstanding)
+    }
+
+    /// Stream `id` is done: a peer's tensor's granted, unreceived credit returns to
+    /// `credit`, and one that did not complete counts against the connection's failure
+    /// budget at `now` (our own tensors' failures do not: the peer refusing them is no
+    /// abuse). Frames still queued for it are dropped: flush
+    /// [`poll_frame`](Self::poll_frame) first.
     pub fn close_stream(
         &mut self,
         id: StreamId,
@@ -260,10 +412,19 @@ impl Session {
         let Some(tensor) = self.tensors.remove(&id) else {
             return StreamClosed::Failed;
         };
-        let _ = credit.revoke(tensor.revocable_credit());
         if self.tensors.is_empty() {
             self.idle_since = Some(now);
         }
+        let tensor = match tensor {
+            Tensor::Outgoing(tensor) if tensor.state() == SenderState::Complete => {
+                return StreamClosed::Completed;
+            }
+            Tensor::Outgoing(_) => return StreamClosed::Failed,
+            Tensor::Incoming(tensor) => tensor,
+        };
+        let unarrived = tensor.revocable_credit();
+        let _ = credit.revoke(unarrived);
+        self.outstanding = self.outstanding.saturating_sub(unarrived);
         if tensor.state() == ReceiverState::Complete {
             return StreamClosed::Completed;
         }
@@ -273,7 +434,25 @@ impl Session {
         }
     }
 
-    /// Streams open now.
+    /// Our stream `id` is done (closing it needs no credit tracker): whether the peer
+    /// completed the tensor. Frames still queued for it are dropped.
+    pub fn close_outgoing(&mut self, id: StreamId, now: Instant) -> StreamClosed {
+        let Some(Tensor::Outgoing(tensor)) = self.tensors.get(&id) else {
+            return StreamClosed::Failed;
+        };
+        let completed = tensor.state() == SenderState::Complete;
+        self.tensors.remove(&id);
+        if self.tensors.is_empty() {
+            self.idle_since = Some(now);
+        }
+        if completed {
+            StreamClosed::Completed
+        } else {
+            StreamClosed::Failed
+        }
+    }
+
+    /// Streams open now, in both directions.
     pub fn open_streams(&self) -> usize {
         self.tensors.len()
     }
@@ -287,5 +466,12 @@ impl Session {
     /// The policy this session applies.
     pub fn config(&self) -> &SessionConfig {
         &self.config
+    }
+
+    /// Replaces the receiving policy, for a connection that starts receiving after it was
+    /// opened to send; the peer's streams opened from now on get the new limits.
+    pub fn set_config(&mut self, config: SessionConfig) {
+        self.failures = FloodBudget::new(config.max_failed_streams, config.failure_window);
+        self.config = config;
     }
 }

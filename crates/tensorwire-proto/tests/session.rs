@@ -352,3 +352,203 @@ fn a_stream_cannot_be_opened_twice() {
     session.open_stream(1).unwrap();
     assert!(session.open_stream(1).is_err());
 }
+
+/// One end of a connection: its session, its receiver-wide tracker, the tensors it sends and
+/// what landed of the peer's.
+struct Peer {
+    session: Session,
+    credit: CreditTracker,
+    sending: Vec<(StreamId, Bytes)>,
+    landed: std::collections::BTreeMap<StreamId, Vec<u8>>,
+    completed: Vec<StreamId>,
+}
+
+impl Peer {
+    fn new(config: &SessionConfig) -> Self {
+        Self {
+            session: Session::new(config.clone(), epoch()),
+            credit: CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap(),
+            sending: Vec::new(),
+            landed: Default::default(),
+            completed: Vec::new(),
+        }
+    }
+
+    fn send(&mut self, id: StreamId, name: &str, source: Bytes) {
+        let sender = TensorSender::new(meta(name, source.len())).unwrap();
+        self.session.start_sending(id, sender).unwrap();
+        self.sending.push((id, source));
+    }
+
+    /// Local work: send what credit allows, finish, grant. Returns the streams to flush.
+    fn work(&mut self) -> Vec<StreamId> {
+        for (id, source) in &self.sending {
+            let (id, len) = (*id, source.len() as u64);
+            loop {
+                let at = self.session.sent(id);
+                let n = self.session.next_chunk_len(id).min(len - at);
+                if n == 0 {
+                    break;
+                }
+                let chunk = source.slice(at as usize..(at + n) as usize);
+                self.session.send_data(id, chunk).unwrap();
+            }
+            if self.session.is_sending(id) && self.session.sent(id) == len {
+                self.session.finish(id).unwrap();
+            }
+        }
+        let ids: Vec<StreamId> = self
+            .landed
+            .keys()
+            .copied()
+            .chain(self.sending.iter().map(|(id, _)| *id))
+            .collect();
+        for &id in self.landed.keys() {
+            let _ = self.session.grant(id, &mut self.credit);
+        }
+        ids
+    }
+
+    /// Does the local work and hands every queued frame to `to`; whether any moved.
+    fn flush_to(&mut self, to: &mut Peer) -> bool {
+        let mut moved = false;
+        for id in self.work() {
+            while let Some(frame) = self.session.poll_frame(id) {
+                to.deliver(id, frame);
+                moved = true;
+            }
+        }
+        moved
+    }
+
+    /// A frame from the peer on stream `id`, through the codec.
+    fn deliver(&mut self, id: StreamId, frame: Frame) {
+        let frame = Frame::decode_one(&frame.to_bytes());
+        if matches!(frame, Frame::Metadata(_)) {
+            self.session.open_stream(id).unwrap();
+            self.landed.insert(id, Vec::new());
+        }
+        match self
+            .session
+            .handle_frame(id, frame, &mut self.credit)
+            .unwrap()
+        {
+            SessionEvent::Metadata(_) => self.session.accept(id).unwrap(),
+            SessionEvent::Data(data) => {
+                let n = data.payload.len() as u64;
+                let mut bytes = vec![0; data.payload.len()];
+                data.payload.copy_to_slice(&mut bytes);
+                self.landed.get_mut(&id).unwrap().extend_from_slice(&bytes);
+                self.credit.release(n).unwrap(); // durable at once
+            }
+            SessionEvent::End => self.session.mark_resident(id).unwrap(),
+            SessionEvent::Complete => {
+                assert_eq!(
+                    self.session.close_outgoing(id, epoch()),
+                    StreamClosed::Completed
+                );
+                self.completed.push(id);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Spec §3: both ends send on one connection at once, each under the other's credit; one
+/// session per end owns both directions, and all credit comes back.
+#[test]
+fn both_ends_send_on_one_connection_under_each_others_credit() {
+    let config = SessionConfig {
+        grant_unit: 64 << 10,
+        stream_window: 128 << 10,
+        connection_window: 192 << 10,
+        ..SessionConfig::default()
+    };
+    let mut a = Peer::new(&config);
+    let mut b = Peer::new(&config);
+    // Like QUIC: the connecting side's streams are even, the accepting side's odd.
+    a.send(0, "request-0", pattern(700_001, 1).into());
+    a.send(4, "request-1", pattern(300_000, 2).into());
+    b.send(1, "reply-0", pattern(500_000, 3).into());
+    b.send(5, "reply-1", pattern(123, 4).into());
+    let mut peak_window = 0;
+    for _ in 0..10_000 {
+        let moved = a.flush_to(&mut b) | b.flush_to(&mut a);
+        peak_window = peak_window
+            .max(a.session.outstanding_credit())
+            .max(b.session.outstanding_credit());
+        if !moved {
+            break;
+        }
+    }
+    for (peer, theirs) in [(&a, &b), (&b, &a)] {
+        for (id, source) in &theirs.sending {
+            assert!(peer.landed[id][..] == source[..], "stream {id} differs");
+        }
+        assert_eq!(peer.completed.len(), 2, "both sent tensors completed");
+    }
+    assert!(peak_window <= 192 << 10, "connection window {peak_window}");
+    for peer in [&mut a, &mut b] {
+        let ids: Vec<StreamId> = peer.landed.keys().copied().collect();
+        for id in ids {
+            assert_eq!(
+                peer.session.close_stream(id, &mut peer.credit, epoch()),
+                StreamClosed::Completed
+            );
+        }
+        assert_eq!(peer.session.open_streams(), 0);
+        assert_eq!(peer.credit.outstanding(), 0, "credit counted back");
+    }
+}
+
+/// Spec §7.1: one connection's tensors together hold at most its window of unarrived
+/// credit, whatever the tracker has left; arriving bytes reopen it.
+#[test]
+fn a_connection_holds_at_most_its_window_of_credit() {
+    let config = SessionConfig {
+        grant_unit: 1 << 20,
+        stream_window: 1 << 20,
+        connection_window: 2 << 20,
+        ..SessionConfig::default()
+    };
+    let mut credit = CreditTracker::new(64 << 20, 64 << 20, 32 << 20).unwrap();
+    let mut session = Session::new(config, epoch());
+    let mut senders = Vec::new();
+    for id in 0..4 {
+        session.open_stream(id).unwrap();
+        let mut sender = TensorSender::new(meta("t", 4 << 20)).unwrap();
+        let metadata = sender.poll_frame().unwrap();
+        session.handle_frame(id, metadata, &mut credit).unwrap();
+        session.accept(id).unwrap();
+        while let Some(frame) = session.poll_frame(id) {
+            sender.handle_frame(frame).unwrap();
+        }
+        senders.push(sender);
+    }
+    let grants: Vec<u64> = (0..4).map(|id| session.grant(id, &mut credit)).collect();
+    assert_eq!(
+        grants,
+        [1 << 20, 1 << 20, 0, 0],
+        "the window stops the rest"
+    );
+    assert!(session.wants_credit(2), "tensor 2 still waits for credit");
+    assert_eq!(session.connection_window_left(), 0);
+    assert_eq!(credit.in_flight(), 2 << 20);
+    // Half a MiB arrives on stream 0: that much of the window reopens for the others.
+    let sender = &mut senders[0];
+    sender.handle_frame(session.poll_frame(0).unwrap()).unwrap();
+    sender.send_data(Bytes::from(vec![7; 512 << 10])).unwrap();
+    let data = sender.poll_frame().unwrap();
+    assert!(matches!(
+        session.handle_frame(0, data, &mut credit).unwrap(),
+        SessionEvent::Data(_)
+    ));
+    assert_eq!(session.connection_window_left(), 512 << 10);
+    assert_eq!(session.grant(2, &mut credit), 512 << 10);
+    for id in 0..4 {
+        let _ = session.close_stream(id, &mut credit, epoch());
+    }
+    credit.release(512 << 10).unwrap();
+    assert_eq!(credit.outstanding(), 0);
+    assert_eq!(session.outstanding_credit(), 0);
+}

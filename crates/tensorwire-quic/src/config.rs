@@ -287,6 +287,9 @@ pub struct ReceiverConfig {
     pub grant_unit: u64,
     /// Most credit one tensor may hold unused, so one tensor cannot take the whole budget.
     pub stream_window: u64,
+    /// Most credit one connection may hold granted and not yet arrived, so one peer cannot
+    /// take the whole budget from the others (spec §7.1). Default: half the budget.
+    pub connection_window: u64,
     /// A stream with no frame for this long is cancelled with PROGRESS_TIMEOUT.
     pub progress_timeout: Duration,
     /// How long an incoming tensor may wait for the application's accept or reject.
@@ -303,6 +306,10 @@ pub struct ReceiverConfig {
     ///
     /// [`IncomingTensor::accept_host`]: crate::IncomingTensor::accept_host
     pub host_memory_budget: u64,
+    /// Of [`Self::host_memory_budget`], the most one connection's tensors may hold at once,
+    /// so a peer whose accepted tensors idle cannot starve the others (spec §7.5). Default:
+    /// half the host memory budget.
+    pub host_memory_per_connection: u64,
     /// Tensors of one connection that may wait for the application's decision at once;
     /// more wait on their connection, so one peer cannot starve the others (spec §10).
     pub max_pending_per_connection: usize,
@@ -317,6 +324,7 @@ impl ReceiverConfig {
     /// 256 MiB budget (high 7/8, low 1/2), 4 MiB grants, one endpoint per core.
     pub fn new(listen: SocketAddr, tls: ServerTls) -> Self {
         let budget = 256 << 20;
+        let host_memory_budget = default_host_memory_budget();
         Self {
             listen,
             endpoints: default_endpoints(),
@@ -328,21 +336,32 @@ impl ReceiverConfig {
             low_watermark: budget / 2,
             grant_unit: 4 << 20,
             stream_window: 16 << 20,
+            connection_window: budget / 2,
             progress_timeout: Duration::from_secs(30),
             admission_timeout: Duration::from_secs(30),
             max_failed_streams: 1000,
             failure_window: Duration::from_secs(10),
-            host_memory_budget: default_host_memory_budget(),
+            host_memory_budget,
+            host_memory_per_connection: host_memory_budget / 2,
             max_pending_per_connection: 64,
             connection_idle_timeout: Duration::from_secs(60),
         }
     }
 
-    /// Sets the budget, with the high watermark at 7/8 and the low at 1/2 of it.
+    /// Sets the budget, with the high watermark at 7/8 and the low at 1/2 of it and each
+    /// connection's window at half of it.
     pub fn with_budget(mut self, budget: u64) -> Self {
         self.budget = budget;
         self.high_watermark = budget / 8 * 7;
         self.low_watermark = budget / 2;
+        self.connection_window = budget / 2;
+        self
+    }
+
+    /// Sets the host memory budget, with each connection's share at half of it.
+    pub fn with_host_memory_budget(mut self, bytes: u64) -> Self {
+        self.host_memory_budget = bytes;
+        self.host_memory_per_connection = bytes / 2;
         self
     }
 }

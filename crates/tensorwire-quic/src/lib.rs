@@ -17,6 +17,7 @@ mod error;
 mod metrics;
 mod receiver;
 mod sender;
+mod session;
 mod stream;
 pub mod tls;
 

@@ -12,7 +12,8 @@ use bytes::{Bytes, BytesMut};
 use futures_core::Stream;
 use quinn::VarInt;
 use tensorwire_proto::{
-    ErrorCode, Limits, ProtocolError, SenderEvent, SenderState, TensorMeta, TensorSender,
+    ErrorCode, Frame, Limits, ProtocolError, SessionConfig, SessionEvent, StreamId, TensorMeta,
+    TensorSender,
 };
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::task::JoinHandle;
@@ -23,6 +24,7 @@ use crate::config::{ReceiverConfig, SenderConfig};
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::receiver::Receiver;
+use crate::session::ConnectionSession;
 use crate::stream::FrameStream;
 
 /// Where a tensor's bytes come from.
@@ -113,6 +115,8 @@ pub struct Sender {
 #[derive(Clone)]
 pub struct ConnectionSender {
     connection: quinn::Connection,
+    /// The connection's one session, shared with its receiving side.
+    session: ConnectionSession,
     metrics: Arc<Metrics>,
     options: SendOptions,
 }
@@ -151,9 +155,12 @@ impl Sender {
             .connect_with(client, addr, &config.server_name)?
             .await?;
         tokio::spawn(stop_unidirectional_streams(connection.clone()));
+        // Its receiving policy is set once `receive` is called; until then the peer's streams
+        // wait unread.
+        let session = ConnectionSession::new(SessionConfig::default());
         Ok(Self {
             endpoint,
-            sender: ConnectionSender::new(connection, &config),
+            sender: ConnectionSender::new(connection, session, &config),
         })
     }
 
@@ -166,7 +173,11 @@ impl Sender {
     /// `config`'s budgets, limits and timeouts (its listening address, TLS, transport and
     /// endpoint count are not used). Until this is called, the receiver's streams wait.
     pub fn receive(&self, config: ReceiverConfig) -> Result<Receiver, TransportError> {
-        Receiver::on_connection(self.sender.connection.clone(), config)
+        Receiver::on_connection(
+            self.sender.connection.clone(),
+            self.sender.session.clone(),
+            config,
+        )
     }
 
     /// Tensor and byte counters of this connection's sends.
@@ -187,9 +198,14 @@ impl Sender {
 }
 
 impl ConnectionSender {
-    pub(crate) fn new(connection: quinn::Connection, config: &SenderConfig) -> Self {
+    pub(crate) fn new(
+        connection: quinn::Connection,
+        session: ConnectionSession,
+        config: &SenderConfig,
+    ) -> Self {
         Self {
             connection,
+            session,
             metrics: Arc::new(Metrics::default()),
             options: SendOptions {
                 progress_timeout: config.progress_timeout,
@@ -207,6 +223,7 @@ impl ConnectionSender {
         let task = tokio::spawn(
             send_tensor(
                 self.connection.clone(),
+                self.session.clone(),
                 meta,
                 source.into(),
                 sent.clone(),
@@ -306,8 +323,10 @@ async fn stop_unidirectional_streams(connection: quinn::Connection) {
     }
 }
 
+#[allow(clippy::too_many_arguments)] // One send's parts, passed once from `send`.
 async fn send_tensor(
     connection: quinn::Connection,
+    session: ConnectionSession,
     meta: TensorMeta,
     source: Source,
     sent: Arc<AtomicU64>,
@@ -317,22 +336,24 @@ async fn send_tensor(
 ) -> Result<SendReport, TransportError> {
     let started = Instant::now();
     metrics.started();
-    let mut machine = TensorSender::new(meta)?;
+    let total = meta.byte_len();
     let result = async {
+        // Built before the stream is opened: building checks the metadata fits the wire.
+        let machine = TensorSender::new(meta)?;
         let (send, recv) = connection.open_bi().await?;
-        let mut stream = FrameStream::new(send, recv, Limits::default());
-        let outcome = drive(
-            &mut machine,
-            &mut stream,
-            &connection,
-            source,
-            &sent,
-            &cancel,
-            options,
-        )
-        .await;
+        let id = VarInt::from(send.id()).into_inner();
+        session.lock().start_sending(id, machine)?;
+        let mut tensor = OutgoingTensor {
+            id,
+            session: session.clone(),
+            stream: FrameStream::new(send, recv, Limits::default()),
+            outbox: Vec::new(),
+        };
+        let outcome = tensor
+            .drive(&connection, source, total, &sent, &cancel, options)
+            .await;
         let outcome = match outcome {
-            Err(e) => Err(explain_stop(&mut machine, &mut stream, e).await),
+            Err(e) => Err(tensor.explain_stop(e).await),
             ok => ok,
         };
         let code = outcome
@@ -345,23 +366,25 @@ async fn send_tensor(
                 .err()
                 .map(ToString::to_string)
                 .unwrap_or_default();
-            let _ = machine.cancel(code, reason);
-            let _ = flush(&mut machine, &mut stream).await;
+            session.lock().cancel(id, code, reason);
+            let _ = tensor.flush().await;
         }
-        stream.close(code);
+        let bytes = session.lock().sent(id);
+        let _ = session.lock().close_outgoing(id, Instant::now());
+        tensor.stream.close(code);
         if code.is_some() {
             // Our CANCEL must reach the receiver before the application closes the connection,
             // which would discard it.
-            stream.delivered(CANCEL_GRACE).await;
+            tensor.stream.delivered(CANCEL_GRACE).await;
         }
-        outcome
+        metrics.add_bytes(bytes);
+        outcome.map(|()| bytes)
     }
     .await;
-    metrics.add_bytes(machine.sent());
     metrics.finished(result.is_ok(), started.elapsed());
     debug!(ok = result.is_ok(), elapsed = ?started.elapsed(), "send finished");
-    result.map(|()| SendReport {
-        bytes: machine.sent(),
+    result.map(|bytes| SendReport {
+        bytes,
         elapsed: started.elapsed(),
     })
 }
@@ -369,62 +392,108 @@ async fn send_tensor(
 /// How long a failed tensor waits for its CANCEL to be acknowledged before giving up.
 const CANCEL_GRACE: Duration = Duration::from_secs(2);
 
-/// Sends METADATA, then DATA as credit allows, then END; returns on COMPLETE.
-///
-/// The progress timeout counts time without progress, not silence: while the receiver has
-/// nothing to say (all credit granted, bytes still crossing a slow path), our data being
-/// sent and resent shows that the transfer moves.
-async fn drive(
-    machine: &mut TensorSender,
-    stream: &mut FrameStream,
-    connection: &quinn::Connection,
-    source: Source,
-    sent: &AtomicU64,
-    cancel: &CancellationToken,
-    options: SendOptions,
-) -> Result<(), TransportError> {
-    let SendOptions {
-        progress_timeout,
-        chunk_size,
-    } = options;
-    let total = machine.meta().byte_len();
-    let mut reader = SourceReader::open(source).await?;
-    loop {
-        while machine.state() == SenderState::Sending
-            && machine.sent() < total
-            && machine.next_chunk_len() > 0
-        {
-            let max = machine
-                .next_chunk_len()
-                .min(total - machine.sent())
-                .min(chunk_size);
-            let chunk = reader
-                .next(usize::try_from(max).unwrap_or(usize::MAX))
-                .await?;
-            if chunk.is_empty() {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!("source ended after {} of {total} bytes", machine.sent()),
-                )
-                .into());
+/// One tensor we send: its stream, pumped through the connection's session.
+struct OutgoingTensor {
+    id: StreamId,
+    session: ConnectionSession,
+    stream: FrameStream,
+    /// Frames the session queued, moved out under its lock and written after.
+    outbox: Vec<Frame>,
+}
+
+impl OutgoingTensor {
+    /// Sends METADATA, then DATA as credit allows, then END; returns on COMPLETE.
+    ///
+    /// The progress timeout counts time without progress, not silence: while the receiver has
+    /// nothing to say (all credit granted, bytes still crossing a slow path), our data being
+    /// sent and resent shows that the transfer moves.
+    async fn drive(
+        &mut self,
+        connection: &quinn::Connection,
+        source: Source,
+        total: u64,
+        sent: &AtomicU64,
+        cancel: &CancellationToken,
+        options: SendOptions,
+    ) -> Result<(), TransportError> {
+        let SendOptions {
+            progress_timeout,
+            chunk_size,
+        } = options;
+        let id = self.id;
+        let mut reader = SourceReader::open(source).await?;
+        loop {
+            loop {
+                let (allowed, done) = {
+                    let session = self.session.lock();
+                    (session.next_chunk_len(id), session.sent(id))
+                };
+                if allowed == 0 || done >= total {
+                    break;
+                }
+                let max = allowed.min(total - done).min(chunk_size);
+                let chunk = reader
+                    .next(usize::try_from(max).unwrap_or(usize::MAX))
+                    .await?;
+                if chunk.is_empty() {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!("source ended after {done} of {total} bytes"),
+                    )
+                    .into());
+                }
+                self.session.lock().send_data(id, chunk)?;
+                tokio::select! {
+                    written = self.flush() => written?,
+                    _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),
+                }
+                sent.store(self.session.lock().sent(id), Ordering::Relaxed);
             }
-            machine.send_data(chunk)?;
-            tokio::select! {
-                written = flush(machine, stream) => written?,
+            {
+                let mut session = self.session.lock();
+                if session.is_sending(id) && session.sent(id) == total {
+                    session.finish(id)?;
+                }
+            }
+            self.flush().await?;
+            let frame = tokio::select! {
+                frame = next_frame_while_progressing(&mut self.stream, connection, progress_timeout) => frame?,
                 _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),
+            };
+            if self.session.lock().handle_reply(id, frame)? == SessionEvent::Complete {
+                return Ok(());
             }
-            sent.store(machine.sent(), Ordering::Relaxed);
         }
-        if machine.state() == SenderState::Sending && machine.sent() == total {
-            machine.finish()?;
+    }
+
+    /// Writes what the session queued for this stream.
+    async fn flush(&mut self) -> Result<(), TransportError> {
+        {
+            let mut session = self.session.lock();
+            self.outbox
+                .extend(std::iter::from_fn(|| session.poll_frame(self.id)));
         }
-        flush(machine, stream).await?;
-        let frame = tokio::select! {
-            frame = next_frame_while_progressing(stream, connection, progress_timeout) => frame?,
-            _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),
-        };
-        if machine.handle_frame(frame)? == SenderEvent::Complete {
-            return Ok(());
+        self.stream.write_frames(self.outbox.drain(..)).await
+    }
+
+    /// When the receiver stopped the stream, its CANCEL or REJECT says why: read it if it
+    /// came.
+    async fn explain_stop(&mut self, error: TransportError) -> TransportError {
+        let stopped = matches!(
+            &error,
+            TransportError::Protocol(ProtocolError::Remote { .. })
+        );
+        if !stopped || self.session.lock().ending(self.id).is_some() {
+            return error;
+        }
+        loop {
+            match tokio::time::timeout(Duration::from_secs(1), self.stream.next_frame()).await {
+                Ok(Ok(frame)) => match self.session.lock().handle_reply(self.id, frame) {
+                    Ok(_) => continue,
+                    Err(reason) => return reason.into(),
+                },
+                _ => return error,
+            }
         }
     }
 }
@@ -453,36 +522,6 @@ async fn next_frame_while_progressing(
                 }
                 sent = now;
             }
-        }
-    }
-}
-
-async fn flush(machine: &mut TensorSender, stream: &mut FrameStream) -> Result<(), TransportError> {
-    stream
-        .write_frames(std::iter::from_fn(|| machine.poll_frame()))
-        .await
-}
-
-/// When the receiver stopped the stream, its CANCEL or REJECT says why: read it if it came.
-async fn explain_stop(
-    machine: &mut TensorSender,
-    stream: &mut FrameStream,
-    error: TransportError,
-) -> TransportError {
-    let stopped = matches!(
-        &error,
-        TransportError::Protocol(ProtocolError::Remote { .. })
-    );
-    if !stopped || machine.ending().is_some() {
-        return error;
-    }
-    loop {
-        match tokio::time::timeout(Duration::from_secs(1), stream.next_frame()).await {
-            Ok(Ok(frame)) => match machine.handle_frame(frame) {
-                Ok(_) => continue,
-                Err(reason) => return reason.into(),
-            },
-            _ => return error,
         }
     }
 }

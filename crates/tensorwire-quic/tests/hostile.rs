@@ -289,3 +289,60 @@ async fn a_senders_cancel_reaches_the_receiver_before_close() {
     );
     assert_budget_returned(&rx).await;
 }
+
+/// Spec §7.1, §7.5: a peer whose accepted tensors idle (METADATA, then no DATA) holds at most
+/// its connection's share of host memory and credit; a legitimate sender on another
+/// connection is admitted and lands at once instead of waiting out the admission timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_idling_in_accepted_tensors_holds_only_its_share() {
+    let mut config = receiver_config()
+        .with_budget(8 << 20)
+        .with_host_memory_budget(4 << 20);
+    config.stream_window = 1 << 20;
+    config.admission_timeout = Duration::from_secs(20);
+    let (mut rx, addr) = receiver(config).await;
+    let host = rx.host_memory_budget();
+    // The application accepts everything into host memory, as `receiver` does.
+    let (landed_tx, mut landed) = tokio::sync::mpsc::unbounded_channel();
+    let app = tokio::spawn(async move {
+        while let Some(incoming) = rx.next().await {
+            let landed_tx = landed_tx.clone();
+            tokio::spawn(async move {
+                let name = incoming.meta().name().to_owned();
+                if let Ok(handle) = incoming.accept_host().await {
+                    let _ = landed_tx.send((name, handle.finished().await.map(|(_, b)| b)));
+                }
+            });
+        }
+    });
+    let hog = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    let mut idle = Vec::new();
+    for i in 0..8 {
+        let (mut send, recv) = hog.open_bi().await.unwrap();
+        let meta = Frame::from(u8_meta(&format!("idle{i}"), 1 << 20)).to_bytes();
+        send.write_all(&meta).await.unwrap();
+        idle.push((send, recv));
+    }
+    // The hog's share (half of 4 MiB) fills; its other tensors wait on their connection.
+    for _ in 0..500 {
+        if host.snapshot().reserved == 2 << 20 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(host.snapshot().reserved, 2 << 20, "the hog's share is full");
+
+    let good = sender(addr).await;
+    let send = good.send(u8_meta("good", 2 << 20), pattern(2 << 20, 5));
+    let (name, bytes) = tokio::time::timeout(Duration::from_secs(10), landed.recv())
+        .await
+        .expect("the other connection's tensor landed within 10 s")
+        .unwrap();
+    assert_eq!(name, "good");
+    assert_eq!(bytes.unwrap(), pattern(2 << 20, 5));
+    send.finished().await.unwrap();
+    assert!(host.snapshot().peak <= 4 << 20, "{:?}", host.snapshot());
+    drop(idle);
+    hog.close(VarInt::from_u32(0), b"done");
+    app.abort();
+}

@@ -20,6 +20,8 @@ struct Inner {
     what: String,
     ledger: Mutex<MemoryLedger>,
     released: Notify,
+    /// The budget this one is a share of: every reservation counts against both.
+    parent: Option<MemoryBudget>,
 }
 
 /// Where a memory budget stands.
@@ -41,6 +43,21 @@ impl MemoryBudget {
                 what: what.into(),
                 ledger: Mutex::new(MemoryLedger::new(limit)),
                 released: Notify::new(),
+                parent: None,
+            }),
+        }
+    }
+
+    /// A share of this budget of at most `limit` bytes, for one party (a connection), so
+    /// that no party can hold more than its share of the whole (spec §7.5). Reservations
+    /// through the share count against both; `what` names the share in messages.
+    pub fn share(&self, what: impl Into<String>, limit: u64) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                what: what.into(),
+                ledger: Mutex::new(MemoryLedger::new(limit.min(self.limit()))),
+                released: Notify::new(),
+                parent: Some(self.clone()),
             }),
         }
     }
@@ -57,7 +74,20 @@ impl MemoryBudget {
     pub fn try_reserve(&self, bytes: u64) -> Result<MemoryReservation, SinkError> {
         let mut ledger = self.ledger();
         match ledger.reserve(bytes) {
-            Admission::Reserved => Ok(self.reservation(bytes)),
+            Admission::Reserved => {
+                drop(ledger);
+                let parent = match &self.inner.parent {
+                    Some(parent) => match parent.try_reserve(bytes) {
+                        Ok(reserved) => Some(Box::new(reserved)),
+                        Err(e) => {
+                            self.ledger().release(bytes);
+                            return Err(e);
+                        }
+                    },
+                    None => None,
+                };
+                Ok(self.reservation(bytes, parent))
+            }
             Admission::Wait => Err(SinkError::exhausted(format!(
                 "{bytes} bytes of {} memory: {} of the {} byte budget are in use",
                 self.inner.what,
@@ -69,25 +99,49 @@ impl MemoryBudget {
     }
 
     /// Reserves `bytes`, waiting for other reservations to end; fails at once only if
-    /// `bytes` exceeds the whole budget. Callers bound the wait (the admission timeout).
+    /// `bytes` exceeds the whole budget (or share). Callers bound the wait (the admission
+    /// timeout).
     pub async fn reserve(&self, bytes: u64) -> Result<MemoryReservation, SinkError> {
         loop {
-            let notified = self.inner.released.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+            let own = self.inner.released.notified();
+            tokio::pin!(own);
+            own.as_mut().enable();
             let admission = self.ledger().reserve(bytes);
             match admission {
-                Admission::Reserved => return Ok(self.reservation(bytes)),
+                Admission::Reserved => {}
                 Admission::TooLarge => return Err(self.too_large(bytes, self.limit())),
-                Admission::Wait => notified.await,
+                Admission::Wait => {
+                    own.await;
+                    continue;
+                }
+            }
+            let Some(parent) = &self.inner.parent else {
+                return Ok(self.reservation(bytes, None));
+            };
+            let freed = parent.inner.released.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            match parent.try_reserve(bytes) {
+                Ok(reserved) => return Ok(self.reservation(bytes, Some(Box::new(reserved)))),
+                Err(e) if bytes > parent.limit() => {
+                    self.ledger().release(bytes);
+                    return Err(e);
+                }
+                Err(_) => {
+                    // Hold none of the share while the whole budget is full.
+                    self.ledger().release(bytes);
+                    self.inner.released.notify_waiters();
+                    freed.await;
+                }
             }
         }
     }
 
-    fn reservation(&self, bytes: u64) -> MemoryReservation {
+    fn reservation(&self, bytes: u64, parent: Option<Box<MemoryReservation>>) -> MemoryReservation {
         MemoryReservation {
             bytes,
             budget: self.clone(),
+            _parent: parent,
         }
     }
 
@@ -124,6 +178,8 @@ impl MemoryBudget {
 pub struct MemoryReservation {
     bytes: u64,
     budget: MemoryBudget,
+    /// The same bytes in the budget this one is a share of; released after this one.
+    _parent: Option<Box<MemoryReservation>>,
 }
 
 impl MemoryReservation {

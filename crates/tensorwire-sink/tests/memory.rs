@@ -88,3 +88,36 @@ async fn a_write_past_the_buffer_is_a_sink_failure() {
         .unwrap_err();
     assert_eq!(err.code, ErrorCode::SINK_FAILED);
 }
+
+/// A share holds at most its limit of the whole, counts against the whole, and a share
+/// waiting on a full whole is admitted once another share gives memory back.
+#[tokio::test]
+async fn a_share_is_bounded_by_its_limit_and_by_the_whole() {
+    let whole = MemoryBudget::new("host", 10);
+    let first = whole.share("host (connection a)", 6);
+    let second = whole.share("host (connection b)", 6);
+    let a = first.try_reserve(6).unwrap();
+    let over = first.try_reserve(1).unwrap_err();
+    assert!(over.message.contains("connection a"), "{over}");
+    assert_eq!(whole.snapshot().reserved, 6);
+    // Four of the whole are left: the second share gets them, then waits on the whole.
+    let b = second.try_reserve(4).unwrap();
+    assert!(second.try_reserve(1).is_err(), "the whole is full");
+    let waiter = tokio::spawn({
+        let second = second.clone();
+        async move { second.reserve(2).await.map(|r| r.bytes()) }
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(!waiter.is_finished(), "admitted past the whole budget");
+    assert_eq!(
+        second.snapshot().reserved,
+        4,
+        "a waiter holds none of its share"
+    );
+    drop(a);
+    assert_eq!(waiter.await.unwrap().unwrap(), 2);
+    drop(b);
+    assert_eq!(whole.snapshot().reserved, 0);
+    assert_eq!(whole.snapshot().peak, 10);
+    assert!(first.try_reserve(7).unwrap_err().message.contains("whole"));
+}

@@ -40,6 +40,10 @@ struct Args {
     /// window keeps a fast link full.
     #[arg(long = "stream-window-mib", default_value = "16", value_parser = mebibytes)]
     stream_window: u64,
+    /// Most of the credit budget and of host memory one connection may hold, in percent
+    /// (1-100), so one peer cannot starve the others.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=100))]
+    connection_share_percent: u64,
     /// Bytes per CREDIT frame, in MiB.
     #[arg(long = "grant-mib", default_value = "4", value_parser = mebibytes)]
     grant_unit: u64,
@@ -108,6 +112,9 @@ async fn main() -> anyhow::Result<()> {
     if let Some(host_memory) = args.host_memory {
         config.host_memory_budget = host_memory;
     }
+    let share = args.connection_share_percent;
+    config.connection_window = budget / 100 * share;
+    config.host_memory_per_connection = config.host_memory_budget / 100 * share;
     config.progress_timeout = args.progress_timeout;
     config.admission_timeout = args.admission_timeout;
     config.connection_idle_timeout = args.connection_idle_timeout;

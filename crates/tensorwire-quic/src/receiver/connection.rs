@@ -3,18 +3,20 @@
 //! it when it stays idle (spec §3, §10).
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use quinn::VarInt;
 use tensorwire_proto::{ErrorCode, Session, SessionConfig};
-use tokio::sync::{Semaphore, mpsc};
+use tensorwire_sink::MemoryBudget;
+use tokio::sync::{Notify, Semaphore, mpsc};
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::Shared;
 use super::incoming::IncomingTensor;
 use super::tensor::serve_stream;
 use crate::metrics::Metrics;
+use crate::session::ConnectionSession;
 use crate::stream::FrameStream;
 
 /// What the streams of one connection share.
@@ -23,20 +25,22 @@ pub(super) struct ConnectionState {
     pub(super) endpoint: usize,
     pub(super) connection: quinn::Connection,
     pub(super) metrics: Metrics,
-    /// Every tensor of the connection, its credit and its abuse budgets. Lock it before the
-    /// receiver's credit tracker, never after.
-    session: Mutex<Session>,
+    /// Every tensor of the connection in both directions, its credit and its abuse budgets.
+    pub(super) session: ConnectionSession,
     /// Tensors of this connection waiting for the application's decision: one peer cannot
     /// fill the receiver's queue and starve the others.
     pub(super) pending: Semaphore,
+    /// Woken when DATA reopens the connection's credit window after it was full.
+    pub(super) window_opened: Notify,
+    /// This connection's share of the receiver's host memory budget.
+    pub(super) host_memory: MemoryBudget,
 }
 
 impl ConnectionState {
     /// The connection's session (the lock is held only for a sans-IO call, never across an
     /// await).
     pub(super) fn session(&self) -> MutexGuard<'_, Session> {
-        // The session's invariants hold between calls; a panic elsewhere cannot break them.
-        self.session.lock().unwrap_or_else(PoisonError::into_inner)
+        self.session.lock()
     }
 
     /// Closes the connection with `code`; its streams fail with it.
@@ -86,32 +90,50 @@ async fn serve_connection(
         );
         return;
     }
-    serve_streams(endpoint, shared, connection, tx).await;
+    serve_streams(endpoint, shared, connection, tx, None).await;
 }
 
-/// Serves the tensor streams the peer opens on `connection`, whichever side opened it.
+/// Serves the tensor streams the peer opens on `connection`, whichever side opened it; the
+/// connection's `session`, if this side already sends on it, gets the receiving policy.
 pub(super) async fn serve_streams(
     endpoint: usize,
     shared: Arc<Shared>,
     connection: quinn::Connection,
     tx: mpsc::Sender<IncomingTensor>,
+    session: Option<ConnectionSession>,
 ) {
     let id = connection.stable_id();
     let config = &shared.config;
-    let session = SessionConfig {
+    let policy = SessionConfig {
         limits: config.limits.clone(),
         grant_unit: config.grant_unit,
         stream_window: config.stream_window,
+        connection_window: config.connection_window,
         max_failed_streams: config.max_failed_streams,
         failure_window: config.failure_window,
+    };
+    let session = match session {
+        Some(session) => {
+            session.lock().set_config(policy);
+            session
+        }
+        None => ConnectionSession::new(policy),
     };
     let state = Arc::new(ConnectionState {
         remote: connection.remote_address(),
         endpoint,
         connection: connection.clone(),
         metrics: Metrics::default(),
-        session: Mutex::new(Session::new(session, Instant::now())),
+        session,
         pending: Semaphore::new(config.max_pending_per_connection),
+        window_opened: Notify::new(),
+        host_memory: shared.host_memory.share(
+            format!(
+                "host (the share of the connection from {})",
+                connection.remote_address()
+            ),
+            config.host_memory_per_connection,
+        ),
     });
     shared.connections.insert(id, state.clone());
     info!("connection established");

@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::tensor::Accepted;
 use crate::error::TransportError;
+use crate::session::ConnectionSession;
 
 /// A tensor whose METADATA arrived: accept it into a sink, or reject it.
 ///
@@ -26,8 +27,9 @@ pub struct IncomingTensor {
     pub(super) decision: oneshot::Sender<Decision>,
     /// Why the stream ended before a decision, once it has.
     pub(super) ended: Ended,
-    /// The connection it came on, to send tensors back.
+    /// The connection it came on and its session, to send tensors back.
     pub(super) connection: quinn::Connection,
+    pub(super) session: ConnectionSession,
     pub(super) host_memory: MemoryBudget,
     /// When the admission timeout ends: memory waits give up then.
     pub(super) deadline: tokio::time::Instant,
@@ -84,7 +86,7 @@ impl IncomingTensor {
     /// endpoint may open tensor streams), under the peer's credit. The peer receives them
     /// with [`Sender::receive`](crate::Sender::receive).
     pub fn reply_sender(&self, config: &crate::SenderConfig) -> crate::ConnectionSender {
-        crate::ConnectionSender::new(self.connection.clone(), config)
+        crate::ConnectionSender::new(self.connection.clone(), self.session.clone(), config)
     }
 
     /// Whether the stream already ended (the sender cancelled, reset it or timed out): a
@@ -101,9 +103,10 @@ impl IncomingTensor {
         let reserved = tokio::select! {
             reserved = tokio::time::timeout_at(self.deadline, self.host_memory.reserve(len)) => {
                 reserved.unwrap_or_else(|_| Err(SinkError::exhausted(format!(
-                    "waited {:.1} s for {len} bytes of host memory: {} of the {} byte budget \
+                    "waited {:.1} s for {len} bytes of {} memory: {} of the {} byte budget \
                      stayed in use",
                     self.admission_timeout.as_secs_f64(),
+                    self.host_memory.what(),
                     self.host_memory.snapshot().reserved,
                     self.host_memory.limit(),
                 ))))
@@ -122,8 +125,8 @@ impl IncomingTensor {
         }
     }
 
-    /// The receiver's host-memory budget, for sinks of the application's own that land
-    /// tensors in host memory (reserve before accepting).
+    /// This connection's share of the receiver's host-memory budget, for sinks of the
+    /// application's own that land tensors in host memory (reserve before accepting).
     pub fn host_memory(&self) -> &MemoryBudget {
         &self.host_memory
     }

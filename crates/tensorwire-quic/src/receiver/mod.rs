@@ -30,6 +30,7 @@ use crate::budget::{Budget, BudgetSnapshot};
 use crate::config::ReceiverConfig;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::session::ConnectionSession;
 use connection::{ConnectionState, accept_connections};
 pub use incoming::{IncomingTensor, TensorHandle};
 use tensorwire_sink::{MemoryBudget, MemorySnapshot};
@@ -146,6 +147,7 @@ impl Receiver {
     /// closed for idleness from this side.
     pub(crate) fn on_connection(
         connection: quinn::Connection,
+        session: ConnectionSession,
         mut config: ReceiverConfig,
     ) -> Result<Self, TransportError> {
         config.connection_idle_timeout = Duration::MAX;
@@ -157,7 +159,13 @@ impl Receiver {
         );
         let shared = Shared::new(config)?;
         let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
-        tokio::spawn(connection::serve_streams(0, shared.clone(), connection, tx));
+        tokio::spawn(connection::serve_streams(
+            0,
+            shared.clone(),
+            connection,
+            tx,
+            Some(session),
+        ));
         Ok(Self {
             endpoints: Vec::new(),
             local,
@@ -199,6 +207,12 @@ impl Receiver {
     /// The host-memory budget that [`IncomingTensor::accept_host`] admits tensors against.
     pub fn host_memory(&self) -> MemorySnapshot {
         self.shared.host_memory.snapshot()
+    }
+
+    /// The receiver's host-memory budget itself (shared, not a copy), to watch it from other
+    /// tasks or to admit memory of the application's own against it.
+    pub fn host_memory_budget(&self) -> MemoryBudget {
+        self.shared.host_memory.clone()
     }
 
     /// Counters of each open connection.

@@ -99,7 +99,8 @@ impl Accepted {
                     .ok_or(ProtocolError::Misuse("decision taken twice"))?,
                 ended: self.ended.clone(),
                 connection: connection.connection.clone(),
-                host_memory: shared.host_memory.clone(),
+                session: connection.session.clone(),
+                host_memory: connection.host_memory.clone(),
                 deadline,
                 admission_timeout: config.admission_timeout,
             };
@@ -185,6 +186,7 @@ impl Accepted {
         progress: &AtomicU64,
     ) -> Result<S::Output, TransportError> {
         let shared = self.shared.clone();
+        let connection = self.connection.clone();
         let config = &shared.config;
         // Bytes of this tensor the sink holds and has not yet made durable.
         let pending = Arc::new(AtomicU64::new(0));
@@ -193,6 +195,7 @@ impl Accepted {
         loop {
             // Armed before asking, so a release between the two is not missed.
             let returned = shared.budget.credit_returned();
+            let window_opened = connection.window_opened.notified();
             let (granted, wants_more) = {
                 let mut session = self.connection.session();
                 let granted = shared
@@ -207,11 +210,16 @@ impl Accepted {
             tokio::select! {
                 biased;
                 () = returned, if wants_more => {}
+                () = window_opened, if wants_more => {}
                 frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame()) => {
                     let frame = frame.map_err(|_| TransportError::timed_out("DATA", config.progress_timeout))??;
                     match self.handle(frame)? {
                         SessionEvent::Data(data) => {
                             let n = data.payload.len() as u64;
+                            if self.connection.session().connection_window_left() <= n {
+                                // The window was full: streams of this connection may wait on it.
+                                self.connection.window_opened.notify_waiters();
+                            }
                             let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
                             sink.write(data.offset, data.payload, permit).await?;
                             progress.fetch_add(n, Ordering::Relaxed);

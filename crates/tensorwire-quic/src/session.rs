@@ -1,0 +1,25 @@
+//! The one sans-IO [`Session`] of a connection, shared by the tasks that pump its streams in
+//! both directions: the receiving side's streams and the tensors sent on it.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+use tensorwire_proto::{Session, SessionConfig};
+
+/// A connection's session. Lock it only for a sans-IO call, never across an await, and
+/// before the receiver's credit tracker, never after. Cheap to clone.
+#[derive(Clone, Debug)]
+pub(crate) struct ConnectionSession(Arc<Mutex<Session>>);
+
+impl ConnectionSession {
+    /// A session with `config`, idle from now.
+    pub(crate) fn new(config: SessionConfig) -> Self {
+        Self(Arc::new(Mutex::new(Session::new(config, Instant::now()))))
+    }
+
+    /// The session, for one sans-IO call.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Session> {
+        // The session's invariants hold between calls; a panic elsewhere cannot break them.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
