@@ -1,14 +1,28 @@
 //! Writes received tensors as `.safetensors` files: tensors that came from one file are
 //! gathered and written back as that file; others each get a file of their own.
+//!
+//! Every tensor is spooled to disk while it lands ([`SpoolingSink`]) and synced before its
+//! sink finishes, so the COMPLETE its sender gets means the bytes are on disk (spec §6.8): a
+//! full or read-only disk fails that tensor (CANCEL with RESOURCE_EXHAUSTED or SINK_FAILED),
+//! not the receiver, and never after the sender was told it succeeded. Whole files are then
+//! assembled from the spool, atomically.
 
-use std::collections::{BTreeMap, HashMap};
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::Context;
-use bytes::Bytes;
-use tensorwire::proto::TensorMeta;
+use tensorwire::proto::{Payload, TensorMeta};
+use tensorwire::quic::{CreditPermit, Sink, SinkError};
 
 use crate::files::{FILE_ATTR, FILE_METADATA_ATTR, FILE_TENSORS_ATTR};
+
+/// The spool's folder inside the save directory.
+const SPOOL: &str = ".incoming";
 
 /// A directory that received tensors are saved into.
 ///
@@ -18,33 +32,179 @@ use crate::files::{FILE_ATTR, FILE_METADATA_ATTR, FILE_TENSORS_ATTR};
 /// [`SaveJob::write`].
 pub struct SaveDir {
     dir: PathBuf,
+    spool: SpoolDir,
     /// By (connection, file): how many tensors the file holds, and those that arrived.
     pending: HashMap<(String, String), Pending>,
 }
 
 /// A file's expected tensor count and the tensors received so far.
-type Pending = (usize, Vec<(TensorMeta, Bytes)>);
+type Pending = (usize, Vec<(TensorMeta, Spooled)>);
 
 /// Tensors ready to be written as one `.safetensors` file.
 pub struct SaveJob {
     dir: PathBuf,
     file: String,
-    tensors: Vec<(TensorMeta, Bytes)>,
+    tensors: Vec<(TensorMeta, Spooled)>,
+}
+
+/// Where tensors are spooled while they land; cheap to clone into admission tasks.
+#[derive(Clone, Debug)]
+pub struct SpoolDir {
+    dir: PathBuf,
+}
+
+/// A landed tensor's bytes in a synced spool file, removed when dropped (once saved).
+#[derive(Debug)]
+pub struct Spooled {
+    path: PathBuf,
+    len: u64,
+}
+
+impl Spooled {
+    /// Keeps the file (renamed `kept-…`, which no receiver removes) when its file could not
+    /// be written, so its bytes are not lost; returns where it is.
+    fn keep(mut self) -> PathBuf {
+        let name = self
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
+        let kept = self
+            .path
+            .with_file_name(format!("kept-{}", name.unwrap_or_default()));
+        if std::fs::rename(&self.path, &kept).is_ok() {
+            self.path = kept.clone();
+        }
+        // An empty path: dropping removes nothing.
+        std::mem::take(&mut self.path)
+    }
+}
+
+impl Drop for Spooled {
+    fn drop(&mut self) {
+        if !self.path.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Lands a tensor in `inner` and, as it does, in a spool file; finishing syncs the file
+/// before the inner sink's output is handed back, so COMPLETE follows the bytes reaching the
+/// disk. Dropped unfinished (the tensor failed), it removes the file.
+pub struct SpoolingSink<S> {
+    inner: S,
+    file: Arc<std::fs::File>,
+    spooled: Spooled,
+}
+
+impl SpoolDir {
+    /// Creates the spool in `dir` and removes files left by receivers that are gone.
+    fn open(dir: &Path) -> anyhow::Result<Self> {
+        let spool = dir.join(SPOOL);
+        std::fs::create_dir_all(&spool).with_context(|| spool.display().to_string())?;
+        for entry in std::fs::read_dir(&spool)?.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            // `PID-N.part` is a receiver's; `kept-…` bytes wait for their owner.
+            let Some(pid) = name
+                .split('-')
+                .next()
+                .and_then(|pid| pid.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+        Ok(Self { dir: spool })
+    }
+
+    /// Wraps `inner` so the tensor's `len` bytes are also spooled to disk before COMPLETE.
+    pub fn sink<S: Sink>(&self, inner: S, len: u64) -> Result<SpoolingSink<S>, SinkError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = self.dir.join(format!("{}-{n}.part", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .read(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| disk_error(&path, &e))?;
+        Ok(SpoolingSink {
+            inner,
+            file: Arc::new(file),
+            spooled: Spooled { path, len },
+        })
+    }
+}
+
+/// A disk failure as the sender is told it: out of space is RESOURCE_EXHAUSTED, anything
+/// else SINK_FAILED; the message names the file.
+fn disk_error(path: &Path, e: &std::io::Error) -> SinkError {
+    let message = format!("saving to {}: {e}", path.display());
+    match e.kind() {
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => {
+            SinkError::exhausted(message)
+        }
+        _ => SinkError::failed(message),
+    }
+}
+
+impl<S: Sink> Sink for SpoolingSink<S> {
+    type Output = (S::Output, Spooled);
+
+    async fn write(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<(), SinkError> {
+        let (file, parts) = (self.file.clone(), payload.clone());
+        let path = self.spooled.path.clone();
+        // Disk writes block: off the async path.
+        tokio::task::spawn_blocking(move || {
+            let mut at = offset;
+            for part in parts.parts() {
+                file.write_all_at(part, at)?;
+                at += part.len() as u64;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| SinkError::failed(format!("the spool writer failed: {e}")))?
+        .map_err(|e| disk_error(&path, &e))?;
+        self.inner.write(offset, payload, permit).await
+    }
+
+    async fn finish(self) -> Result<Self::Output, SinkError> {
+        let output = self.inner.finish().await?;
+        let (file, path) = (self.file, self.spooled.path.clone());
+        tokio::task::spawn_blocking(move || file.sync_all())
+            .await
+            .map_err(|e| SinkError::failed(format!("the spool writer failed: {e}")))?
+            .map_err(|e| disk_error(&path, &e))?;
+        Ok((output, self.spooled))
+    }
 }
 
 impl SaveDir {
-    /// Saves into `dir`, creating it.
+    /// Saves into `dir`, creating it and its spool.
     pub fn new(dir: &Path) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
         Ok(Self {
             dir: dir.to_owned(),
+            spool: SpoolDir::open(dir)?,
             pending: HashMap::new(),
         })
     }
 
-    /// Adds a tensor that came over the connection `origin`; returns the file it completed,
-    /// to be written with [`SaveJob::write`].
-    pub fn add(&mut self, origin: &str, meta: TensorMeta, bytes: Bytes) -> Option<SaveJob> {
+    /// Where tensors are spooled while they land.
+    pub fn spool(&self) -> SpoolDir {
+        self.spool.clone()
+    }
+
+    /// Adds a landed tensor that came over the connection `origin`; returns the file it
+    /// completed, to be written with [`SaveJob::write`].
+    pub fn add(&mut self, origin: &str, meta: TensorMeta, bytes: Spooled) -> Option<SaveJob> {
         let expected = meta
             .attribute(FILE_TENSORS_ATTR)
             .and_then(|n| n.parse::<usize>().ok());
@@ -68,7 +228,7 @@ impl SaveDir {
         Some(self.job(file, tensors))
     }
 
-    fn job(&self, file: String, tensors: Vec<(TensorMeta, Bytes)>) -> SaveJob {
+    fn job(&self, file: String, tensors: Vec<(TensorMeta, Spooled)>) -> SaveJob {
         SaveJob {
             dir: self.dir.clone(),
             file,
@@ -99,6 +259,47 @@ impl SaveDir {
     }
 }
 
+/// One spooled tensor as safetensors writes it: its bytes are read from the spool only when
+/// written, one tensor at a time.
+struct SpooledView<'a> {
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    spooled: &'a Spooled,
+    /// The first read failure; the file is then not written.
+    failed: &'a RefCell<Option<std::io::Error>>,
+}
+
+impl safetensors::View for SpooledView<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        match std::fs::read(&self.spooled.path) {
+            Ok(bytes) if bytes.len() as u64 == self.spooled.len => Cow::Owned(bytes),
+            read => {
+                let e = read.err().unwrap_or_else(|| {
+                    std::io::Error::other(format!(
+                        "spool file {} is not {} bytes long",
+                        self.spooled.path.display(),
+                        self.spooled.len
+                    ))
+                });
+                self.failed.borrow_mut().get_or_insert(e);
+                Cow::Owned(vec![0; self.data_len()])
+            }
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        usize::try_from(self.spooled.len).unwrap_or(usize::MAX)
+    }
+}
+
 impl SaveJob {
     /// The file's name in the directory.
     pub fn file(&self) -> &str {
@@ -106,10 +307,10 @@ impl SaveJob {
     }
 
     /// Writes the file atomically: into a temporary file in the same directory, synced,
-    /// then renamed over the final name, and the directory synced. Blocking: run it off the
-    /// async path (`spawn_blocking`).
+    /// then renamed over the final name, and the directory synced; the spool files go once
+    /// it is. Blocking: run it off the async path (`spawn_blocking`).
     pub fn write(self) -> anyhow::Result<PathBuf> {
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        static NEXT: AtomicU64 = AtomicU64::new(0);
         let metadata: Option<HashMap<String, String>> = self
             .tensors
             .first()
@@ -127,29 +328,46 @@ impl SaveJob {
                     .collect();
                 (!attrs.is_empty()).then_some(attrs)
             });
-        let mut views = BTreeMap::new();
-        for (meta, bytes) in &self.tensors {
+        let failed = RefCell::new(None);
+        let mut views = Vec::new();
+        for (meta, spooled) in &self.tensors {
             let dtype: safetensors::Dtype =
                 serde_json::from_value(serde_json::Value::from(meta.dtype().name()))
                     .with_context(|| format!("dtype {}", meta.dtype()))?;
             let shape = meta.shape().iter().map(|&d| d as usize).collect();
-            views.insert(
-                meta.name().to_owned(),
-                safetensors::tensor::TensorView::new(dtype, shape, bytes)?,
-            );
+            let view = SpooledView {
+                dtype,
+                shape,
+                spooled,
+                failed: &failed,
+            };
+            views.push((meta.name().to_owned(), view));
         }
         let path = self.dir.join(&self.file);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let temp = self
             .dir
             .join(format!(".{}.{}-{n}.tmp", self.file, std::process::id()));
         let written = safetensors::serialize_to_file(views, metadata, &temp)
             .map_err(anyhow::Error::from)
+            .and_then(|()| match failed.take() {
+                Some(e) => Err(anyhow::Error::from(e).context("reading the spool")),
+                None => Ok(()),
+            })
             .and_then(|()| Ok(std::fs::File::open(&temp)?.sync_all()?))
             .and_then(|()| Ok(std::fs::rename(&temp, &path)?));
         if let Err(e) = written {
             let _ = std::fs::remove_file(&temp);
-            return Err(e.context(format!("writing {}", path.display())));
+            let kept: Vec<String> = self
+                .tensors
+                .into_iter()
+                .map(|(meta, spooled)| format!("{} in {}", meta.name(), spooled.keep().display()))
+                .collect();
+            return Err(e.context(format!(
+                "writing {} (the received bytes are kept: {})",
+                path.display(),
+                kept.join(", ")
+            )));
         }
         // The rename is durable once the directory is.
         if let Ok(dir) = std::fs::File::open(&self.dir) {
@@ -185,13 +403,27 @@ mod tests {
     use super::*;
     use tensorwire::proto::DType;
 
-    fn tensor(name: &str, file: &str, of: usize, fill: u8) -> (TensorMeta, Bytes) {
+    /// A tensor of four `fill` bytes, spooled in `save`'s spool as if it had landed.
+    fn tensor(
+        save: &SaveDir,
+        name: &str,
+        file: &str,
+        of: usize,
+        fill: u8,
+    ) -> (TensorMeta, Spooled) {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
         let meta = TensorMeta::new([4], DType::U8)
             .unwrap()
             .with_name(name)
             .with_attribute(FILE_ATTR, file)
             .with_attribute(FILE_TENSORS_ATTR, of.to_string());
-        (meta, Bytes::from(vec![fill; 4]))
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = save
+            .spool
+            .dir
+            .join(format!("{}-test{n}.part", std::process::id()));
+        std::fs::write(&path, [fill; 4]).unwrap();
+        (meta, Spooled { path, len: 4 })
     }
 
     fn temp(name: &str) -> PathBuf {
@@ -206,9 +438,9 @@ mod tests {
     fn files_of_the_same_name_from_two_connections_do_not_mix() {
         let dir = temp("mix");
         let mut save = SaveDir::new(&dir).unwrap();
-        let (a0, a0b) = tensor("x", "m.safetensors", 2, 1);
-        let (b0, b0b) = tensor("x", "m.safetensors", 2, 2);
-        let (a1, a1b) = tensor("y", "m.safetensors", 2, 1);
+        let (a0, a0b) = tensor(&save, "x", "m.safetensors", 2, 1);
+        let (b0, b0b) = tensor(&save, "x", "m.safetensors", 2, 2);
+        let (a1, a1b) = tensor(&save, "y", "m.safetensors", 2, 1);
         assert!(save.add("peer-a", a0, a0b).is_none());
         assert!(save.add("peer-b", b0, b0b).is_none());
         let job = save
@@ -225,15 +457,18 @@ mod tests {
             );
         }
         assert_eq!(save.incomplete().len(), 1, "peer b's file still waits");
-        let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        let mut leftovers: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
+        leftovers.sort();
         assert_eq!(
             leftovers,
-            ["m.safetensors"],
+            [SPOOL, "m.safetensors"],
             "no temporary file left behind"
         );
+        let spooled = std::fs::read_dir(dir.join(SPOOL)).unwrap().count();
+        assert_eq!(spooled, 1, "only peer b's waiting tensor is still spooled");
         std::fs::remove_dir_all(dir).unwrap();
     }
 
@@ -243,7 +478,7 @@ mod tests {
     fn tensors_of_an_incomplete_file_are_saved_as_a_partial_file() {
         let dir = temp("partial");
         let mut save = SaveDir::new(&dir).unwrap();
-        let (m, b) = tensor("x", "model.safetensors", 3, 5);
+        let (m, b) = tensor(&save, "x", "model.safetensors", 3, 5);
         assert!(save.add("peer", m, b).is_none());
         let jobs = save.drain_partial();
         assert_eq!(jobs.len(), 1);
@@ -260,16 +495,41 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
-    /// A write that fails (here: the directory is gone) is an error naming the file, and
-    /// leaves nothing behind.
+    /// A write that fails (here: a directory stands where the file goes) is an error naming
+    /// the file, and the received bytes are kept in the spool, named in the error.
     #[test]
-    fn a_failed_write_names_the_file() {
-        let dir = temp("gone");
+    fn a_failed_write_names_the_file_and_keeps_the_bytes() {
+        let dir = temp("blocked");
         let mut save = SaveDir::new(&dir).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-        let (m, b) = tensor("solo", "", 0, 1);
-        let err = save.add("peer", m, b).unwrap().write().unwrap_err();
-        assert!(format!("{err:#}").contains("solo.safetensors"), "{err:#}");
+        std::fs::create_dir_all(dir.join("solo.safetensors").join("x")).unwrap();
+        let (m, b) = tensor(&save, "solo", "", 0, 7);
+        let err = format!("{:#}", save.add("peer", m, b).unwrap().write().unwrap_err());
+        assert!(err.contains("solo.safetensors"), "{err}");
+        let kept = err
+            .split(" in ")
+            .nth(1)
+            .and_then(|rest| rest.split(')').next())
+            .unwrap();
+        assert_eq!(std::fs::read(kept).unwrap(), [7; 4], "{err}");
+        // A new receiver on the directory leaves kept bytes alone.
+        drop(SaveDir::new(&dir).unwrap());
+        assert!(Path::new(kept).exists(), "{kept} gone");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Spool files of receivers that are gone are removed; a live one's are not.
+    #[test]
+    fn stale_spool_files_are_removed_on_start() {
+        let dir = temp("stale");
+        let save = SaveDir::new(&dir).unwrap();
+        let stale = save.spool.dir.join("4194304999-0.part");
+        std::fs::write(&stale, b"old").unwrap();
+        let (_, live) = tensor(&save, "live", "", 0, 1);
+        drop(SaveDir::new(&dir).unwrap());
+        assert!(!stale.exists());
+        assert!(live.path.exists());
+        drop(live);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

@@ -425,3 +425,52 @@ fn refused_with(receiver_args: &[&str], sender_args: &[&str], code: &str) {
     let _ = receiver.wait();
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A save that fails (here: a file-size limit makes the disk refuse a large tensor) fails
+/// that tensor at its sender with the code, never after telling it COMPLETE; the receiver
+/// keeps serving and saves the next tensor.
+#[test]
+fn a_failed_save_fails_the_tensor_not_the_receiver() {
+    let dir = temp_dir("save-fails");
+    let (big, small) = (dir.join("big.bin"), dir.join("small.bin"));
+    std::fs::write(&big, vec![3u8; 3 << 20]).unwrap();
+    std::fs::write(&small, vec![4u8; 100 << 10]).unwrap();
+    let out = dir.join("out");
+    // 1 MiB file-size limit; SIGXFSZ ignored so the write fails with EFBIG instead.
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 1024; exec '{}' --listen 127.0.0.1:0 --count 2 --device host --save '{}'",
+        env!("CARGO_BIN_EXE_receiver"),
+        out.display()
+    );
+    let mut receiver = Command::new("bash")
+        .args(["-c", &script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let addr = first.strip_prefix("listening on ").unwrap().to_owned();
+    let sent = send_raw(&addr, 3 << 20, &big, &[]);
+    let stderr = String::from_utf8_lossy(&sent.stderr);
+    assert!(!sent.status.success(), "told COMPLETE for bytes not kept");
+    assert!(
+        stderr.contains("failed: big: ") && stderr.contains("SINK_FAILED"),
+        "{stderr}"
+    );
+    let sent = send_raw(&addr, 100 << 10, &small, &[]);
+    assert!(
+        sent.status.success(),
+        "the receiver kept serving: {}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    let status = receiver.wait().unwrap();
+    assert!(status.success(), "receiver: {status} {rest:?}");
+    let saved = std::fs::read(out.join("small.safetensors")).unwrap();
+    assert!(saved.ends_with(&vec![4u8; 100 << 10]), "the small tensor is saved");
+    assert!(!out.join("big.safetensors").exists());
+    let spool: Vec<_> = std::fs::read_dir(out.join(".incoming")).unwrap().collect();
+    assert!(spool.is_empty(), "the failed tensor's spool file is gone");
+    std::fs::remove_dir_all(dir).unwrap();
+}

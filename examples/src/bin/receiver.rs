@@ -153,6 +153,7 @@ async fn main() -> anyhow::Result<()> {
                 let Some(incoming) = incoming else { break };
                 accepted += 1;
                 let (placement, done_tx) = (placement.clone(), done_tx.clone());
+                let spool = save.as_ref().map(SaveDir::spool);
                 let wait = args.admission_timeout;
                 // Admission may wait for memory: off the loop, so other tensors go on.
                 tokio::spawn(async move {
@@ -160,9 +161,28 @@ async fn main() -> anyhow::Result<()> {
                     let meta = incoming.meta().clone();
                     let origin = incoming.peer().to_string();
                     let admitted = placement.admit(&meta, incoming.host_memory(), wait).await;
-                    let result = match admitted {
-                        Ok(sink) => incoming.accept(sink).finished().await.map_err(|e| e.to_string()),
-                        Err(e) => {
+                    // With --save, the bytes are on disk before the sender is told COMPLETE.
+                    let result = match (admitted, spool) {
+                        (Ok(sink), None) => incoming
+                            .accept(sink)
+                            .finished()
+                            .await
+                            .map(|(meta, buffer)| (meta, buffer, None))
+                            .map_err(|e| e.to_string()),
+                        (Ok(sink), Some(spool)) => match spool.sink(sink, meta.byte_len()) {
+                            Ok(sink) => incoming
+                                .accept(sink)
+                                .finished()
+                                .await
+                                .map(|(meta, (buffer, spooled))| (meta, buffer, Some(spooled)))
+                                .map_err(|e| e.to_string()),
+                            Err(e) => {
+                                let why = format!("{}: {}", e.code, e.message);
+                                incoming.reject(e.code, e.message);
+                                Err(format!("refused: {why}"))
+                            }
+                        },
+                        (Err(e), _) => {
                             let why = format!("{}: {}", e.code, e.message);
                             incoming.reject(e.code, e.message);
                             Err(format!("refused: {why}"))
@@ -181,7 +201,7 @@ async fn main() -> anyhow::Result<()> {
             }
             Some((result, elapsed, origin)) = done_rx.recv() => {
                 match result {
-                    Ok((meta, buffer)) => {
+                    Ok((meta, buffer, spooled)) => {
                         finished += 1;
                         bytes += meta.byte_len();
                         println!(
@@ -190,15 +210,6 @@ async fn main() -> anyhow::Result<()> {
                             elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64()),
                             buffer.location()
                         );
-                        // Saving needs the bytes on the host (a device-to-host copy for GPU tensors).
-                        let host = match (&save, buffer.to_host()) {
-                            (None, _) => None,
-                            (Some(_), Ok(host)) => Some(host),
-                            (Some(_), Err(e)) => {
-                                eprintln!("not saved: {}: copying it to the host failed: {e}", meta.name());
-                                None
-                            }
-                        };
                         if let Some(service) = &share {
                             match service.publish_buffer(&meta, buffer) {
                                 Ok(shared) => println!(
@@ -208,9 +219,10 @@ async fn main() -> anyhow::Result<()> {
                                 Err(e) => eprintln!("not shared: {}: {e}", meta.name()),
                             }
                         }
-                        // Written off the async path; a failed write is reported, never fatal.
-                        if let (Some(save), Some(host)) = (save.as_mut(), host)
-                            && let Some(job) = save.add(&origin, meta, host)
+                        // Assembled from the spool off the async path; a failed write is
+                        // reported, never fatal, and the spooled bytes stay until it is done.
+                        if let (Some(save), Some(spooled)) = (save.as_mut(), spooled)
+                            && let Some(job) = save.add(&origin, meta, spooled)
                         {
                             let file = job.file().to_owned();
                             saves.spawn_blocking(move || job.write().map_err(|e| (file, e)));
