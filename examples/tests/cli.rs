@@ -468,7 +468,10 @@ fn a_failed_save_fails_the_tensor_not_the_receiver() {
     let status = receiver.wait().unwrap();
     assert!(status.success(), "receiver: {status} {rest:?}");
     let saved = std::fs::read(out.join("small.safetensors")).unwrap();
-    assert!(saved.ends_with(&vec![4u8; 100 << 10]), "the small tensor is saved");
+    assert!(
+        saved.ends_with(&vec![4u8; 100 << 10]),
+        "the small tensor is saved"
+    );
     assert!(!out.join("big.safetensors").exists());
     let spool: Vec<_> = std::fs::read_dir(out.join(".incoming")).unwrap().collect();
     assert!(spool.is_empty(), "the failed tensor's spool file is gone");

@@ -8,8 +8,10 @@ use tensorwire_proto::Payload;
 use crate::{CreditPermit, MemoryReservation, Sink, SinkError};
 
 /// Below this, a heap buffer; at and above, an anonymous mapping, whose untouched pages cost
-/// nothing and which is unmapped on drop (the allocator would keep large freed blocks).
-const MAP_FROM: usize = 1 << 20;
+/// nothing and which is unmapped on drop. The allocator would keep freed blocks above its
+/// (dynamic, up to 32 MiB) mmap threshold in the process: a burst of tensors of a few hundred
+/// KiB would stay resident after they are dropped.
+const MAP_FROM: usize = 32 << 10;
 
 /// A sink into one host-memory buffer of the tensor's length.
 #[derive(Debug)]
