@@ -8,14 +8,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_core::Stream;
 use quinn::VarInt;
 use tensorwire_proto::{
     ErrorCode, Frame, Limits, ProtocolError, SessionConfig, SessionEvent, StreamId, TensorMeta,
     TensorSender,
 };
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span};
@@ -57,7 +56,13 @@ impl From<Vec<u8>> for Source {
 /// Reads a [`Source`] in pieces of at most a requested length.
 enum SourceReader {
     Bytes(Bytes),
-    File(tokio::fs::File),
+    /// A file read one chunk ahead on the blocking pool, straight into the buffer that is
+    /// sent: the next read overlaps sending this one.
+    File {
+        file: Arc<std::fs::File>,
+        leftover: Bytes,
+        ahead: Option<JoinHandle<std::io::Result<Bytes>>>,
+    },
     Stream {
         inner: Pin<Box<dyn Stream<Item = std::io::Result<Bytes>> + Send>>,
         leftover: Bytes,
@@ -69,9 +74,18 @@ impl SourceReader {
         Ok(match source {
             Source::Bytes(bytes) => SourceReader::Bytes(bytes),
             Source::File { path, offset } => {
-                let mut file = tokio::fs::File::open(&path).await?;
-                file.seek(std::io::SeekFrom::Start(offset)).await?;
-                SourceReader::File(file)
+                let file = tokio::task::spawn_blocking(move || {
+                    let mut file = std::fs::File::open(&path)?;
+                    std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(offset))?;
+                    Ok::<_, std::io::Error>(file)
+                })
+                .await
+                .map_err(std::io::Error::other)??;
+                SourceReader::File {
+                    file: Arc::new(file),
+                    leftover: Bytes::new(),
+                    ahead: None,
+                }
             }
             Source::Stream(inner) => SourceReader::Stream {
                 inner,
@@ -84,10 +98,24 @@ impl SourceReader {
     async fn next(&mut self, max: usize) -> std::io::Result<Bytes> {
         match self {
             SourceReader::Bytes(bytes) => Ok(bytes.split_to(max.min(bytes.len()))),
-            SourceReader::File(file) => {
-                let mut buf = BytesMut::with_capacity(max);
-                while buf.len() < max && file.read_buf(&mut buf).await? > 0 {}
-                Ok(buf.freeze())
+            SourceReader::File {
+                file,
+                leftover,
+                ahead,
+            } => {
+                if leftover.is_empty() {
+                    *leftover = match ahead.take() {
+                        Some(read) => read.await.map_err(std::io::Error::other)??,
+                        None => read_file_chunk(file.clone(), max).await?,
+                    };
+                    if !leftover.is_empty() {
+                        let file = file.clone();
+                        *ahead = Some(tokio::task::spawn_blocking(move || {
+                            read_file_chunk_blocking(&file, max)
+                        }));
+                    }
+                }
+                Ok(leftover.split_to(max.min(leftover.len())))
             }
             SourceReader::Stream { inner, leftover } => {
                 if leftover.is_empty() {
@@ -98,6 +126,19 @@ impl SourceReader {
             }
         }
     }
+}
+
+/// Up to `len` bytes from `file`'s cursor (fewer only at its end), into a buffer of their own.
+fn read_file_chunk_blocking(file: &std::fs::File, len: usize) -> std::io::Result<Bytes> {
+    let mut buf = Vec::with_capacity(len);
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, len as u64), &mut buf)?;
+    Ok(buf.into())
+}
+
+async fn read_file_chunk(file: Arc<std::fs::File>, len: usize) -> std::io::Result<Bytes> {
+    tokio::task::spawn_blocking(move || read_file_chunk_blocking(&file, len))
+        .await
+        .map_err(std::io::Error::other)?
 }
 
 /// A connection to a receiver that sends tensors, each on its own stream; it can also
