@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tensorwire_proto::{Device, Payload, TensorMeta};
-use tensorwire_sink::{CreditPermit, HostSink, MemoryBudget, Sink, SinkError};
+use tensorwire_sink::{CreditPermit, HostSink, MemoryBudget, MemoryShares, Sink, SinkError};
 
 use crate::buffer::TensorBuffer;
 use crate::error::GpuError;
@@ -147,8 +147,8 @@ impl Placement {
     }
 
     /// A sink for `meta`, its destination admitted against the device's memory budget (or
-    /// `host`'s, for host memory) before anything is allocated (spec §7.5), waiting up to
-    /// `wait` for memory to come back.
+    /// `host`'s, for host memory) before anything is allocated (spec §7.5), through the
+    /// sender's connection's `shares` of each, waiting up to `wait` for memory to come back.
     ///
     /// The METADATA device hint is honoured (spec §5.2): `host` lands in host memory; `cuda:N`
     /// lands on this receiver's GPU N or is refused with UNSUPPORTED_DEVICE, and never falls
@@ -160,9 +160,11 @@ impl Placement {
     pub async fn admit(
         &self,
         meta: &TensorMeta,
+        shares: &MemoryShares,
         host: &MemoryBudget,
         wait: Duration,
     ) -> Result<TensorSink, SinkError> {
+        let host = &shares.of(host);
         let host_sink = || async {
             let reservation = tokio::time::timeout(wait, host.reserve(meta.byte_len()))
                 .await
@@ -172,14 +174,14 @@ impl Placement {
         match self.target(meta)? {
             #[cfg(feature = "cuda")]
             Target::Gpu(gpu, fallback) => {
-                let reserved =
-                    tokio::time::timeout(wait, gpu.memory_budget().reserve(meta.byte_len())).await;
+                let device = shares.of(gpu.memory_budget());
+                let reserved = tokio::time::timeout(wait, device.reserve(meta.byte_len())).await;
                 let sink = match reserved {
                     Ok(Ok(reservation)) => gpu
                         .sink_reserved(meta, reservation)
                         .map_err(SinkError::from),
                     Ok(Err(e)) => Err(e),
-                    Err(_) => Err(waited_in_vain(gpu.memory_budget(), meta, wait)),
+                    Err(_) => Err(waited_in_vain(&device, meta, wait)),
                 };
                 match sink {
                     Ok(sink) => Ok(TensorSink::Gpu(sink)),

@@ -57,7 +57,15 @@ async fn land(
 ) -> Result<TensorBuffer, ErrorCode> {
     let incoming = rx.next().await.unwrap();
     let meta = incoming.meta().clone();
-    match placement.admit(&meta, incoming.host_memory(), wait).await {
+    match placement
+        .admit(
+            &meta,
+            incoming.memory_shares(),
+            incoming.host_memory(),
+            wait,
+        )
+        .await
+    {
         Ok(sink) => Ok(incoming.accept(sink).finished().await.unwrap().1),
         Err(e) => {
             incoming.reject(e.code, e.message);
@@ -133,7 +141,12 @@ mod on_gpu {
             landing.push(tokio::spawn(async move {
                 let meta = incoming.meta().clone();
                 let sink = placement
-                    .admit(&meta, incoming.host_memory(), Duration::from_secs(60))
+                    .admit(
+                        &meta,
+                        incoming.memory_shares(),
+                        incoming.host_memory(),
+                        Duration::from_secs(60),
+                    )
                     .await
                     .unwrap();
                 let (_, buffer) = incoming.accept(sink).finished().await.unwrap();

@@ -16,12 +16,14 @@ pub enum Admission {
 ///
 /// Credit (spec §7.1) bounds bytes in transit; this ledger bounds the buffers they land in, so
 /// that a METADATA claiming gigabytes commits nothing until the memory is admitted.
-/// `reserved` never exceeds `limit`.
+/// `reserved` never exceeds `limit`, except in a [share](Self::share) holding one request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryLedger {
     limit: u64,
     reserved: u64,
     peak: u64,
+    /// A share admits one request above its limit while it holds nothing else.
+    sole_above_limit: bool,
 }
 
 impl MemoryLedger {
@@ -31,15 +33,35 @@ impl MemoryLedger {
             limit,
             reserved: 0,
             peak: 0,
+            sole_above_limit: false,
+        }
+    }
+
+    /// One party's share of a larger budget (spec §7.5): at most `limit` bytes at once, or
+    /// one request of any size while it holds nothing else, so a party with one tensor
+    /// larger than its share still gets it when the budget has room (the budget's own ledger
+    /// decides that).
+    pub fn share(limit: u64) -> Self {
+        Self {
+            sole_above_limit: true,
+            ..Self::new(limit)
         }
     }
 
     /// Reserves `bytes` if they fit beside what is reserved.
     pub fn reserve(&mut self, bytes: u64) -> Admission {
         if bytes > self.limit {
-            return Admission::TooLarge;
+            if !self.sole_above_limit {
+                return Admission::TooLarge;
+            }
+            if self.reserved > 0 {
+                return Admission::Wait;
+            }
+            self.reserved = bytes;
+            self.peak = self.peak.max(bytes);
+            return Admission::Reserved;
         }
-        if bytes > self.limit - self.reserved {
+        if bytes > self.limit.saturating_sub(self.reserved) {
             return Admission::Wait;
         }
         self.reserved += bytes;

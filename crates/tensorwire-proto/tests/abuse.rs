@@ -116,3 +116,19 @@ fn the_memory_ledger_admits_within_its_limit_only() {
     assert_eq!(ledger.reserve(60), Admission::Reserved);
     assert_eq!(ledger.peak(), 100);
 }
+
+/// Spec §7.5: a share admits at most its limit, or one request above it while it holds
+/// nothing else; what is above the limit then waits, never is refused outright.
+#[test]
+fn a_share_admits_one_request_above_its_limit_alone() {
+    let mut share = MemoryLedger::share(100);
+    assert_eq!(share.reserve(60), Admission::Reserved);
+    assert_eq!(share.reserve(150), Admission::Wait, "not beside another");
+    assert_eq!(share.reserve(41), Admission::Wait);
+    share.release(60);
+    assert_eq!(share.reserve(150), Admission::Reserved, "alone it may");
+    assert_eq!(share.reserve(1), Admission::Wait, "nothing beside it");
+    share.release(150);
+    assert_eq!(share.reserve(100), Admission::Reserved);
+    assert_eq!((share.reserved(), share.peak()), (100, 150));
+}

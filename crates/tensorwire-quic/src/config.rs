@@ -306,10 +306,13 @@ pub struct ReceiverConfig {
     ///
     /// [`IncomingTensor::accept_host`]: crate::IncomingTensor::accept_host
     pub host_memory_budget: u64,
-    /// Of [`Self::host_memory_budget`], the most one connection's tensors may hold at once,
-    /// so a peer whose accepted tensors idle cannot starve the others (spec §7.5). Default:
-    /// half the host memory budget.
-    pub host_memory_per_connection: u64,
+    /// Of each memory budget (host memory, and each device's budget an application admits
+    /// through [`IncomingTensor::memory_shares`]), the most one connection's tensors may hold
+    /// at once, in percent (1 to 100), so a peer whose accepted tensors idle cannot starve the
+    /// others (spec §7.5). Default: 50.
+    ///
+    /// [`IncomingTensor::memory_shares`]: crate::IncomingTensor::memory_shares
+    pub memory_share_percent: u64,
     /// Tensors of one connection that may wait for the application's decision at once;
     /// more wait on their connection, so one peer cannot starve the others (spec §10).
     pub max_pending_per_connection: usize,
@@ -324,7 +327,6 @@ impl ReceiverConfig {
     /// 256 MiB budget (high 7/8, low 1/2), 4 MiB grants, one endpoint per core.
     pub fn new(listen: SocketAddr, tls: ServerTls) -> Self {
         let budget = 256 << 20;
-        let host_memory_budget = default_host_memory_budget();
         Self {
             listen,
             endpoints: default_endpoints(),
@@ -341,8 +343,8 @@ impl ReceiverConfig {
             admission_timeout: Duration::from_secs(30),
             max_failed_streams: 1000,
             failure_window: Duration::from_secs(10),
-            host_memory_budget,
-            host_memory_per_connection: host_memory_budget / 2,
+            host_memory_budget: default_host_memory_budget(),
+            memory_share_percent: 50,
             max_pending_per_connection: 64,
             connection_idle_timeout: Duration::from_secs(60),
         }
@@ -358,10 +360,9 @@ impl ReceiverConfig {
         self
     }
 
-    /// Sets the host memory budget, with each connection's share at half of it.
+    /// Sets the host memory budget.
     pub fn with_host_memory_budget(mut self, bytes: u64) -> Self {
         self.host_memory_budget = bytes;
-        self.host_memory_per_connection = bytes / 2;
         self
     }
 }

@@ -33,5 +33,6 @@ pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, Te
 pub use sender::{ConnectionSender, SendHandle, SendProgress, SendReport, Sender, Source};
 pub use tensorwire_proto as proto;
 pub use tensorwire_sink::{
-    CreditPermit, HostSink, MemoryBudget, MemoryReservation, MemorySnapshot, Sink, SinkError,
+    CreditPermit, HostSink, MemoryBudget, MemoryReservation, MemoryShares, MemorySnapshot, Sink,
+    SinkError,
 };

@@ -17,7 +17,7 @@ use std::future::Future;
 use tensorwire_proto::{ErrorCode, Payload};
 
 pub use host::HostSink;
-pub use memory::{MemoryBudget, MemoryReservation, MemorySnapshot};
+pub use memory::{MemoryBudget, MemoryReservation, MemoryShares, MemorySnapshot};
 pub use permit::{CreditPermit, CreditRelease};
 
 /// A sink's failure; `code` is what the sender is told (RESOURCE_EXHAUSTED, SINK_FAILED or

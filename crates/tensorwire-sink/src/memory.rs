@@ -49,13 +49,14 @@ impl MemoryBudget {
     }
 
     /// A share of this budget of at most `limit` bytes, for one party (a connection), so
-    /// that no party can hold more than its share of the whole (spec §7.5). Reservations
-    /// through the share count against both; `what` names the share in messages.
+    /// that no party can hold more than its share of the whole (spec §7.5), except one
+    /// reservation of any size while it holds nothing else. Reservations through the share
+    /// count against both; `what` names the share in messages.
     pub fn share(&self, what: impl Into<String>, limit: u64) -> Self {
         Self {
             inner: Arc::new(Inner {
                 what: what.into(),
-                ledger: Mutex::new(MemoryLedger::new(limit.min(self.limit()))),
+                ledger: Mutex::new(MemoryLedger::share(limit.min(self.limit()))),
                 released: Notify::new(),
                 parent: Some(self.clone()),
             }),
@@ -152,6 +153,11 @@ impl MemoryBudget {
         ))
     }
 
+    /// Whether `other` is this same budget (a clone of it), not merely an equal one.
+    pub fn same_as(&self, other: &MemoryBudget) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// What memory this budget covers ("host", "cuda:0").
     pub fn what(&self) -> &str {
         &self.inner.what
@@ -193,5 +199,62 @@ impl Drop for MemoryReservation {
     fn drop(&mut self) {
         self.budget.ledger().release(self.bytes);
         self.budget.inner.released.notify_waiters();
+    }
+}
+
+/// One party's (a connection's) shares of any number of memory budgets, each at most a
+/// percentage of its budget (spec §7.5): a share is made the first time a budget is asked
+/// for and lives as long as the party (and its reservations). Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct MemoryShares {
+    inner: Arc<SharesInner>,
+}
+
+#[derive(Debug)]
+struct SharesInner {
+    /// Who holds the shares, for messages: "the connection from 10.0.0.7:50123".
+    holder: String,
+    percent: u64,
+    shares: Mutex<Vec<MemoryBudget>>,
+}
+
+impl MemoryShares {
+    /// Shares for `holder` of `percent` (1 to 100) of each budget.
+    pub fn new(holder: impl Into<String>, percent: u64) -> Self {
+        Self {
+            inner: Arc::new(SharesInner {
+                holder: holder.into(),
+                percent: percent.clamp(1, 100),
+                shares: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// The holder's share of `whole`: reservations through it count against both, and hold
+    /// at most the percentage of `whole`'s limit.
+    pub fn of(&self, whole: &MemoryBudget) -> MemoryBudget {
+        let mut shares = self
+            .inner
+            .shares
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let existing = shares.iter().find(|share| {
+            share
+                .inner
+                .parent
+                .as_ref()
+                .is_some_and(|p| p.same_as(whole))
+        });
+        if let Some(share) = existing {
+            return share.clone();
+        }
+        let limit = u64::try_from(u128::from(whole.limit()) * u128::from(self.inner.percent) / 100)
+            .unwrap_or(u64::MAX);
+        let share = whole.share(
+            format!("{} (the share of {})", whole.what(), self.inner.holder),
+            limit,
+        );
+        shares.push(share.clone());
+        share
     }
 }

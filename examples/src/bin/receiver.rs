@@ -114,7 +114,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let share = args.connection_share_percent;
     config.connection_window = budget / 100 * share;
-    config.host_memory_per_connection = config.host_memory_budget / 100 * share;
+    config.memory_share_percent = share;
     config.progress_timeout = args.progress_timeout;
     config.admission_timeout = args.admission_timeout;
     config.connection_idle_timeout = args.connection_idle_timeout;
@@ -160,7 +160,9 @@ async fn main() -> anyhow::Result<()> {
                     let started = Instant::now();
                     let meta = incoming.meta().clone();
                     let origin = incoming.peer().to_string();
-                    let admitted = placement.admit(&meta, incoming.host_memory(), wait).await;
+                    let admitted = placement
+                        .admit(&meta, incoming.memory_shares(), incoming.host_memory(), wait)
+                        .await;
                     // With --save, the bytes are on disk before the sender is told COMPLETE.
                     let result = match (admitted, spool) {
                         (Ok(sink), None) => incoming

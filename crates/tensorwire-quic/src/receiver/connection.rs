@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use quinn::VarInt;
 use tensorwire_proto::{ErrorCode, Session, SessionConfig};
-use tensorwire_sink::MemoryBudget;
+use tensorwire_sink::MemoryShares;
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tracing::{Instrument, debug, info, info_span, warn};
 
@@ -32,8 +32,8 @@ pub(super) struct ConnectionState {
     pub(super) pending: Semaphore,
     /// Woken when DATA reopens the connection's credit window after it was full.
     pub(super) window_opened: Notify,
-    /// This connection's share of the receiver's host memory budget.
-    pub(super) host_memory: MemoryBudget,
+    /// This connection's shares of the receiver's memory budgets.
+    pub(super) memory_shares: MemoryShares,
 }
 
 impl ConnectionState {
@@ -127,12 +127,9 @@ pub(super) async fn serve_streams(
         session,
         pending: Semaphore::new(config.max_pending_per_connection),
         window_opened: Notify::new(),
-        host_memory: shared.host_memory.share(
-            format!(
-                "host (the share of the connection from {})",
-                connection.remote_address()
-            ),
-            config.host_memory_per_connection,
+        memory_shares: MemoryShares::new(
+            format!("the connection from {}", connection.remote_address()),
+            config.memory_share_percent,
         ),
     });
     shared.connections.insert(id, state.clone());

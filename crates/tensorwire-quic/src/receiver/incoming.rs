@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tensorwire_proto::{ErrorCode, ProtocolError, TensorMeta};
-use tensorwire_sink::{HostSink, MemoryBudget, Sink, SinkError};
+use tensorwire_sink::{HostSink, MemoryBudget, MemoryShares, Sink, SinkError};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
@@ -31,6 +31,8 @@ pub struct IncomingTensor {
     pub(super) connection: quinn::Connection,
     pub(super) session: ConnectionSession,
     pub(super) host_memory: MemoryBudget,
+    /// Its connection's shares of every memory budget.
+    pub(super) memory_shares: MemoryShares,
     /// When the admission timeout ends: memory waits give up then.
     pub(super) deadline: tokio::time::Instant,
     pub(super) admission_timeout: Duration,
@@ -100,15 +102,16 @@ impl IncomingTensor {
     /// timeout (or a tensor larger than the whole budget) rejects it with RESOURCE_EXHAUSTED.
     pub async fn accept_host(mut self) -> Result<TensorHandle<Bytes>, SinkError> {
         let len = self.meta.byte_len();
+        let host = self.memory_shares.of(&self.host_memory);
         let reserved = tokio::select! {
-            reserved = tokio::time::timeout_at(self.deadline, self.host_memory.reserve(len)) => {
+            reserved = tokio::time::timeout_at(self.deadline, host.reserve(len)) => {
                 reserved.unwrap_or_else(|_| Err(SinkError::exhausted(format!(
                     "waited {:.1} s for {len} bytes of {} memory: {} of the {} byte budget \
                      stayed in use",
                     self.admission_timeout.as_secs_f64(),
-                    self.host_memory.what(),
-                    self.host_memory.snapshot().reserved,
-                    self.host_memory.limit(),
+                    host.what(),
+                    host.snapshot().reserved,
+                    host.limit(),
                 ))))
             }
             () = self.decision.closed() => {
@@ -125,10 +128,18 @@ impl IncomingTensor {
         }
     }
 
-    /// This connection's share of the receiver's host-memory budget, for sinks of the
-    /// application's own that land tensors in host memory (reserve before accepting).
+    /// The receiver's host-memory budget, for sinks of the application's own that land
+    /// tensors in host memory: reserve through [`memory_shares`](Self::memory_shares)
+    /// before accepting.
     pub fn host_memory(&self) -> &MemoryBudget {
         &self.host_memory
+    }
+
+    /// This tensor's connection's shares of any memory budget (host, or a device's):
+    /// reserving through `memory_shares().of(&budget)` keeps one peer from holding more than
+    /// its share (spec §7.5).
+    pub fn memory_shares(&self) -> &MemoryShares {
+        &self.memory_shares
     }
 
     /// Refuses the tensor with `code` and `reason`.

@@ -100,7 +100,8 @@ impl Accepted {
                 ended: self.ended.clone(),
                 connection: connection.connection.clone(),
                 session: connection.session.clone(),
-                host_memory: connection.host_memory.clone(),
+                host_memory: shared.host_memory.clone(),
+                memory_shares: connection.memory_shares.clone(),
                 deadline,
                 admission_timeout: config.admission_timeout,
             };
