@@ -47,5 +47,5 @@ done
 for transport in raw-quinn tcp-tls; do
   echo "bench $transport (cubic), $path:"
   timeout "${LIMIT_S:-600}" "$bin/bench" --only "$transport" --connections 1 --mib "$mib" --runs 1 2>&1 \
-    | grep -E "^ +(raw quinn|TCP\+TLS) " | grep -v NaN || echo "  did not finish in ${LIMIT_S:-600} s"
+    | grep -E "^ +(raw quinn|TCP\+TLS) +[0-9]+ " | grep -v NaN || echo "  did not finish in ${LIMIT_S:-600} s"
 done
