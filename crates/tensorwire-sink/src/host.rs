@@ -13,9 +13,6 @@ use crate::{CreditPermit, MemoryReservation, Sink, SinkError};
 /// KiB would stay resident after they are dropped.
 const MAP_FROM: usize = 32 << 10;
 
-/// From this length, mappings ask for transparent huge pages.
-const HUGE_PAGES_FROM: usize = 4 << 20;
-
 /// A sink into one host-memory buffer of the tensor's length.
 #[derive(Debug)]
 pub struct HostSink {
@@ -79,15 +76,11 @@ impl HostSink {
         let len = usize::try_from(len)
             .map_err(|_| SinkError::exhausted("tensor larger than the address space"))?;
         let buf = if len >= MAP_FROM {
-            let map = MmapMut::map_anon(len)
-                .map_err(|e| SinkError::exhausted(format!("{len} bytes of host memory: {e}")))?;
-            if len >= HUGE_PAGES_FROM {
-                // One fault per 2 MiB instead of per 4 KiB: page faults were a third of the
-                // receiver's time landing large host tensors. Only advice; pages are still
-                // committed as bytes arrive.
-                let _ = map.advise(memmap2::Advice::HugePage);
-            }
-            HostBuffer::Mapped(map)
+            HostBuffer::Mapped(
+                MmapMut::map_anon(len).map_err(|e| {
+                    SinkError::exhausted(format!("{len} bytes of host memory: {e}"))
+                })?,
+            )
         } else {
             let mut buf = Vec::new();
             buf.try_reserve_exact(len)
