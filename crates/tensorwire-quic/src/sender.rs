@@ -60,6 +60,8 @@ enum SourceReader {
     /// sent: the next read overlaps sending this one.
     File {
         file: Arc<std::fs::File>,
+        /// Bytes of the tensor not yet read (reads never go past it).
+        unread: u64,
         leftover: Bytes,
         ahead: Option<JoinHandle<std::io::Result<Bytes>>>,
     },
@@ -70,7 +72,8 @@ enum SourceReader {
 }
 
 impl SourceReader {
-    async fn open(source: Source) -> std::io::Result<Self> {
+    /// A reader of `source`, a tensor of `len` bytes.
+    async fn open(source: Source, len: u64) -> std::io::Result<Self> {
         Ok(match source {
             Source::Bytes(bytes) => SourceReader::Bytes(bytes),
             Source::File { path, offset } => {
@@ -83,6 +86,7 @@ impl SourceReader {
                 .map_err(std::io::Error::other)??;
                 SourceReader::File {
                     file: Arc::new(file),
+                    unread: len,
                     leftover: Bytes::new(),
                     ahead: None,
                 }
@@ -100,18 +104,24 @@ impl SourceReader {
             SourceReader::Bytes(bytes) => Ok(bytes.split_to(max.min(bytes.len()))),
             SourceReader::File {
                 file,
+                unread,
                 leftover,
                 ahead,
             } => {
                 if leftover.is_empty() {
+                    let read_len = |unread: u64| {
+                        usize::try_from(unread)
+                            .map_or(max.max(FILE_READ), |u| u.min(max.max(FILE_READ)))
+                    };
                     *leftover = match ahead.take() {
                         Some(read) => read.await.map_err(std::io::Error::other)??,
-                        None => read_file_chunk(file.clone(), max.max(FILE_READ)).await?,
+                        None => read_file_chunk(file.clone(), read_len(*unread)).await?,
                     };
-                    if !leftover.is_empty() {
-                        let file = file.clone();
+                    *unread -= (leftover.len() as u64).min(*unread);
+                    if !leftover.is_empty() && *unread > 0 {
+                        let (file, len) = (file.clone(), read_len(*unread));
                         *ahead = Some(tokio::task::spawn_blocking(move || {
-                            read_file_chunk_blocking(&file, max.max(FILE_READ))
+                            read_file_chunk_blocking(&file, len)
                         }));
                     }
                 }
@@ -498,7 +508,7 @@ impl OutgoingTensor {
             chunk_size,
         } = options;
         let id = self.id;
-        let mut reader = SourceReader::open(source).await?;
+        let mut reader = SourceReader::open(source, total).await?;
         loop {
             loop {
                 let (allowed, done) = {

@@ -262,6 +262,53 @@ async fn a_source_shorter_than_its_metadata_cancels_the_tensor() {
     );
 }
 
+/// A file region spanning several reads is sent exactly, not a byte of what follows it;
+/// a file that ends before its region does cancels the tensor with the cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_region_is_read_exactly_and_a_short_file_fails() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let data = pattern((9 << 20) + 123, 5);
+    let dir = std::env::temp_dir().join(format!("tensorwire-region-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("regions.bin");
+    let mut file = vec![7u8; 100];
+    file.extend_from_slice(&data);
+    file.extend_from_slice(&[9u8; 1000]);
+    std::fs::write(&path, &file).unwrap();
+    let server = tokio::spawn(async move {
+        let region = receive_host(&mut rx).await;
+        let short = receive_host(&mut rx).await;
+        (region, short)
+    });
+    let tx = sender(addr).await;
+    let region = tensorwire_quic::Source::File {
+        path: path.clone(),
+        offset: 100,
+    };
+    tx.send(u8_meta("region", data.len()), region)
+        .finished()
+        .await
+        .unwrap();
+    let past_the_end = tensorwire_quic::Source::File {
+        path: path.clone(),
+        offset: 100 + data.len() as u64,
+    };
+    let err = tx
+        .send(u8_meta("short", 5000), past_the_end)
+        .finished()
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("source ended after 1000 of 5000 bytes"),
+        "{err}"
+    );
+    let (region, short) = server.await.unwrap();
+    assert!(region.unwrap().1 == data, "the region differs");
+    assert!(short.is_err());
+    std::fs::remove_dir_all(dir).unwrap();
+    tx.close().await;
+}
+
 /// The receiving application exits right after its last tensor: the sender still gets
 /// COMPLETE, because the stream lives until the COMPLETE is acknowledged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -123,7 +123,10 @@ async fn a_share_is_bounded_by_its_limit_and_by_the_whole() {
     // One tensor larger than the share is admitted while the share holds nothing else;
     // another waits for it.
     let sole = first.try_reserve(9).unwrap();
-    assert!(first.try_reserve(1).is_err(), "a second beside the sole one");
+    assert!(
+        first.try_reserve(1).is_err(),
+        "a second beside the sole one"
+    );
     drop(sole);
     assert_eq!(whole.snapshot().reserved, 0);
 }
