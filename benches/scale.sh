@@ -42,6 +42,7 @@ gbit=$(awk -v b="$total" -v s="$start" -v e="$end" 'BEGIN { print b * 1048576 * 
 printf 'programs: 1 receiver (%s, endpoints %s) <- %d senders x %d MiB: %.1f Gbit/s, %d failed\n' \
   "$device" "$(sed -n 's/ endpoints.*//p' "$work/receiver.log")" "$senders" "$mib" "$gbit" "$failed"
 grep -h "failed:" "$work"/sender-*.log || true
+grep -o "peak credit held.*" "$work/receiver.log" || true
 grep -E "tensors land|Error|error" "$work/receiver.log" | head -5 || true
 "$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" 2>&1 \
   | grep -iE "raw.quinn|gbit" | head -5

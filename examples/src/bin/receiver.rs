@@ -242,10 +242,17 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let credit = receiver.budget();
+    let host = receiver.host_memory();
     println!(
-        "{finished} tensors, {} in {elapsed:.2} s ({}), {failed} failed",
+        "{finished} tensors, {} in {elapsed:.2} s ({}), {failed} failed; peak credit held {} of \
+         the {} budget, peak host memory {} of {}",
         size(bytes),
-        rate(bytes, elapsed)
+        rate(bytes, elapsed),
+        size(credit.peak_outstanding),
+        size(credit.budget),
+        size(host.peak),
+        size(host.limit)
     );
     if let Some(save) = &mut save {
         for (file, got, expected) in save.incomplete() {
