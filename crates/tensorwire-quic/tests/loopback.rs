@@ -299,7 +299,8 @@ async fn a_file_region_is_read_exactly_and_a_short_file_fails() {
         .await
         .unwrap_err();
     assert!(
-        err.to_string().contains("source ended after 1000 of 5000 bytes"),
+        err.to_string()
+            .contains("source ended after 1000 of 5000 bytes"),
         "{err}"
     );
     let (region, short) = server.await.unwrap();
