@@ -59,7 +59,7 @@ pub use meta::TensorMeta;
 pub use payload::Payload;
 pub use ranges::ReceivedRanges;
 pub use receiver::{ReceiverEvent, ReceiverInput, ReceiverState, TensorReceiver};
-pub use sender::{SenderEvent, SenderInput, SenderState, TensorSender};
+pub use sender::{CheckedChunk, SenderEvent, SenderInput, SenderState, TensorSender};
 pub use session::{Session, SessionConfig, SessionEvent, StreamClosed, StreamId};
 
 /// The ALPN protocol identifier of this version (spec §3).

@@ -259,6 +259,13 @@ impl TensorSender {
 
     /// Queues DATA with the next `payload.len()` bytes of the tensor.
     pub fn send_data(&mut self, payload: Bytes) -> Result<(), ProtocolError> {
+        self.send_checked(CheckedChunk::new(payload))
+    }
+
+    /// Queues DATA with the next bytes of the tensor, their CRC-32C already computed (so a
+    /// driver computes it before taking a lock shared with other streams).
+    pub fn send_checked(&mut self, chunk: CheckedChunk) -> Result<(), ProtocolError> {
+        let CheckedChunk { payload, crc } = chunk;
         if self.state.transition(SenderInput::SendData).is_none() {
             return Err(ProtocolError::Misuse(
                 "send_data before ACCEPT or after the tensor ended",
@@ -270,7 +277,7 @@ impl TensorSender {
                 "DATA payload empty or longer than next_chunk_len()",
             ));
         }
-        self.crc = crate::checksum::crc32c_append(self.crc, &payload);
+        self.crc = crate::checksum::crc32c_combine(self.crc, crc, len);
         self.outgoing
             .push_back(Frame::Data(Data::new(self.sent, payload)));
         self.sent += len;
@@ -338,6 +345,32 @@ impl TensorSender {
             )),
             _ => None,
         }
+    }
+}
+
+/// A DATA payload with its CRC-32C (spec §5.3), computed when it is made: the one pass over
+/// the bytes happens wherever the caller builds it, not inside [`TensorSender`].
+#[derive(Clone, Debug)]
+pub struct CheckedChunk {
+    payload: Bytes,
+    crc: u32,
+}
+
+impl CheckedChunk {
+    /// Computes `payload`'s CRC-32C.
+    pub fn new(payload: Bytes) -> Self {
+        let crc = crate::checksum::crc32c(&payload);
+        Self { payload, crc }
+    }
+
+    /// The payload's length in bytes.
+    pub fn len(&self) -> usize {
+        self.payload.len()
+    }
+
+    /// Whether the payload is empty.
+    pub fn is_empty(&self) -> bool {
+        self.payload.is_empty()
     }
 }
 

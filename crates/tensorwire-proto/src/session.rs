@@ -12,7 +12,7 @@ use crate::frame::{Data, Frame};
 use crate::limits::Limits;
 use crate::meta::TensorMeta;
 use crate::receiver::{ReceiverEvent, ReceiverState, TensorReceiver};
-use crate::sender::{SenderEvent, SenderState, TensorSender};
+use crate::sender::{CheckedChunk, SenderEvent, SenderState, TensorSender};
 
 /// One tensor of the connection, in the direction its stream runs.
 #[derive(Debug)]
@@ -334,6 +334,12 @@ impl Session {
     /// Queues DATA with the next `payload.len()` bytes of our tensor on `id`.
     pub fn send_data(&mut self, id: StreamId, payload: bytes::Bytes) -> Result<(), ProtocolError> {
         self.outgoing(id)?.send_data(payload)
+    }
+
+    /// Queues DATA for our tensor on `id` whose CRC-32C was computed before this call (outside
+    /// any lock the session sits behind).
+    pub fn send_checked(&mut self, id: StreamId, chunk: CheckedChunk) -> Result<(), ProtocolError> {
+        self.outgoing(id)?.send_checked(chunk)
     }
 
     /// Queues END for our tensor on `id` once every byte is sent.

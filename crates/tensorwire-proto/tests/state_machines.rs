@@ -494,3 +494,39 @@ fn the_spec_contains_the_transition_tables() {
         "spec/protocol.md lacks the sender table:\n{sender}"
     );
 }
+
+/// Spec §5.3: chunks checksummed apart (before a driver takes its lock) give END the same
+/// CRC-32C as the whole tensor, however the tensor is cut.
+#[test]
+fn checked_chunks_combine_into_the_whole_tensors_checksum() {
+    let source = bytes::Bytes::from(tensorwire_proto::testing::pattern(10_007, 3));
+    for cut in [1usize, 7, 4096, 10_007] {
+        let mut sender = TensorSender::new(meta(10_007)).unwrap();
+        let _metadata = sender.poll_frame().unwrap();
+        sender
+            .handle_frame(Frame::Accept(tensorwire_proto::frame::Accept {
+                max_data_payload: u32::MAX,
+            }))
+            .unwrap();
+        sender
+            .handle_frame(Frame::Credit(tensorwire_proto::frame::Credit {
+                bytes: 10_007,
+            }))
+            .unwrap();
+        for start in (0..source.len()).step_by(cut) {
+            let end = (start + cut).min(source.len());
+            let chunk = tensorwire_proto::CheckedChunk::new(source.slice(start..end));
+            sender.send_checked(chunk).unwrap();
+        }
+        sender.finish().unwrap();
+        let end = std::iter::from_fn(|| sender.poll_frame()).last().unwrap();
+        let Frame::End(end) = end else {
+            panic!("last frame {end:?}")
+        };
+        assert_eq!(
+            end.checksum,
+            u64::from(tensorwire_proto::checksum::crc32c(&source)),
+            "cut every {cut} bytes"
+        );
+    }
+}

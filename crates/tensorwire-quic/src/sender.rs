@@ -12,8 +12,8 @@ use bytes::Bytes;
 use futures_core::Stream;
 use quinn::VarInt;
 use tensorwire_proto::{
-    ErrorCode, Frame, Limits, ProtocolError, SessionConfig, SessionEvent, StreamId, TensorMeta,
-    TensorSender,
+    CheckedChunk, ErrorCode, Frame, Limits, ProtocolError, SessionConfig, SessionEvent, StreamId,
+    TensorMeta, TensorSender,
 };
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -529,7 +529,10 @@ impl OutgoingTensor {
                     )
                     .into());
                 }
-                self.session.lock().send_data(id, chunk)?;
+                // The checksum pass runs before the session (shared by every stream of the
+                // connection, both directions) is locked.
+                let chunk = CheckedChunk::new(chunk);
+                self.session.lock().send_checked(id, chunk)?;
                 tokio::select! {
                     written = self.flush() => written?,
                     _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),
