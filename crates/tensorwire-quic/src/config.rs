@@ -128,7 +128,7 @@ impl TransportSettings {
         addr: SocketAddr,
         server: Option<quinn::ServerConfig>,
     ) -> Result<quinn::Endpoint, TransportError> {
-        self.bind(addr, server, false)
+        self.endpoint_on(self.socket(addr, PortSharing::Alone)?, server)
     }
 
     /// `count` server endpoints on one address, each its own UDP socket bound with
@@ -142,21 +142,37 @@ impl TransportSettings {
         server: quinn::ServerConfig,
     ) -> Result<Vec<quinn::Endpoint>, TransportError> {
         let reuse = count > 1;
-        let first = self.bind(addr, Some(server.clone()), reuse)?;
-        let shared = first.local_addr()?;
-        let mut endpoints = vec![first];
-        for _ in 1..count {
-            endpoints.push(self.bind(shared, Some(server.clone()), reuse)?);
-        }
-        Ok(endpoints)
+        let addr = if reuse {
+            // Claim the address alone first. A socket with SO_REUSEPORT may be given, or bind
+            // to, a port that another reuse-port socket of the same user holds, and the two
+            // would then split each other's packets; a socket without it is refused (address
+            // in use) or given a port nobody holds.
+            let probe = self.socket(addr, PortSharing::Alone)?;
+            probe
+                .local_addr()?
+                .as_socket()
+                .ok_or_else(|| TransportError::Config("socket address".into()))?
+        } else {
+            addr
+        };
+        (0..count)
+            .map(|_| {
+                let sharing = if reuse {
+                    PortSharing::ReusePort
+                } else {
+                    PortSharing::Alone
+                };
+                self.endpoint_on(self.socket(addr, sharing)?, Some(server.clone()))
+            })
+            .collect()
     }
 
-    fn bind(
+    /// A UDP socket bound on `addr`, with these settings' buffer sizes.
+    fn socket(
         &self,
         addr: SocketAddr,
-        server: Option<quinn::ServerConfig>,
-        reuse_port: bool,
-    ) -> Result<quinn::Endpoint, TransportError> {
+        sharing: PortSharing,
+    ) -> Result<socket2::Socket, TransportError> {
         self.validate()?;
         let socket = socket2::Socket::new(
             socket2::Domain::for_address(addr),
@@ -166,7 +182,7 @@ impl TransportSettings {
         if addr.is_ipv6() {
             socket.set_only_v6(false)?;
         }
-        if reuse_port {
+        if sharing == PortSharing::ReusePort {
             // Linux admits only sockets of the same effective user to the group.
             socket.set_reuse_port(true)?;
         }
@@ -174,6 +190,15 @@ impl TransportSettings {
         let _ = socket.set_recv_buffer_size(self.socket_buffer);
         let _ = socket.set_send_buffer_size(self.socket_buffer);
         socket.bind(&addr.into())?;
+        Ok(socket)
+    }
+
+    /// A quinn endpoint on a bound `socket`.
+    fn endpoint_on(
+        &self,
+        socket: socket2::Socket,
+        server: Option<quinn::ServerConfig>,
+    ) -> Result<quinn::Endpoint, TransportError> {
         let mut endpoint = quinn::EndpointConfig::default();
         endpoint
             .max_udp_payload_size(self.mtu.max(1200))
@@ -258,6 +283,15 @@ pub enum ClientTls {
         /// Client certificate and key (PEM), for receivers that require mTLS.
         identity: Option<(PathBuf, PathBuf)>,
     },
+}
+
+/// Whether a socket shares its port with the other endpoints of one receiver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PortSharing {
+    /// The port is this socket's alone.
+    Alone,
+    /// SO_REUSEPORT: the kernel spreads connections over the sockets on the port.
+    ReusePort,
 }
 
 /// Everything a [`Receiver`](crate::Receiver) needs.

@@ -83,3 +83,27 @@ async fn a_receiver_needs_an_endpoint() {
     let err = tensorwire_quic::Receiver::bind(config).await.err().unwrap();
     assert!(err.to_string().contains("at least one endpoint"), "{err}");
 }
+
+/// Receivers of one user that each bind several SO_REUSEPORT sockets never end up on one
+/// port (the kernel would split their packets between them): port 0 gives each its own,
+/// and a port another receiver holds is refused as in use.
+#[tokio::test]
+async fn receivers_with_several_endpoints_never_share_a_port() {
+    let mut ports = std::collections::BTreeSet::new();
+    let mut receivers = Vec::new();
+    for _ in 0..40 {
+        let mut config = receiver_config();
+        config.endpoints = 2;
+        let (rx, addr) = receiver(config).await;
+        assert!(ports.insert(addr.port()), "port {} given twice", addr.port());
+        receivers.push(rx);
+    }
+    let mut taken = receiver_config();
+    taken.endpoints = 2;
+    taken.listen = receivers[0].local_addr().unwrap();
+    let refused = tensorwire_quic::Receiver::bind(taken).await;
+    assert!(
+        refused.is_err(),
+        "a second receiver bound a port the first one holds"
+    );
+}
