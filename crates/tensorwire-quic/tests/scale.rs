@@ -95,7 +95,11 @@ async fn receivers_with_several_endpoints_never_share_a_port() {
         let mut config = receiver_config();
         config.endpoints = 2;
         let (rx, addr) = receiver(config).await;
-        assert!(ports.insert(addr.port()), "port {} given twice", addr.port());
+        assert!(
+            ports.insert(addr.port()),
+            "port {} given twice",
+            addr.port()
+        );
         receivers.push(rx);
     }
     let mut taken = receiver_config();
