@@ -142,6 +142,13 @@ impl TransportSettings {
         server: quinn::ServerConfig,
     ) -> Result<Vec<quinn::Endpoint>, TransportError> {
         let reuse = count > 1;
+        // Between the claim and the group's binds the port is free: receivers of this
+        // process take turns, so none claims it in that gap (another process would have to
+        // pick the same port in the same microseconds).
+        static CLAIMING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _turn = CLAIMING
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let addr = if reuse {
             // Claim the address alone first. A socket with SO_REUSEPORT may be given, or bind
             // to, a port that another reuse-port socket of the same user holds, and the two
