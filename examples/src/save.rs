@@ -87,13 +87,21 @@ impl Drop for Spooled {
     }
 }
 
-/// Lands a tensor in `inner` and, as it does, in a spool file; finishing syncs the file
-/// before the inner sink's output is handed back, so COMPLETE follows the bytes reaching the
-/// disk. Dropped unfinished (the tensor failed), it removes the file.
+/// Lands a tensor in `inner` and, when saving, in a spool file as well; finishing syncs the
+/// file before the inner sink's output is handed back, so COMPLETE follows the bytes
+/// reaching the disk. Dropped unfinished (the tensor failed), it removes the file.
 pub struct SpoolingSink<S> {
     inner: S,
-    file: Arc<std::fs::File>,
-    spooled: Spooled,
+    spool: Option<(Arc<std::fs::File>, Spooled)>,
+}
+
+impl<S: Sink> SpoolingSink<S> {
+    /// Wraps `inner`; with a `spool`, the tensor's `len` bytes also go to disk before
+    /// COMPLETE.
+    pub fn new(inner: S, spool: Option<&SpoolDir>, len: u64) -> Result<Self, SinkError> {
+        let spool = spool.map(|dir| dir.create(len)).transpose()?;
+        Ok(Self { inner, spool })
+    }
 }
 
 impl SpoolDir {
@@ -118,8 +126,8 @@ impl SpoolDir {
         Ok(Self { dir: spool })
     }
 
-    /// Wraps `inner` so the tensor's `len` bytes are also spooled to disk before COMPLETE.
-    pub fn sink<S: Sink>(&self, inner: S, len: u64) -> Result<SpoolingSink<S>, SinkError> {
+    /// A new spool file for a tensor of `len` bytes.
+    fn create(&self, len: u64) -> Result<(Arc<std::fs::File>, Spooled), SinkError> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let path = self.dir.join(format!("{}-{n}.part", std::process::id()));
@@ -129,11 +137,7 @@ impl SpoolDir {
             .create_new(true)
             .open(&path)
             .map_err(|e| disk_error(&path, &e))?;
-        Ok(SpoolingSink {
-            inner,
-            file: Arc::new(file),
-            spooled: Spooled { path, len },
-        })
+        Ok((Arc::new(file), Spooled { path, len }))
     }
 }
 
@@ -150,7 +154,7 @@ fn disk_error(path: &Path, e: &std::io::Error) -> SinkError {
 }
 
 impl<S: Sink> Sink for SpoolingSink<S> {
-    type Output = (S::Output, Spooled);
+    type Output = (S::Output, Option<Spooled>);
 
     async fn write(
         &mut self,
@@ -158,31 +162,35 @@ impl<S: Sink> Sink for SpoolingSink<S> {
         payload: Payload,
         permit: CreditPermit,
     ) -> Result<(), SinkError> {
-        let (file, parts) = (self.file.clone(), payload.clone());
-        let path = self.spooled.path.clone();
-        // Disk writes block: off the async path.
-        tokio::task::spawn_blocking(move || {
-            let mut at = offset;
-            for part in parts.parts() {
-                file.write_all_at(part, at)?;
-                at += part.len() as u64;
-            }
-            Ok(())
-        })
-        .await
-        .map_err(|e| SinkError::failed(format!("the spool writer failed: {e}")))?
-        .map_err(|e| disk_error(&path, &e))?;
+        if let Some((file, spooled)) = &self.spool {
+            let (file, parts, path) = (file.clone(), payload.clone(), spooled.path.clone());
+            // Disk writes block: off the async path.
+            tokio::task::spawn_blocking(move || {
+                let mut at = offset;
+                for part in parts.parts() {
+                    file.write_all_at(part, at)?;
+                    at += part.len() as u64;
+                }
+                Ok(())
+            })
+            .await
+            .map_err(|e| SinkError::failed(format!("the spool writer failed: {e}")))?
+            .map_err(|e| disk_error(&path, &e))?;
+        }
         self.inner.write(offset, payload, permit).await
     }
 
     async fn finish(self) -> Result<Self::Output, SinkError> {
         let output = self.inner.finish().await?;
-        let (file, path) = (self.file, self.spooled.path.clone());
+        let Some((file, spooled)) = self.spool else {
+            return Ok((output, None));
+        };
+        let path = spooled.path.clone();
         tokio::task::spawn_blocking(move || file.sync_all())
             .await
             .map_err(|e| SinkError::failed(format!("the spool writer failed: {e}")))?
             .map_err(|e| disk_error(&path, &e))?;
-        Ok((output, self.spooled))
+        Ok((output, Some(spooled)))
     }
 }
 

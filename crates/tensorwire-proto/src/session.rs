@@ -119,7 +119,8 @@ pub enum StreamClosed {
 pub struct Session {
     config: SessionConfig,
     tensors: BTreeMap<StreamId, Tensor>,
-    /// Credit granted to the peer's tensors and not yet arrived, over the connection.
+    /// Credit granted to the peer's tensors and not yet arrived, over the connection: the sum
+    /// of their revocable credit, kept as a running total because every grant reads it.
     outstanding: u64,
     failures: FloodBudget,
     /// When the last stream closed, while none is open (the idle timeout counts from it).
@@ -141,13 +142,8 @@ impl Session {
 
     /// The peer opened stream `id`.
     pub fn open_stream(&mut self, id: StreamId) -> Result<(), ProtocolError> {
-        if self.tensors.contains_key(&id) {
-            return Err(ProtocolError::Misuse("stream opened twice"));
-        }
         let tensor = TensorReceiver::new(self.config.limits.clone());
-        self.tensors.insert(id, Tensor::Incoming(tensor));
-        self.idle_since = None;
-        Ok(())
+        self.open(id, Tensor::Incoming(tensor))
     }
 
     /// We opened stream `id` to send `tensor` on it; its METADATA is queued.
@@ -156,10 +152,14 @@ impl Session {
         id: StreamId,
         tensor: TensorSender,
     ) -> Result<(), ProtocolError> {
+        self.open(id, Tensor::Outgoing(tensor))
+    }
+
+    fn open(&mut self, id: StreamId, tensor: Tensor) -> Result<(), ProtocolError> {
         if self.tensors.contains_key(&id) {
             return Err(ProtocolError::Misuse("stream opened twice"));
         }
-        self.tensors.insert(id, Tensor::Outgoing(tensor));
+        self.tensors.insert(id, tensor);
         self.idle_since = None;
         Ok(())
     }
@@ -297,11 +297,7 @@ impl Session {
     /// or when the tensor wants none.
     #[must_use = "granted bytes are sent as CREDIT by flushing poll_frame"]
     pub fn grant(&mut self, id: StreamId, credit: &mut CreditTracker) -> u64 {
-        let connection_left = self
-            .config
-            .connection_window
-            .saturating_sub(self.outstanding);
-        let want = self.stream_wants(id).min(connection_left);
+        let want = self.stream_wants(id).min(self.connection_window_left());
         if want == 0 {
             return 0;
         }
@@ -415,18 +411,10 @@ impl Session {
         credit: &mut CreditTracker,
         now: Instant,
     ) -> StreamClosed {
-        let Some(tensor) = self.tensors.remove(&id) else {
-            return StreamClosed::Failed;
-        };
-        if self.tensors.is_empty() {
-            self.idle_since = Some(now);
-        }
-        let tensor = match tensor {
-            Tensor::Outgoing(tensor) if tensor.state() == SenderState::Complete => {
-                return StreamClosed::Completed;
-            }
-            Tensor::Outgoing(_) => return StreamClosed::Failed,
-            Tensor::Incoming(tensor) => tensor,
+        let tensor = match self.remove(id, now) {
+            Some(Tensor::Incoming(tensor)) => tensor,
+            Some(Tensor::Outgoing(tensor)) => return outcome_of_sending(&tensor),
+            None => return StreamClosed::Failed,
         };
         let unarrived = tensor.revocable_credit();
         let _ = credit.revoke(unarrived);
@@ -443,19 +431,22 @@ impl Session {
     /// Our stream `id` is done (closing it needs no credit tracker): whether the peer
     /// completed the tensor. Frames still queued for it are dropped.
     pub fn close_outgoing(&mut self, id: StreamId, now: Instant) -> StreamClosed {
-        let Some(Tensor::Outgoing(tensor)) = self.tensors.get(&id) else {
+        if !matches!(self.tensors.get(&id), Some(Tensor::Outgoing(_))) {
             return StreamClosed::Failed;
-        };
-        let completed = tensor.state() == SenderState::Complete;
-        self.tensors.remove(&id);
+        }
+        match self.remove(id, now) {
+            Some(Tensor::Outgoing(tensor)) => outcome_of_sending(&tensor),
+            _ => StreamClosed::Failed,
+        }
+    }
+
+    /// Takes stream `id` out; the connection is idle from `now` if it was the last.
+    fn remove(&mut self, id: StreamId, now: Instant) -> Option<Tensor> {
+        let tensor = self.tensors.remove(&id)?;
         if self.tensors.is_empty() {
             self.idle_since = Some(now);
         }
-        if completed {
-            StreamClosed::Completed
-        } else {
-            StreamClosed::Failed
-        }
+        Some(tensor)
     }
 
     /// Streams open now, in both directions.
@@ -479,5 +470,14 @@ impl Session {
     pub fn set_config(&mut self, config: SessionConfig) {
         self.failures = FloodBudget::new(config.max_failed_streams, config.failure_window);
         self.config = config;
+    }
+}
+
+/// How one of our tensors ended: COMPLETE from the peer, or anything else.
+fn outcome_of_sending(tensor: &TensorSender) -> StreamClosed {
+    if tensor.state() == SenderState::Complete {
+        StreamClosed::Completed
+    } else {
+        StreamClosed::Failed
     }
 }

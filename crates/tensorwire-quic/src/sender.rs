@@ -111,18 +111,17 @@ impl SourceReader {
                 if leftover.is_empty() {
                     let read_len = |unread: u64| {
                         usize::try_from(unread)
-                            .map_or(max.max(FILE_READ), |u| u.min(max.max(FILE_READ)))
+                            .unwrap_or(usize::MAX)
+                            .min(max.max(FILE_READ))
                     };
-                    *leftover = match ahead.take() {
-                        Some(read) => read.await.map_err(std::io::Error::other)??,
-                        None => read_file_chunk(file.clone(), read_len(*unread)).await?,
+                    let read = match ahead.take() {
+                        Some(read) => read,
+                        None => spawn_read(file, read_len(*unread)),
                     };
+                    *leftover = read.await.map_err(std::io::Error::other)??;
                     *unread -= (leftover.len() as u64).min(*unread);
                     if !leftover.is_empty() && *unread > 0 {
-                        let (file, len) = (file.clone(), read_len(*unread));
-                        *ahead = Some(tokio::task::spawn_blocking(move || {
-                            read_file_chunk_blocking(&file, len)
-                        }));
+                        *ahead = Some(spawn_read(file, read_len(*unread)));
                     }
                 }
                 Ok(leftover.split_to(max.min(leftover.len())))
@@ -168,23 +167,21 @@ impl Drop for ReadBuffer {
     }
 }
 
-/// Up to `len` bytes from `file`'s cursor (fewer only at its end), into a reused buffer.
-fn read_file_chunk_blocking(file: &std::fs::File, len: usize) -> std::io::Result<Bytes> {
-    let reused = READ_BUFFERS
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .pop();
-    let mut buf = reused.unwrap_or_default();
-    buf.clear();
-    buf.reserve_exact(len);
-    std::io::Read::read_to_end(&mut std::io::Read::take(file, len as u64), &mut buf)?;
-    Ok(Bytes::from_owner(ReadBuffer(buf)))
-}
-
-async fn read_file_chunk(file: Arc<std::fs::File>, len: usize) -> std::io::Result<Bytes> {
-    tokio::task::spawn_blocking(move || read_file_chunk_blocking(&file, len))
-        .await
-        .map_err(std::io::Error::other)?
+/// Reads up to `len` bytes from `file`'s cursor (fewer only at its end) on the blocking pool,
+/// into a reused buffer.
+fn spawn_read(file: &Arc<std::fs::File>, len: usize) -> JoinHandle<std::io::Result<Bytes>> {
+    let file = file.clone();
+    tokio::task::spawn_blocking(move || {
+        let reused = READ_BUFFERS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        let mut buf = reused.unwrap_or_default();
+        buf.clear();
+        buf.reserve_exact(len);
+        std::io::Read::read_to_end(&mut std::io::Read::take(&*file, len as u64), &mut buf)?;
+        Ok(Bytes::from_owner(ReadBuffer(buf)))
+    })
 }
 
 /// A connection to a receiver that sends tensors, each on its own stream; it can also
@@ -456,8 +453,12 @@ async fn send_tensor(
             session.lock().cancel(id, code, reason);
             let _ = tensor.flush().await;
         }
-        let bytes = session.lock().sent(id);
-        let _ = session.lock().close_outgoing(id, Instant::now());
+        let bytes = {
+            let mut session = session.lock();
+            let bytes = session.sent(id);
+            let _ = session.close_outgoing(id, Instant::now());
+            bytes
+        };
         tensor.stream.close(code);
         if code.is_some() {
             // Our CANCEL must reach the receiver before the application closes the connection,
@@ -484,7 +485,7 @@ struct OutgoingTensor {
     id: StreamId,
     session: ConnectionSession,
     stream: FrameStream,
-    /// Frames the session queued, moved out under its lock and written after.
+    /// Frames on their way from the session to the stream (see `ConnectionSession::flush`).
     outbox: Vec<Frame>,
 }
 
@@ -532,12 +533,13 @@ impl OutgoingTensor {
                 // The checksum pass runs before the session (shared by every stream of the
                 // connection, both directions) is locked.
                 let chunk = CheckedChunk::new(chunk);
+                let len = chunk.len() as u64;
                 self.session.lock().send_checked(id, chunk)?;
                 tokio::select! {
                     written = self.flush() => written?,
                     _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),
                 }
-                sent.store(self.session.lock().sent(id), Ordering::Relaxed);
+                sent.store(done + len, Ordering::Relaxed);
             }
             {
                 let mut session = self.session.lock();
@@ -558,12 +560,9 @@ impl OutgoingTensor {
 
     /// Writes what the session queued for this stream.
     async fn flush(&mut self) -> Result<(), TransportError> {
-        {
-            let mut session = self.session.lock();
-            self.outbox
-                .extend(std::iter::from_fn(|| session.poll_frame(self.id)));
-        }
-        self.stream.write_frames(self.outbox.drain(..)).await
+        self.session
+            .flush(self.id, &mut self.stream, &mut self.outbox)
+            .await
     }
 
     /// When the receiver stopped the stream, its CANCEL or REJECT says why: read it if it

@@ -4,7 +4,10 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use tensorwire_proto::{Session, SessionConfig};
+use tensorwire_proto::{Frame, Session, SessionConfig, StreamId};
+
+use crate::error::TransportError;
+use crate::stream::FrameStream;
 
 /// A connection's session. Lock it only for a sans-IO call, never across an await, and
 /// before the receiver's credit tracker, never after. Cheap to clone.
@@ -21,5 +24,22 @@ impl ConnectionSession {
     pub(crate) fn lock(&self) -> MutexGuard<'_, Session> {
         // The session's invariants hold between calls; a panic elsewhere cannot break them.
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl ConnectionSession {
+    /// Writes what the session queued for stream `id`: moved into `outbox` (reused, so a
+    /// flush allocates nothing once warm) under the lock, written after it is released.
+    pub(crate) async fn flush(
+        &self,
+        id: StreamId,
+        stream: &mut FrameStream,
+        outbox: &mut Vec<Frame>,
+    ) -> Result<(), TransportError> {
+        {
+            let mut session = self.lock();
+            outbox.extend(std::iter::from_fn(|| session.poll_frame(id)));
+        }
+        stream.write_frames(outbox.drain(..)).await
     }
 }

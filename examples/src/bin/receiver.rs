@@ -13,7 +13,7 @@ use tensorwire::quic::{Receiver, ReceiverConfig};
 use tensorwire_examples::cli::{
     ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, size,
 };
-use tensorwire_examples::save::SaveDir;
+use tensorwire_examples::save::{SaveDir, SpoolingSink};
 use tokio::sync::mpsc;
 
 /// Receive tensors over QUIC.
@@ -160,31 +160,19 @@ async fn main() -> anyhow::Result<()> {
                     let started = Instant::now();
                     let meta = incoming.meta().clone();
                     let origin = incoming.peer().to_string();
+                    // With --save, the bytes are on disk before the sender is told COMPLETE.
                     let admitted = placement
                         .admit(&meta, incoming.memory_shares(), incoming.host_memory(), wait)
-                        .await;
-                    // With --save, the bytes are on disk before the sender is told COMPLETE.
-                    let result = match (admitted, spool) {
-                        (Ok(sink), None) => incoming
+                        .await
+                        .and_then(|sink| SpoolingSink::new(sink, spool.as_ref(), meta.byte_len()));
+                    let result = match admitted {
+                        Ok(sink) => incoming
                             .accept(sink)
                             .finished()
                             .await
-                            .map(|(meta, buffer)| (meta, buffer, None))
+                            .map(|(meta, (buffer, spooled))| (meta, buffer, spooled))
                             .map_err(|e| e.to_string()),
-                        (Ok(sink), Some(spool)) => match spool.sink(sink, meta.byte_len()) {
-                            Ok(sink) => incoming
-                                .accept(sink)
-                                .finished()
-                                .await
-                                .map(|(meta, (buffer, spooled))| (meta, buffer, Some(spooled)))
-                                .map_err(|e| e.to_string()),
-                            Err(e) => {
-                                let why = format!("{}: {}", e.code, e.message);
-                                incoming.reject(e.code, e.message);
-                                Err(format!("refused: {why}"))
-                            }
-                        },
-                        (Err(e), _) => {
+                        Err(e) => {
                             let why = format!("{}: {}", e.code, e.message);
                             incoming.reject(e.code, e.message);
                             Err(format!("refused: {why}"))

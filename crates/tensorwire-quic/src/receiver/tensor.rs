@@ -26,8 +26,7 @@ pub(super) struct Accepted {
     shared: Arc<Shared>,
     connection: Arc<ConnectionState>,
     stream: FrameStream,
-    /// Frames the session queued, moved out under its lock and written after; reused, so a
-    /// flush allocates nothing once warm.
+    /// Frames on their way from the session to the stream (see `ConnectionSession::flush`).
     outbox: Vec<Frame>,
     started: Instant,
 }
@@ -61,9 +60,16 @@ impl Accepted {
     /// Hands one frame from the peer to the session (which moves its credit).
     fn handle(&self, frame: Frame) -> Result<SessionEvent, ProtocolError> {
         let mut session = self.connection.session();
-        self.shared
+        let window_was_full = session.connection_window_left() == 0;
+        let event = self
+            .shared
             .budget
-            .with_tracker(|credit| session.handle_frame(self.id, frame, credit))
+            .with_tracker(|credit| session.handle_frame(self.id, frame, credit));
+        if window_was_full && session.connection_window_left() > 0 {
+            // DATA reopened the connection's window: its streams waiting on it may grant.
+            self.connection.window_opened.notify_waiters();
+        }
+        event
     }
 
     /// Reads METADATA and asks the application; `None` if the tensor was rejected.
@@ -217,10 +223,6 @@ impl Accepted {
                     match self.handle(frame)? {
                         SessionEvent::Data(data) => {
                             let n = data.payload.len() as u64;
-                            if self.connection.session().connection_window_left() <= n {
-                                // The window was full: streams of this connection may wait on it.
-                                self.connection.window_opened.notify_waiters();
-                            }
                             let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
                             sink.write(data.offset, data.payload, permit).await?;
                             progress.fetch_add(n, Ordering::Relaxed);
@@ -269,12 +271,10 @@ impl Accepted {
 
     /// Writes what the session queued for this stream.
     async fn flush(&mut self) -> Result<(), TransportError> {
-        {
-            let mut session = self.connection.session();
-            self.outbox
-                .extend(std::iter::from_fn(|| session.poll_frame(self.id)));
-        }
-        self.stream.write_frames(self.outbox.drain(..)).await
+        let session = &self.connection.session;
+        session
+            .flush(self.id, &mut self.stream, &mut self.outbox)
+            .await
     }
 
     /// Tells the peer why (if the session has not already), closes the stream, returns its

@@ -49,23 +49,24 @@ pub fn pattern(len: usize, seed: u64) -> Bytes {
 /// The next tensor, accepted into host memory, once it has finished (or failed).
 pub async fn receive_host(rx: &mut Receiver) -> Result<(TensorMeta, Bytes), TransportError> {
     let incoming = rx.next().await.expect("a tensor arrives");
-    incoming
-        .accept_host()
-        .await
-        .expect("host memory")
-        .finished()
-        .await
+    finish_host(incoming).await
 }
 
 /// Accepts `incoming` into host memory and waits until it landed.
 pub async fn land_host(incoming: tensorwire_quic::IncomingTensor) -> (TensorMeta, Bytes) {
+    finish_host(incoming).await.expect("the tensor lands")
+}
+
+/// Accepts `incoming` into host memory; its end, landed or failed.
+async fn finish_host(
+    incoming: tensorwire_quic::IncomingTensor,
+) -> Result<(TensorMeta, Bytes), TransportError> {
     incoming
         .accept_host()
         .await
         .expect("host memory")
         .finished()
         .await
-        .expect("the tensor lands")
 }
 
 /// A named one-dimensional U8 tensor of `len` bytes.
