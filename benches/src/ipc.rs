@@ -182,6 +182,8 @@ fn publish_all(
                     ));
                     "publish (export cached)"
                 }
+                // Not allocated here: only Vmm and Legacy are measured.
+                DeviceMemoryKind::CallerOwned => continue,
                 DeviceMemoryKind::Legacy => {
                     let (_, first) = timed(|| allocation.ipc_handle().map(|_| ()));
                     rows.push(row(

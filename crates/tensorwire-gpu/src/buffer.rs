@@ -148,17 +148,37 @@ pub use without_cuda::CudaBuffer;
 
 #[cfg(feature = "cuda")]
 mod with_cuda {
-    use crate::cuda::{DeviceAllocation, GpuDevice, check_range};
+    use std::sync::{Arc, Mutex, PoisonError};
+
+    use cudarc::driver::{CudaEvent, CudaStream};
+    use tensorwire_proto::DType;
+
+    use crate::cuda::{DeviceAllocation, DeviceSlice, Element, GpuDevice, UsedBy, check_range};
     use crate::error::GpuError;
     use crate::pool::Pooled;
 
-    /// Bytes in CUDA device memory, from a pool or allocated for this buffer alone.
+    /// Bytes in CUDA device memory: from a pool, allocated for this buffer alone, or the
+    /// application's own (a registered destination).
+    ///
+    /// Handles from [`share`](Self::share) (copies in flight, an early hand-off, typed views)
+    /// hold the same memory; it goes back to its pool or is freed once the last of them is
+    /// gone and every stream that used it finished (never twice, never early).
     #[derive(Debug)]
     pub struct CudaBuffer {
-        memory: Memory,
+        held: Arc<Held>,
         len: usize,
+        /// Recorded on the copy stream after the last copy into this buffer: completes when
+        /// the bytes have landed.
+        landed: Option<Arc<CudaEvent>>,
+    }
+
+    #[derive(Debug)]
+    struct Held {
+        memory: Memory,
         /// The device-memory budget's share this buffer holds, returned when it is dropped.
         reservation: Option<tensorwire_sink::MemoryReservation>,
+        /// Last uses on other streams (typed views): waited for before the memory goes.
+        uses: Mutex<Vec<CudaEvent>>,
     }
 
     #[derive(Debug)]
@@ -175,56 +195,110 @@ mod with_cuda {
         }
     }
 
-    impl CudaBuffer {
-        /// `len` bytes on CUDA device `device`.
-        pub fn allocate(len: usize, device: usize) -> Result<Self, GpuError> {
-            let device = GpuDevice::open(device)?;
-            Ok(Self {
-                memory: Memory::Owned(DeviceAllocation::new(&device, len)?),
-                len,
-                reservation: None,
-            })
-        }
-
-        /// The first `len` bytes of a pool buffer; the buffer goes back to its pool when
-        /// this is dropped.
-        pub fn from_pool(memory: Pooled<DeviceAllocation>, len: usize) -> Self {
-            Self {
-                memory: Memory::Pooled(PooledDevice(memory)),
-                len,
-                reservation: None,
-            }
-        }
-
-        /// The first `len` bytes of an allocation of its own.
-        pub fn from_owned(memory: DeviceAllocation, len: usize) -> Self {
-            Self {
-                memory: Memory::Owned(memory),
-                len,
-                reservation: None,
-            }
-        }
-
-        /// Holds `reservation` of a device-memory budget for as long as this buffer lives.
-        pub fn with_reservation(mut self, reservation: tensorwire_sink::MemoryReservation) -> Self {
-            self.reservation = Some(reservation);
-            self
-        }
-
-        /// The allocation holding the bytes (from offset 0; it may be longer): what sharing
-        /// exports.
-        pub fn allocation(&self) -> &DeviceAllocation {
+    impl Held {
+        fn allocation(&self) -> &DeviceAllocation {
             match &self.memory {
                 Memory::Owned(a) => a,
                 Memory::Pooled(p) => &p.0,
             }
         }
+    }
 
-        pub(crate) fn allocation_mut(&mut self) -> &mut DeviceAllocation {
-            match &mut self.memory {
+    impl UsedBy for Held {
+        fn used_until(&self, event: CudaEvent) {
+            let mut uses = self.uses.lock().unwrap_or_else(PoisonError::into_inner);
+            // Finished uses need no waiting: keep the list short for long-lived buffers.
+            uses.retain(|used| !used.is_complete());
+            uses.push(event);
+        }
+    }
+
+    impl Drop for Held {
+        fn drop(&mut self) {
+            // Each event is a view's last use; usually long complete, so this rarely waits.
+            let uses = self.uses.get_mut().unwrap_or_else(PoisonError::into_inner);
+            for used in uses.drain(..) {
+                if let Err(e) = used.synchronize() {
+                    tracing::error!(error = %e, "waiting for a stream's use of a buffer failed");
+                }
+            }
+        }
+    }
+
+    impl CudaBuffer {
+        /// `len` bytes on CUDA device `device`.
+        pub fn allocate(len: usize, device: usize) -> Result<Self, GpuError> {
+            let device = GpuDevice::open(device)?;
+            Ok(Self::with_memory(
+                Memory::Owned(DeviceAllocation::new(&device, len)?),
+                len,
+            ))
+        }
+
+        fn with_memory(memory: Memory, len: usize) -> Self {
+            Self {
+                held: Arc::new(Held {
+                    memory,
+                    reservation: None,
+                    uses: Mutex::default(),
+                }),
+                len,
+                landed: None,
+            }
+        }
+
+        /// The first `len` bytes of a pool buffer; the buffer goes back to its pool when
+        /// the last handle to it is dropped.
+        pub fn from_pool(memory: Pooled<DeviceAllocation>, len: usize) -> Self {
+            Self::with_memory(Memory::Pooled(PooledDevice(memory)), len)
+        }
+
+        /// The first `len` bytes of an allocation of its own.
+        pub fn from_owned(memory: DeviceAllocation, len: usize) -> Self {
+            Self::with_memory(Memory::Owned(memory), len)
+        }
+
+        /// Holds `reservation` of a device-memory budget for as long as the memory lives.
+        pub fn with_reservation(
+            mut self,
+            reservation: tensorwire_sink::MemoryReservation,
+        ) -> Result<Self, GpuError> {
+            let held = Arc::get_mut(&mut self.held)
+                .ok_or_else(|| GpuError::InUse("reserving memory for a shared buffer".into()))?;
+            held.reservation = Some(reservation);
+            Ok(self)
+        }
+
+        /// Another handle to the same memory and landing event: the memory lives until
+        /// every handle is gone.
+        pub fn share(&self) -> CudaBuffer {
+            CudaBuffer {
+                held: self.held.clone(),
+                len: self.len,
+                landed: self.landed.clone(),
+            }
+        }
+
+        /// Marks the bytes as landing when `event` completes (the copy stream's last copy).
+        pub(crate) fn set_landing(&mut self, event: CudaEvent) {
+            self.landed = Some(Arc::new(event));
+        }
+
+        /// The allocation holding the bytes (from offset 0; it may be longer): what sharing
+        /// exports.
+        pub fn allocation(&self) -> &DeviceAllocation {
+            self.held.allocation()
+        }
+
+        /// The allocation, for synchronous writes: only while no other handle shares it.
+        pub(crate) fn allocation_mut(&mut self) -> Result<&mut DeviceAllocation, GpuError> {
+            let held = Arc::get_mut(&mut self.held).ok_or_else(|| {
+                GpuError::InUse("another handle (a view or a hand-off) shares it".into())
+            })?;
+            Ok(match &mut held.memory {
                 Memory::Owned(a) => a,
                 Memory::Pooled(p) => &mut p.0,
-            }
+            })
         }
 
         /// Length in bytes (a pooled allocation may be larger).
@@ -242,6 +316,11 @@ mod with_cuda {
             self.allocation().device().ordinal()
         }
 
+        /// The device it lives on.
+        pub fn device(&self) -> &Arc<GpuDevice> {
+            self.allocation().device()
+        }
+
         /// The device address of the first byte.
         pub fn device_ptr(&self) -> u64 {
             self.allocation().device_ptr()
@@ -253,16 +332,63 @@ mod with_cuda {
             format!("cuda:{} ({})", info.ordinal, info.name)
         }
 
-        /// Overwrites the bytes with `src` (at most `len` bytes, from the start).
-        pub fn copy_from_host(&mut self, src: &[u8]) -> Result<(), GpuError> {
-            if src.len() > self.len {
-                return Err(GpuError::Bounds(format!(
-                    "{} bytes into a {}-byte buffer",
-                    src.len(),
-                    self.len
+        /// The event after the last copy into this buffer, if it was landed by a sink: a
+        /// stream that waits for it reads the landed bytes (see [`wait_on`](Self::wait_on)).
+        pub fn landing_event(&self) -> Option<&CudaEvent> {
+            self.landed.as_deref()
+        }
+
+        /// Whether the bytes have landed: no copy into them is still running.
+        pub fn has_landed(&self) -> bool {
+            self.landed.as_ref().is_none_or(|event| event.is_complete())
+        }
+
+        /// Makes `stream` wait (on the device, not the host) until the bytes have landed:
+        /// work queued on it afterwards reads them. Needed only for work queued before
+        /// the tensor's COMPLETE; once a receiver hands a finished tensor over, the bytes
+        /// are there and this returns at once.
+        pub fn wait_on(&self, stream: &CudaStream) -> Result<(), GpuError> {
+            match &self.landed {
+                Some(event) => stream
+                    .wait(event)
+                    .map_err(crate::cuda::cuda("cuStreamWaitEvent")),
+                None => Ok(()),
+            }
+        }
+
+        /// The tensor as a cudarc slice of `T` on `stream` (the server's, on this device's
+        /// primary context), after `stream` waits for the landing: `dtype` is the tensor's
+        /// and must be `T`'s. The memory stays allocated while the view and any work
+        /// queued through it live.
+        pub fn as_slice<T: Element>(
+            &self,
+            dtype: DType,
+            stream: &Arc<CudaStream>,
+        ) -> Result<DeviceSlice<T>, GpuError> {
+            let device = self.device();
+            if stream.context().cu_ctx() != device.cuda_context().cu_ctx() {
+                return Err(GpuError::InvalidConfig(format!(
+                    "the stream is not on cuda:{}'s primary context (make it with \
+                     CudaContext::new({}) or GpuDevice::cuda_context)",
+                    device.ordinal(),
+                    device.ordinal()
                 )));
             }
-            self.allocation_mut().copy_from_host(0, src)
+            let memory: Arc<dyn UsedBy> = self.held.clone();
+            DeviceSlice::new(
+                self.device_ptr(),
+                self.len,
+                dtype,
+                stream,
+                self.landing_event(),
+                memory,
+            )
+        }
+
+        /// Overwrites the bytes with `src` (at most `len` bytes, from the start).
+        pub fn copy_from_host(&mut self, src: &[u8]) -> Result<(), GpuError> {
+            check_range(0, src.len(), self.len)?;
+            self.allocation_mut()?.copy_from_host(0, src)
         }
 
         /// A host copy of the bytes.
@@ -282,12 +408,12 @@ mod with_cuda {
         /// Copies `src` to byte `offset` of this buffer.
         pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<(), GpuError> {
             check_range(offset, src.len(), self.len)?;
-            self.allocation_mut().copy_from_host(offset, src)
+            self.allocation_mut()?.copy_from_host(offset, src)
         }
 
         /// Sets every byte to `value` (tests poison destinations with it).
         pub fn fill(&mut self, value: u8) -> Result<(), GpuError> {
-            self.allocation_mut().fill(value)
+            self.allocation_mut()?.fill(value)
         }
 
         /// Copies all bytes into `dst` (same length), device to device, across GPUs too.
@@ -299,8 +425,8 @@ mod with_cuda {
                 )));
             }
             // Exactly `len` bytes: a pooled allocation may be larger than the tensor.
-            self.allocation()
-                .copy_prefix_to(self.len, dst.allocation_mut())
+            let len = self.len;
+            self.allocation().copy_prefix_to(len, dst.allocation_mut()?)
         }
     }
 }

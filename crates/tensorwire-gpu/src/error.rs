@@ -76,6 +76,18 @@ pub enum GpuError {
     /// This memory cannot be shared the way asked.
     #[error("cannot export: {0}")]
     NotExportable(String),
+    /// Others hold this buffer (a view, an early hand-off or a copy in flight), so it cannot
+    /// be written through this handle.
+    #[error("buffer in use: {0}")]
+    InUse(String),
+    /// A typed view asked for a Rust type that is not the tensor's dtype.
+    #[error("a {dtype} tensor cannot be viewed as {rust_type}")]
+    WrongType {
+        /// The tensor's dtype.
+        dtype: tensorwire_proto::DType,
+        /// The Rust element type asked for.
+        rust_type: &'static str,
+    },
     /// No GPU of this host has the UUID a descriptor names.
     #[error("no GPU with UUID {0} on this host (is it hidden by CUDA_VISIBLE_DEVICES?)")]
     UnknownDevice(String),
@@ -96,7 +108,9 @@ impl GpuError {
             GpuError::Cuda { .. }
             | GpuError::Bounds(_)
             | GpuError::NotExportable(_)
+            | GpuError::InUse(_)
             | GpuError::UnknownDevice(_) => ErrorCode::SINK_FAILED,
+            GpuError::WrongType { .. } => ErrorCode::UNSUPPORTED_DTYPE,
         }
     }
 }

@@ -37,15 +37,20 @@ mod status;
 pub use buffer::{AllocateBuffer, CudaBuffer, TensorBuffer};
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    DeviceAllocation, DeviceInfo, DeviceMemoryKind, GpuDevice, IPC_HANDLE_LEN, ImportedMemory,
-    IpcHandle, PinnedAllocation,
+    DeviceAllocation, DeviceInfo, DeviceMemoryKind, DeviceSlice, Element, GpuDevice,
+    IPC_HANDLE_LEN, ImportedMemory, IpcHandle, PinnedAllocation,
 };
+/// The cudarc this crate is built with: use it for [`CudaBuffer::as_slice`]'s streams so the
+/// types match.
+#[cfg(feature = "cuda")]
+pub use cudarc;
 pub use error::GpuError;
 pub use placement::{DeviceRequest, Placement, TensorSink};
 pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 pub use receiver::{GpuReceiverEvent, GpuTensorReceiver, LandError};
 #[cfg(feature = "cuda")]
 pub use sink::{
-    GpuMemoryPool, GpuSink, HostFallback, PinnedMemoryPool, PooledGpuReceiver, STAGING_BUFFER,
+    GpuMemoryPool, GpuSink, Handoff, HostFallback, PinnedMemoryPool, PooledGpuReceiver,
+    STAGING_BUFFER,
 };
 pub use status::{GpuStatus, gpus_or_skip};

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tensorwire_proto::{Payload, TensorMeta};
 use tensorwire_sink::{CreditPermit, MemoryBudget, MemoryReservation, Sink, SinkError};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, oneshot};
 
 use crate::buffer::CudaBuffer;
 use crate::cuda::{DeviceAllocation, DeviceMemoryKind, GpuDevice, PinnedAllocation};
@@ -214,7 +214,7 @@ impl PooledGpuReceiver {
         };
         Ok(GpuSink::new(
             self.device.clone(),
-            dest.with_reservation(reservation),
+            dest.with_reservation(reservation)?,
             self.staging.clone(),
         ))
     }
@@ -279,12 +279,33 @@ impl AsRef<[u8]> for Fill {
 /// Receives one tensor into device memory (see the module docs).
 pub struct GpuSink {
     device: Arc<GpuDevice>,
-    /// Shared with every copy in flight, which keeps it allocated; taken by `finish` once
-    /// they all completed (`None` only afterwards).
-    dest: Option<Arc<CudaBuffer>>,
+    /// Every copy in flight holds a share of it, which keeps the memory allocated.
+    dest: CudaBuffer,
     staging: PinnedMemoryPool,
     fill: Option<Fill>,
     in_flight: Arc<InFlight>,
+    handoff: Option<oneshot::Sender<CudaBuffer>>,
+}
+
+/// The destination of a tensor, handed over as soon as its last copy is enqueued: before
+/// the copies completed and before COMPLETE, so a server can queue its GPU work at once.
+/// From [`GpuSink::handoff`].
+#[derive(Debug)]
+pub struct Handoff(oneshot::Receiver<CudaBuffer>);
+
+impl Handoff {
+    /// Resolves, once every byte was verified and its copy enqueued, to the destination with
+    /// its landing event: work on a stream that [`CudaBuffer::wait_on`] (or
+    /// [`CudaBuffer::as_slice`]) ordered after the event reads the landed bytes.
+    ///
+    /// Fails if the tensor failed first. The tensor can still fail after the hand-off (a
+    /// copy error, or the sender's CANCEL while the last copies run): only the receiver's
+    /// own result says the bytes are good, so publish nothing computed from them before it.
+    pub async fn landed(self) -> Result<CudaBuffer, GpuError> {
+        self.0
+            .await
+            .map_err(|_| GpuError::InUse("the tensor failed before its hand-off".into()))
+    }
 }
 
 impl GpuSink {
@@ -292,27 +313,29 @@ impl GpuSink {
     pub fn new(device: Arc<GpuDevice>, dest: CudaBuffer, staging: PinnedMemoryPool) -> Self {
         Self {
             device,
-            dest: Some(Arc::new(dest)),
+            dest,
             staging,
             fill: None,
             in_flight: Arc::default(),
+            handoff: None,
         }
     }
 
-    fn dest(&self) -> Result<&Arc<CudaBuffer>, GpuError> {
-        self.dest
-            .as_ref()
-            .ok_or_else(|| GpuError::Bounds("sink already finished".into()))
+    /// The destination's early hand-off (see [`Handoff`]); asking again replaces it.
+    pub fn handoff(&mut self) -> Handoff {
+        let (tx, rx) = oneshot::channel();
+        self.handoff = Some(tx);
+        Handoff(rx)
+    }
+
+    /// The device address the tensor lands at.
+    pub fn destination_ptr(&self) -> u64 {
+        self.dest.device_ptr()
     }
 
     /// Sets every destination byte to `value` first (tests poison destinations with it).
     pub fn poison(&mut self, value: u8) -> Result<(), GpuError> {
-        match self.dest.as_mut().and_then(Arc::get_mut) {
-            Some(dest) => dest.fill(value),
-            None => Err(GpuError::Bounds(
-                "poison only before the first write (copies hold the buffer)".into(),
-            )),
-        }
+        self.dest.fill(value)
     }
 
     /// Enqueues the copy of the current staging buffer; its buffer and credit come back
@@ -324,7 +347,7 @@ impl GpuSink {
         if fill.filled == 0 {
             return Ok(());
         }
-        let dest = self.dest()?.clone();
+        let dest = self.dest.share();
         let offset = usize::try_from(fill.start)
             .map_err(|_| GpuError::Bounds("offset past the address space".into()))?;
         let in_flight = self.in_flight.clone();
@@ -402,7 +425,7 @@ impl Sink for GpuSink {
             return Err(e.into());
         }
         let end = offset.checked_add(payload.len() as u64);
-        let len = self.dest()?.len() as u64;
+        let len = self.dest.len() as u64;
         if end.is_none_or(|end| end > len) {
             return Err(
                 GpuError::Bounds(format!("write at {offset} past a {len}-byte tensor")).into(),
@@ -424,17 +447,17 @@ impl Sink for GpuSink {
 
     async fn finish(mut self) -> Result<CudaBuffer, SinkError> {
         self.flush()?;
+        // Copies run in order on one stream: an event after the last is the tensor's landing.
+        let landing = self.device.record_copies()?;
+        self.dest.set_landing(landing);
+        if let Some(handoff) = self.handoff.take() {
+            let _ = handoff.send(self.dest.share());
+        }
         self.in_flight.wait_idle().await;
         if let Some(e) = self.in_flight.error() {
             return Err(e.into());
         }
-        // Every copy completed and let go of the destination: it holds all the bytes.
-        let dest = self
-            .dest
-            .take()
-            .ok_or_else(|| GpuError::Bounds("sink already finished".into()))?;
-        Ok(Arc::try_unwrap(dest)
-            .map_err(|_| GpuError::Bounds("a completed copy still holds the buffer".into()))?)
+        Ok(self.dest)
     }
 }
 

@@ -20,6 +20,8 @@ pub(crate) enum Exported {
         buffer: Arc<tensorwire_gpu::CudaBuffer>,
         /// Where the tensor starts in the allocation.
         offset: u64,
+        /// How it is exported, decided by its memory's kind when it was published.
+        export: Export,
     },
 }
 
@@ -42,25 +44,34 @@ impl Exported {
             )));
         }
         let allocation = buffer.allocation();
-        match allocation.kind() {
+        let export = match allocation.kind() {
             tensorwire_gpu::DeviceMemoryKind::Vmm => {
                 allocation.export_fd()?;
+                Export::Vmm
             }
             tensorwire_gpu::DeviceMemoryKind::Legacy => {
                 allocation.ipc_handle()?;
+                Export::CudaIpc
             }
-        }
-        Ok(Exported::Device { buffer, offset })
+            kind => {
+                return Err(tensorwire_gpu::GpuError::NotExportable(format!(
+                    "{kind:?} memory is not shared"
+                ))
+                .into());
+            }
+        };
+        Ok(Exported::Device {
+            buffer,
+            offset,
+            export,
+        })
     }
 
     pub(crate) fn export(&self) -> Export {
         match self {
             Exported::Host(_) => Export::Host,
             #[cfg(feature = "cuda")]
-            Exported::Device { buffer, .. } => match buffer.allocation().kind() {
-                tensorwire_gpu::DeviceMemoryKind::Vmm => Export::Vmm,
-                tensorwire_gpu::DeviceMemoryKind::Legacy => Export::CudaIpc,
-            },
+            Exported::Device { export, .. } => *export,
         }
     }
 
@@ -109,13 +120,13 @@ impl Exported {
     pub(crate) fn handle(&self) -> Result<Option<SecretHandle>, IpcError> {
         match self {
             #[cfg(feature = "cuda")]
-            Exported::Device { buffer, .. }
-                if buffer.allocation().kind() == tensorwire_gpu::DeviceMemoryKind::Legacy =>
-            {
-                Ok(Some(SecretHandle::from_bytes(
-                    &buffer.allocation().ipc_handle()?.0,
-                )))
-            }
+            Exported::Device {
+                buffer,
+                export: Export::CudaIpc,
+                ..
+            } => Ok(Some(SecretHandle::from_bytes(
+                &buffer.allocation().ipc_handle()?.0,
+            ))),
             _ => Ok(None),
         }
     }
@@ -125,10 +136,13 @@ impl Exported {
         match self {
             Exported::Host(memory) => Ok(Some(memory.fd())),
             #[cfg(feature = "cuda")]
-            Exported::Device { buffer, .. } => match buffer.allocation().kind() {
-                tensorwire_gpu::DeviceMemoryKind::Vmm => Ok(Some(buffer.allocation().export_fd()?)),
-                tensorwire_gpu::DeviceMemoryKind::Legacy => Ok(None),
-            },
+            Exported::Device {
+                buffer,
+                export: Export::Vmm,
+                ..
+            } => Ok(Some(buffer.allocation().export_fd()?)),
+            #[cfg(feature = "cuda")]
+            Exported::Device { .. } => Ok(None),
         }
     }
 
@@ -137,7 +151,7 @@ impl Exported {
         match self {
             Exported::Host(memory) => Ok(memory.bytes()[..len].to_vec()),
             #[cfg(feature = "cuda")]
-            Exported::Device { buffer, offset } => {
+            Exported::Device { buffer, offset, .. } => {
                 let mut out = vec![0u8; len];
                 buffer.read_at(*offset as usize, &mut out)?;
                 Ok(out)

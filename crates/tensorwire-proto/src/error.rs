@@ -109,6 +109,8 @@ error_codes! {
     UNSUPPORTED_CHECKSUM = 0x0406,
     /// The endpoint is shutting down.
     SHUTDOWN = 0x0407,
+    /// The receiver lands this name in memory of its own whose dtype or shape differ.
+    DESTINATION_MISMATCH = 0x0408,
 }
 
 impl ErrorCode {

@@ -180,10 +180,6 @@ impl GpuDevice {
         self.ctx.cu_device()
     }
 
-    pub(crate) fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-
     /// Makes this device's context current on the calling thread.
     pub(crate) fn bind(&self) -> Result<(), GpuError> {
         self.ctx.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))
@@ -199,9 +195,9 @@ impl GpuDevice {
     pub(crate) fn copy_to_device_async<S: AsRef<[u8]> + Send + 'static>(
         &self,
         src: S,
-        dst: Arc<crate::buffer::CudaBuffer>,
+        dst: crate::buffer::CudaBuffer,
         offset: usize,
-        done: impl FnOnce(S, Arc<crate::buffer::CudaBuffer>, Result<(), GpuError>) + Send + 'static,
+        done: impl FnOnce(S, crate::buffer::CudaBuffer, Result<(), GpuError>) + Send + 'static,
     ) {
         // Boxed so the bytes `src` refers to stay put however the box moves.
         let src = Box::new(src);
@@ -260,6 +256,24 @@ impl GpuDevice {
             let _ = unsafe { result::event::destroy(job.event) };
             (job.done)(waited.map_err(cuda("cuEventSynchronize")));
         }
+    }
+
+    /// An event on the copy stream after every copy enqueued so far: it completes when they
+    /// all have. Other streams wait on it instead of the host.
+    pub(crate) fn record_copies(&self) -> Result<cudarc::driver::CudaEvent, GpuError> {
+        let event = self.ctx.new_event(None).map_err(cuda("cuEventCreate"))?;
+        // SAFETY: the event (just created, which bound the context) and the copy stream are
+        // live handles of this context.
+        unsafe { result::event::record(event.cu_event(), self.stream.0) }
+            .map_err(cuda("cuEventRecord"))?;
+        Ok(event)
+    }
+
+    /// The device's primary context, shared with cudarc users in this process:
+    /// `CudaContext::new(ordinal)` retains the same primary context, so slices and streams of
+    /// either work with tensorwire's memory.
+    pub fn cuda_context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 
     /// Waits until every copy enqueued so far has completed.

@@ -31,6 +31,11 @@ enum Backing {
         mapping: VmmMapping,
         fd: OnceLock<OwnedFd>,
     },
+    /// The application's memory (a registered destination): `owner` keeps it allocated;
+    /// never freed or exported here.
+    CallerOwned {
+        _owner: Box<dyn std::any::Any + Send + Sync>,
+    },
 }
 
 impl std::fmt::Debug for DeviceAllocation {
@@ -86,6 +91,27 @@ impl DeviceAllocation {
         })
     }
 
+    /// `len` bytes at `ptr` that the application owns, kept allocated by `owner` for as long
+    /// as this value lives; dropping it frees nothing.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory of `device`'s primary context that stays
+    /// allocated while `owner` lives, and that tensorwire may write.
+    pub unsafe fn caller_owned(
+        device: &Arc<GpuDevice>,
+        ptr: sys::CUdeviceptr,
+        len: usize,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        Self {
+            ptr,
+            len,
+            device: device.clone(),
+            backing: Box::new(Backing::CallerOwned { _owner: owner }),
+            generation: 0,
+        }
+    }
+
     /// Allocates `len` bytes of `kind` on `device`.
     pub fn with_kind(
         device: &Arc<GpuDevice>,
@@ -95,6 +121,9 @@ impl DeviceAllocation {
         match kind {
             DeviceMemoryKind::Legacy => Self::new(device, len),
             DeviceMemoryKind::Vmm => Self::new_vmm(device, len),
+            DeviceMemoryKind::CallerOwned => Err(GpuError::InvalidConfig(
+                "caller-owned memory is registered, not allocated".into(),
+            )),
         }
     }
 
@@ -103,6 +132,7 @@ impl DeviceAllocation {
         match *self.backing {
             Backing::Legacy { .. } => DeviceMemoryKind::Legacy,
             Backing::Vmm { .. } => DeviceMemoryKind::Vmm,
+            Backing::CallerOwned { .. } => DeviceMemoryKind::CallerOwned,
         }
     }
 
@@ -116,9 +146,10 @@ impl DeviceAllocation {
     /// cached. Fails for `cuMemAlloc` memory.
     pub fn export_fd(&self) -> Result<BorrowedFd<'_>, GpuError> {
         let Backing::Vmm { mapping, fd } = &*self.backing else {
-            return Err(GpuError::NotExportable(
-                "only VMM memory exports an fd (this is cuMemAlloc memory)".into(),
-            ));
+            return Err(GpuError::NotExportable(format!(
+                "only VMM memory exports an fd (this is {:?} memory)",
+                self.kind()
+            )));
         };
         if fd.get().is_none() {
             let exported = mapping.export_fd()?;
@@ -132,10 +163,18 @@ impl DeviceAllocation {
     /// The legacy CUDA IPC handle of this allocation (a bearer secret: never log it); asked
     /// of the driver once, then cached. Fails for VMM memory and for empty allocations.
     pub fn ipc_handle(&self) -> Result<IpcHandle, GpuError> {
-        let Backing::Legacy { ipc_handle } = &*self.backing else {
-            return Err(GpuError::NotExportable(
-                "VMM memory has no legacy IPC handle; export its fd".into(),
-            ));
+        let ipc_handle = match &*self.backing {
+            Backing::Legacy { ipc_handle } => ipc_handle,
+            Backing::Vmm { .. } => {
+                return Err(GpuError::NotExportable(
+                    "VMM memory has no legacy IPC handle; export its fd".into(),
+                ));
+            }
+            Backing::CallerOwned { .. } => {
+                return Err(GpuError::NotExportable(
+                    "the application's own memory is not exported".into(),
+                ));
+            }
         };
         if self.ptr == 0 {
             return Err(GpuError::NotExportable("an empty allocation".into()));
@@ -194,7 +233,7 @@ impl DeviceAllocation {
             unsafe { result::memcpy_dtod_sync(dst.ptr, self.ptr, len) }
                 .map_err(cuda("cuMemcpyDtoD"))
         } else {
-            let (src_ctx, dst_ctx) = (self.device.context(), dst.device.context());
+            let (src_ctx, dst_ctx) = (self.device.cuda_context(), dst.device.cuda_context());
             // SAFETY: both ranges were checked to lie inside live allocations of their own
             // contexts; cuMemcpyPeer is synchronous with respect to the host.
             unsafe { sys::cuMemcpyPeer(dst.ptr, dst_ctx.cu_ctx(), self.ptr, src_ctx.cu_ctx(), len) }

@@ -10,11 +10,14 @@
 mod device;
 mod memory;
 mod share;
+mod view;
 
 pub use device::{DeviceInfo, GpuDevice};
 pub(crate) use memory::check_range;
 pub use memory::{DeviceAllocation, PinnedAllocation};
 pub use share::{DeviceMemoryKind, IPC_HANDLE_LEN, ImportedMemory, IpcHandle};
+pub(crate) use view::UsedBy;
+pub use view::{DeviceSlice, Element};
 
 use std::sync::OnceLock;
 

@@ -26,6 +26,9 @@ pub enum DeviceMemoryKind {
     /// `cuMemCreate` with POSIX-fd handles, mapped with `cuMemMap`: shareable as an fd, across
     /// PID namespaces and with peer access to other GPUs. Sizes round up to the granularity.
     Vmm,
+    /// The application's own memory, registered as a tensor's destination: never allocated,
+    /// freed or exported by tensorwire.
+    CallerOwned,
 }
 
 /// A legacy CUDA IPC handle: 64 bytes naming a whole `cuMemAlloc` allocation.
@@ -411,7 +414,7 @@ impl ImportedMemory {
         if len == 0 {
             return Ok(());
         }
-        let target = dst.allocation_mut();
+        let target = dst.allocation_mut()?;
         self.device.synchronize_copies()?;
         target.device().synchronize_copies()?;
         // SAFETY: the source range was checked to lie inside this mapping and the destination

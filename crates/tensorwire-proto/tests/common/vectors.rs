@@ -240,6 +240,14 @@ pub fn frame_vectors() -> Vec<Built<FrameVector>> {
             "REJECT: UNSUPPORTED_DEVICE",
             Reject::new(ErrorCode::UNSUPPORTED_DEVICE, "no cuda:1 here"),
         ),
+        valid(
+            "reject_destination_mismatch",
+            "REJECT: DESTINATION_MISMATCH (the registered destination is F32 [4096, 4096])",
+            Reject::new(
+                ErrorCode::DESTINATION_MISMATCH,
+                "weights: F16 [4096, 4096] does not match its destination F32 [4096, 4096]",
+            ),
+        ),
         valid("credit", "CREDIT: 4 MiB", Credit { bytes: 4 << 20 }),
         valid("complete", "COMPLETE", Complete),
         invalid(
