@@ -462,6 +462,11 @@ mod without_cuda {
             match self.never {}
         }
 
+        /// The device address of the first byte.
+        pub fn device_ptr(&self) -> u64 {
+            match self.never {}
+        }
+
         /// "cuda:N (name)".
         pub fn location(&self) -> String {
             match self.never {}

@@ -213,6 +213,48 @@ impl Drop for DlpackTensor {
     }
 }
 
+impl crate::buffer::TensorBuffer {
+    /// This buffer as a DLPack tensor of `dtype` and row-major `shape` (compact strides,
+    /// byte offset 0), with no copy: host bytes as `kDLCPU`, device memory as `kDLCUDA` on
+    /// its ordinal. The DLPack tensor owns the buffer; its deleter drops it, so a pooled
+    /// buffer goes back to its pool then. `shape` × `dtype` must be the buffer's length.
+    ///
+    /// Host bytes are exported read-only in spirit: DLPack has no read-only flag, and a
+    /// consumer that writes them writes this buffer's memory, which nothing else reads.
+    pub fn into_dlpack(self, dtype: DType, shape: &[u64]) -> Result<DlpackTensor, GpuError> {
+        let bytes = shape
+            .iter()
+            .try_fold(dtype.size(), |n, &d| n.checked_mul(d));
+        if bytes != Some(self.len() as u64) {
+            return Err(GpuError::Bounds(format!(
+                "{dtype} {shape:?} is not the buffer's {} bytes",
+                self.len()
+            )));
+        }
+        let (data, device) = match &self {
+            crate::buffer::TensorBuffer::Cpu(host) => (
+                host.as_ptr() as u64,
+                DLDevice {
+                    device_type: KDL_CPU,
+                    device_id: 0,
+                },
+            ),
+            crate::buffer::TensorBuffer::Cuda(gpu) => (
+                gpu.device_ptr(),
+                DLDevice {
+                    device_type: KDL_CUDA,
+                    device_id: i32::try_from(gpu.device_id())
+                        .map_err(|_| GpuError::Bounds("device ordinal exceeds i32".into()))?,
+                },
+            ),
+        };
+        // SAFETY: `data` is the first of the buffer's `len` bytes (checked to be `shape` ×
+        // `dtype`), on `device`; the buffer is the owner, so they stay valid (host bytes do
+        // not move: `Bytes` never reallocates, device memory is held) until the deleter runs.
+        unsafe { DlpackTensor::new(data, device, dtype, shape, Box::new(self)) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,7 +10,11 @@
 //! - [`GpuSink`] (from a [`PooledGpuReceiver`]) implements `tensorwire_sink::Sink`; credit for
 //!   a chunk is granted again only after its copy to the device has completed, and COMPLETE
 //!   is sent only after the last copy has.
-//! - [`Placement`] picks GPU or host for a receiver and hands out [`TensorSink`]s.
+//! - [`Placement`] picks GPU or host for a receiver and hands out [`TensorSink`]s;
+//!   [`Destinations`] lands tensors of registered names in the application's own memory.
+//! - A landed [`CudaBuffer`] is a cudarc slice on the server's stream
+//!   ([`CudaBuffer::as_slice`], ordered after its landing event with no host wait), and any
+//!   [`TensorBuffer`] exports as DLPack ([`TensorBuffer::into_dlpack`]).
 //! - [`GpuTensorReceiver`] lands one tensor from frames that arrive by any means, no QUIC.
 //! - Sharing device memory with other processes: [`DeviceAllocation::export_fd`] (VMM),
 //!   [`DeviceAllocation::ipc_handle`] (legacy), [`ImportedMemory`] on the consumer's side, and
@@ -25,6 +29,7 @@
 mod buffer;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod destination;
 pub mod dlpack;
 mod error;
 mod placement;
@@ -44,6 +49,7 @@ pub use cuda::{
 /// types match.
 #[cfg(feature = "cuda")]
 pub use cudarc;
+pub use destination::{DestinationSink, Destinations, HostMemory, Landed};
 pub use error::GpuError;
 pub use placement::{DeviceRequest, Placement, TensorSink};
 pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};

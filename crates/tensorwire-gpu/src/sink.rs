@@ -186,6 +186,23 @@ impl PooledGpuReceiver {
         self.sink_reserved(meta, reservation)
     }
 
+    /// A sink into `dest` (the application's registered memory, say) through this
+    /// receiver's staging pool; `dest` must be on this receiver's device.
+    pub fn sink_into(&self, dest: CudaBuffer) -> Result<GpuSink, GpuError> {
+        if dest.device_id() != self.device.ordinal() {
+            return Err(GpuError::InvalidConfig(format!(
+                "a cuda:{} destination for a cuda:{} receiver",
+                dest.device_id(),
+                self.device.ordinal()
+            )));
+        }
+        Ok(GpuSink::new(
+            self.device.clone(),
+            dest,
+            self.staging.clone(),
+        ))
+    }
+
     /// A sink for `meta` into memory already admitted against [`Self::memory_budget`].
     pub fn sink_reserved(
         &self,

@@ -269,6 +269,23 @@ impl GpuDevice {
         Ok(event)
     }
 
+    /// Makes copies enqueued from now on wait (on the device) for `event`.
+    pub(crate) fn copies_wait_for(
+        &self,
+        event: &cudarc::driver::CudaEvent,
+    ) -> Result<(), GpuError> {
+        self.bind()?;
+        // SAFETY: the copy stream and the event are live handles; the context is current.
+        unsafe {
+            result::stream::wait_event(
+                self.stream.0,
+                event.cu_event(),
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(cuda("cuStreamWaitEvent"))
+    }
+
     /// The device's primary context, shared with cudarc users in this process:
     /// `CudaContext::new(ordinal)` retains the same primary context, so slices and streams of
     /// either work with tensorwire's memory.

@@ -1,0 +1,382 @@
+//! Landing tensors in memory the application already owns (spec §9.4): an inference server
+//! registers `name → destination` (its current weights, a KV page) and a tensor of that name
+//! lands there, through the same credit and staging path as any other, instead of in memory
+//! allocated for it. A tensor whose dtype or shape differ from the registration is refused
+//! with DESTINATION_MISMATCH before a byte is written.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tensorwire_proto::{DType, ErrorCode, Payload, TensorMeta};
+use tensorwire_sink::{CreditPermit, Sink, SinkError};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::error::GpuError;
+use crate::placement::Placement;
+
+/// Host memory the application owns and shares with tensorwire: tensors land in it under the
+/// lock, one DATA frame at a time.
+pub type HostMemory = Arc<Mutex<Vec<u8>>>;
+
+/// The application's registered destinations, by tensor name. Clones share them.
+#[derive(Clone, Default)]
+pub struct Destinations {
+    by_name: Arc<Mutex<HashMap<String, Arc<Registered>>>>,
+}
+
+impl std::fmt::Debug for Destinations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<String> = self.lock().keys().cloned().collect();
+        f.debug_struct("Destinations")
+            .field("names", &names)
+            .finish()
+    }
+}
+
+/// One registration: what a tensor of its name must be, and where it lands.
+struct Registered {
+    dtype: DType,
+    shape: Vec<u64>,
+    memory: Memory,
+    /// One tensor at a time lands here.
+    busy: Arc<Semaphore>,
+}
+
+enum Memory {
+    Host(HostMemory),
+    #[cfg(feature = "cuda")]
+    Device {
+        device: Arc<crate::cuda::GpuDevice>,
+        ptr: u64,
+        len: usize,
+        /// Keeps the memory allocated (the application's cudarc slice, or what it passed);
+        /// landings keep the whole registration, so this is only held.
+        _owner: Arc<dyn std::any::Any + Send + Sync>,
+        /// The stream the application uses the memory on: copies into it wait for the work
+        /// queued there first.
+        stream: Option<Arc<cudarc::driver::CudaStream>>,
+    },
+}
+
+impl Registered {
+    fn describe(&self) -> String {
+        format!("{} {:?}", self.dtype, self.shape)
+    }
+}
+
+impl Destinations {
+    /// No destinations: every tensor lands in memory of its own.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Registered>>> {
+        self.by_name.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn insert(
+        &self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: &[u64],
+        len: usize,
+        memory: Memory,
+    ) -> Result<(), GpuError> {
+        let name = name.into();
+        let bytes = shape
+            .iter()
+            .try_fold(dtype.size(), |n, &d| n.checked_mul(d));
+        if bytes != Some(len as u64) {
+            return Err(GpuError::Bounds(format!(
+                "{name}: {dtype} {shape:?} does not fill the {len} bytes registered for it"
+            )));
+        }
+        let registered = Registered {
+            dtype,
+            shape: shape.to_vec(),
+            memory,
+            busy: Arc::new(Semaphore::new(1)),
+        };
+        self.lock().insert(name, Arc::new(registered));
+        Ok(())
+    }
+
+    /// Tensors named `name` land in `memory` (host), which must be exactly `shape` × `dtype`
+    /// bytes long. Replaces an earlier registration of the name.
+    pub fn register_host(
+        &self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: &[u64],
+        memory: HostMemory,
+    ) -> Result<(), GpuError> {
+        let len = memory.lock().unwrap_or_else(PoisonError::into_inner).len();
+        self.insert(name, dtype, shape, len, Memory::Host(memory))
+    }
+
+    /// Tensors named `name` land in the application's cudarc slice (on a device's primary
+    /// context), whose element type gives the dtype; copies into it first wait for the work
+    /// queued on the slice's stream. The slice stays allocated while registered or landing.
+    #[cfg(feature = "cuda")]
+    pub fn register_cuda_slice<T: crate::cuda::Element>(
+        &self,
+        name: impl Into<String>,
+        shape: &[u64],
+        slice: Arc<cudarc::driver::CudaSlice<T>>,
+    ) -> Result<(), GpuError> {
+        use cudarc::driver::DevicePtr;
+        let ctx = slice.context();
+        let device = crate::cuda::GpuDevice::open(ctx.ordinal())?;
+        if ctx.cu_ctx() != device.cuda_context().cu_ctx() {
+            return Err(GpuError::InvalidConfig(format!(
+                "the slice is not on cuda:{}'s primary context (CudaContext::new gives it)",
+                device.ordinal()
+            )));
+        }
+        let stream = slice.stream().clone();
+        let ptr = slice.device_ptr(&stream).0;
+        let len = slice.len() * std::mem::size_of::<T>();
+        let memory = Memory::Device {
+            device,
+            ptr,
+            len,
+            _owner: slice,
+            stream: Some(stream),
+        };
+        self.insert(name, T::DTYPE, shape, len, memory)
+    }
+
+    /// Tensors named `name` land at device address `ptr` (`len` bytes) on cuda:`ordinal`;
+    /// `owner` is kept until the registration and every landing are gone.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory of that device's primary context, allocated for
+    /// as long as `owner` lives, that tensorwire may overwrite at any time while registered.
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn register_device(
+        &self,
+        name: impl Into<String>,
+        dtype: DType,
+        shape: &[u64],
+        ordinal: usize,
+        ptr: u64,
+        len: usize,
+        owner: impl std::any::Any + Send + Sync,
+    ) -> Result<(), GpuError> {
+        let memory = Memory::Device {
+            device: crate::cuda::GpuDevice::open(ordinal)?,
+            ptr,
+            len,
+            _owner: Arc::new(owner),
+            stream: None,
+        };
+        self.insert(name, dtype, shape, len, memory)
+    }
+
+    /// Forgets `name`'s destination (a tensor landing there finishes); whether there was one.
+    pub fn unregister(&self, name: &str) -> bool {
+        self.lock().remove(name).is_some()
+    }
+
+    /// Whether tensors named `name` have a destination.
+    pub fn contains(&self, name: &str) -> bool {
+        self.lock().contains_key(name)
+    }
+
+    /// The sink for `meta` if its name has a destination: `Ok(None)` if not (place it as
+    /// usual), DESTINATION_MISMATCH if its dtype or shape differ, RESOURCE_EXHAUSTED if
+    /// another tensor of the name still lands there after `wait`, UNSUPPORTED_DEVICE if the
+    /// destination is on a device `placement` does not stage for.
+    pub async fn claim(
+        &self,
+        meta: &TensorMeta,
+        placement: &Placement,
+        wait: Duration,
+    ) -> Result<Option<DestinationSink>, SinkError> {
+        let Some(registered) = self.lock().get(meta.name()).cloned() else {
+            return Ok(None);
+        };
+        if meta.dtype() != registered.dtype || meta.shape() != registered.shape.as_slice() {
+            return Err(SinkError {
+                code: ErrorCode::DESTINATION_MISMATCH,
+                message: format!(
+                    "{}: {} {:?} does not match its destination {}",
+                    meta.name(),
+                    meta.dtype(),
+                    meta.shape(),
+                    registered.describe()
+                ),
+            });
+        }
+        let busy = tokio::time::timeout(wait, registered.busy.clone().acquire_owned())
+            .await
+            .map_err(|_| {
+                SinkError::exhausted(format!(
+                    "{}: another tensor of this name was still landing in its destination \
+                     after {:.1} s",
+                    meta.name(),
+                    wait.as_secs_f64()
+                ))
+            })?
+            .map_err(|_| SinkError::failed("destination closed"))?;
+        let into = match &registered.memory {
+            Memory::Host(memory) => LandIn::Host(memory.clone()),
+            #[cfg(feature = "cuda")]
+            Memory::Device {
+                device,
+                ptr,
+                len,
+                _owner: _,
+                stream,
+            } => {
+                let Placement::Gpu(gpu) = placement else {
+                    return Err(SinkError::unsupported_device(format!(
+                        "{}: its destination is on cuda:{}, but this receiver lands tensors in {}",
+                        meta.name(),
+                        device.ordinal(),
+                        placement.describe()
+                    )));
+                };
+                if gpu.device().ordinal() != device.ordinal() {
+                    return Err(SinkError::unsupported_device(format!(
+                        "{}: its destination is on cuda:{}, but this receiver stages for cuda:{}",
+                        meta.name(),
+                        device.ordinal(),
+                        gpu.device().ordinal()
+                    )));
+                }
+                if let Some(stream) = stream {
+                    let used = stream
+                        .record_event(None)
+                        .map_err(crate::cuda::cuda("cuEventRecord"))?;
+                    device.copies_wait_for(&used)?;
+                }
+                let keep: Box<dyn std::any::Any + Send + Sync> = Box::new(registered.clone());
+                // SAFETY: the registration's contract (`register_device`'s safety, or a live
+                // cudarc slice of the primary context) makes `ptr..ptr + len` writable
+                // device memory while `registered`, kept by the buffer, lives.
+                let allocation = unsafe {
+                    crate::cuda::DeviceAllocation::caller_owned(device, *ptr, *len, keep)
+                };
+                let dest = crate::buffer::CudaBuffer::from_owned(allocation, *len);
+                LandIn::Device(gpu.sink_into(dest)?)
+            }
+        };
+        #[cfg(not(feature = "cuda"))]
+        let _ = placement;
+        Ok(Some(DestinationSink { into, _busy: busy }))
+    }
+}
+
+/// A sink into a registered destination; see [`Destinations::claim`].
+pub struct DestinationSink {
+    into: LandIn,
+    /// Released when the tensor finished or failed: the next tensor of the name may land.
+    _busy: OwnedSemaphorePermit,
+}
+
+enum LandIn {
+    Host(HostMemory),
+    #[cfg(feature = "cuda")]
+    Device(crate::sink::GpuSink),
+}
+
+impl std::fmt::Debug for DestinationSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DestinationSink")
+            .field("device_ptr", &self.device_ptr())
+            .finish()
+    }
+}
+
+impl DestinationSink {
+    /// The device address the tensor lands at (`None` for host memory).
+    pub fn device_ptr(&self) -> Option<u64> {
+        match &self.into {
+            LandIn::Host(_) => None,
+            #[cfg(feature = "cuda")]
+            LandIn::Device(sink) => Some(sink.destination_ptr()),
+        }
+    }
+
+    /// The early hand-off of a device destination (see [`crate::Handoff`]).
+    #[cfg(feature = "cuda")]
+    pub fn handoff(&mut self) -> Option<crate::sink::Handoff> {
+        match &mut self.into {
+            LandIn::Host(_) => None,
+            LandIn::Device(sink) => Some(sink.handoff()),
+        }
+    }
+}
+
+/// Where a tensor landed in a registered destination.
+#[derive(Debug)]
+pub enum Landed {
+    /// The application's host memory, now holding the tensor.
+    Host(HostMemory),
+    /// The application's device memory, with the landing event; dropping it frees nothing.
+    #[cfg(feature = "cuda")]
+    Device(crate::buffer::CudaBuffer),
+}
+
+impl Landed {
+    /// Where, for people: "host memory" or "cuda:0 (NVIDIA H100) at 0x…".
+    pub fn location(&self) -> String {
+        match self {
+            Landed::Host(_) => "registered host memory".into(),
+            #[cfg(feature = "cuda")]
+            Landed::Device(buffer) => format!(
+                "registered memory of {} at {:#x}",
+                buffer.location(),
+                buffer.device_ptr()
+            ),
+        }
+    }
+}
+
+impl Sink for DestinationSink {
+    type Output = Landed;
+
+    async fn write(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<(), SinkError> {
+        match &mut self.into {
+            LandIn::Host(memory) => {
+                let mut memory = memory.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut at = usize::try_from(offset)
+                    .map_err(|_| SinkError::failed("offset past the address space"))?;
+                for part in payload.parts() {
+                    let target = at
+                        .checked_add(part.len())
+                        .and_then(|end| memory.get_mut(at..end))
+                        .ok_or_else(|| {
+                            SinkError::failed(format!(
+                                "the destination shrank below byte {}",
+                                at + part.len()
+                            ))
+                        })?;
+                    target.copy_from_slice(part);
+                    at += part.len();
+                }
+                // The bytes are in the destination: their credit may go back.
+                drop(permit);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            LandIn::Device(sink) => sink.write(offset, payload, permit).await,
+        }
+    }
+
+    async fn finish(self) -> Result<Landed, SinkError> {
+        match self.into {
+            LandIn::Host(memory) => Ok(Landed::Host(memory)),
+            #[cfg(feature = "cuda")]
+            LandIn::Device(sink) => sink.finish().await.map(Landed::Device),
+        }
+    }
+}
