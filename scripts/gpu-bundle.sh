@@ -13,7 +13,7 @@ mkdir -p "$out/tests" "$out/bin"
 
 echo "building programs" >&2
 cargo build --release --locked -p tensorwire-examples -p tensorwire-bench --bins
-for program in demo receiver sender bench ipc-bench; do
+for program in demo receiver sender bench ipc-bench inference-server; do
   cp "target/release/$program" "$out/bin/"
 done
 
@@ -49,6 +49,9 @@ for test in "$here"/tests/*; do
 done
 echo "== demo --require-gpu"
 "$here/bin/demo" --require-gpu 2>&1 | tee "$logs/demo.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "== inference-server: landed tensors in cuBLAS, weights updated in place, hand-off timing"
+"$here/bin/inference-server" --require-gpu 2>&1 | tee "$logs/inference-server.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== receiver --share, Python consumer with PyTorch/CuPy"
 REQUIRE_GPU=1 "$here/scripts/share-e2e.sh" "$here/bin" 2>&1 | tee "$logs/share-e2e.log"

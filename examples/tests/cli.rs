@@ -477,3 +477,28 @@ fn a_failed_save_fails_the_tensor_not_the_receiver() {
     assert!(spool.is_empty(), "the failed tensor's spool file is gone");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn the_inference_server_example_says_what_it_needs_where_there_is_no_gpu() {
+    if tensorwire::gpu::GpuStatus::detect().is_available() {
+        eprintln!("SKIPPED: this host has a GPU; the GPU bundle runs the example for real");
+        return;
+    }
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_inference-server"))
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let plain = run(&[]);
+    let stdout = String::from_utf8_lossy(&plain.stdout);
+    assert!(plain.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("no GPU") && stdout.contains("nothing to run"),
+        "{stdout}"
+    );
+    let required = run(&["--require-gpu"]);
+    let stderr = String::from_utf8_lossy(&required.stderr);
+    assert!(!required.status.success());
+    assert!(stderr.contains("--require-gpu"), "{stderr}");
+}

@@ -157,6 +157,7 @@ async fn a_busy_destination_makes_the_next_tensor_of_its_name_wait_then_refuses_
         .write(0, payload(&[7; 16]), CreditPermit::unbudgeted(16))
         .await
         .unwrap();
+    #[allow(irrefutable_let_patterns)] // Without the `cuda` feature only `Host` exists.
     let Landed::Host(landed) = first.finish().await.unwrap() else {
         panic!("a host destination lands in host memory");
     };

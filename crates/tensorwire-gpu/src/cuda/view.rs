@@ -76,7 +76,7 @@ impl<T: Element> DeviceSlice<T> {
         memory: Arc<dyn UsedBy>,
     ) -> Result<Self, GpuError> {
         let size = std::mem::size_of::<T>();
-        if dtype != T::DTYPE || size == 0 || bytes % size != 0 {
+        if dtype != T::DTYPE || size == 0 || !bytes.is_multiple_of(size) {
             return Err(GpuError::WrongType {
                 dtype,
                 rust_type: std::any::type_name::<T>(),
