@@ -103,6 +103,16 @@ async fn main() -> anyhow::Result<()> {
     );
 
     let (dim, batch) = (args.dim, args.batch);
+    {
+        // cuBLAS picks and loads its kernels on a shape's first GEMM: do that before timing.
+        let (x, w) = (
+            stream.alloc_zeros(batch * dim)?,
+            stream.alloc_zeros(dim * dim)?,
+        );
+        let mut y = stream.alloc_zeros::<f32>(batch * dim)?;
+        multiply(&blas, &x, &w, &mut y, batch, dim)?;
+        stream.synchronize()?;
+    }
     let weights = floats(dim * dim, 1);
     let input = floats(batch * dim, 2);
     send(&sender, f32_meta("weights", &[dim, dim])?, &weights);

@@ -51,8 +51,14 @@ pub(super) async fn serve_stream(
     st.connection.metrics.started();
     match st.admit(tx).await {
         Ok(Some(run)) => run(st).await,
-        Ok(None) => st.end(None).await,
-        Err(e) => st.end(Some(&e)).await,
+        Ok(None) => {
+            st.end(None).await;
+            st.linger().await;
+        }
+        Err(e) => {
+            st.end(Some(&e)).await;
+            st.linger().await;
+        }
     }
 }
 
@@ -184,7 +190,10 @@ impl Accepted {
             _ = cancel.cancelled() => Err(TransportError::cancelled_by("receiving")),
         };
         self.end(result.as_ref().err()).await;
+        // The application hears now; the stream is kept below until the peer has our last
+        // frame, which takes a round trip and the peer's ACK delay (tens of ms).
         let _ = done.send(result);
+        self.linger().await;
     }
 
     async fn receive_loop<S: Sink>(
@@ -313,7 +322,11 @@ impl Accepted {
                 b"too many failed, cancelled or refused streams",
             );
         }
-        // Credit is already back; keep the stream until the peer has our last frame.
+    }
+
+    /// Keeps the stream (and so the connection) until the peer has our last frame, such as
+    /// COMPLETE; credit and the outcome were settled by `end` already.
+    async fn linger(&mut self) {
         self.stream.delivered(CLOSE_GRACE).await;
     }
 }
