@@ -25,7 +25,7 @@ import socket
 
 from . import _cuda, _dlpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE = 64 * 1024
 
 # safetensors dtype names -> NumPy / __cuda_array_interface__ type strings (little-endian);
@@ -49,24 +49,11 @@ class Client:
     """A connection to a producer's sharing socket."""
 
     def __init__(self, path):
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock.connect(os.fspath(path))
-        self._ask({"op": "hello", "version": PROTOCOL_VERSION})
+        self._path = os.fspath(path)
+        self._sock = _hello(self._path)
 
     def _ask(self, request):
-        self._sock.send(json.dumps(request).encode())
-        data, fds, flags, _ = socket.recv_fds(self._sock, MAX_MESSAGE + 1, 1)
-        if not data:
-            for fd in fds:
-                os.close(fd)
-            raise ConnectionError("the producer closed the connection")
-        reply = json.loads(data)
-        if not reply.get("ok"):
-            for fd in fds:
-                os.close(fd)
-            error = reply.get("error") or {}
-            raise ShareError(error.get("code", "unknown"), error.get("message", ""))
-        return reply, fds
+        return _ask(self._sock, request)
 
     def list(self):
         """Every shared tensor, as dicts (id, name, dtype, shape, byte_len, leases, ...)."""
@@ -76,15 +63,25 @@ class Client:
         """One tensor by name or id."""
         return self._ask({"op": "info", "tensor": tensor})[0]["tensor"]
 
-    def open(self, tensor, all_gpus=False):
+    def open(self, tensor, all_gpus=False, wait=None):
         """Maps a tensor under a lease; close the result (or use `with`) to release it.
-        With `all_gpus`, VMM memory is also made accessible to every other GPU here."""
-        reply, fds = self._ask({"op": "open", "tensor": tensor})
+        With `all_gpus`, VMM memory is also made accessible to every other GPU here. With
+        `wait` (seconds), a name not published yet is waited for that long."""
+        request = {"op": "open", "tensor": tensor}
+        if wait is not None:
+            request["wait_ms"] = max(0, int(wait * 1000))
+        reply, fds = self._ask(request)
         if len(fds) > 1:
             for fd in fds:
                 os.close(fd)
             raise ShareError("bad_reply", "open reply with more than one descriptor")
         return SharedTensor(self, reply["lease"], reply["descriptor"], fds[0] if fds else None, all_gpus)
+
+    def watch(self, prefix=""):
+        """Events for tensors whose names start with `prefix`, from now on: an iterator of
+        dicts {"event": "published" | "updated" | "deleted", "tensor": {... "generation" ...}},
+        on a connection of its own (close it, or use `with`)."""
+        return Watch(self._path, prefix)
 
     def devices(self):
         """The producer's GPUs: ordinal (in the producer), name, uuid, memory, compute capability."""
@@ -93,6 +90,80 @@ class Client:
     def delete(self, tensor):
         """Deletes a tensor; True if deferred until its leases end."""
         return bool(self._ask({"op": "delete", "tensor": tensor})[0].get("deferred"))
+
+    def close(self):
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _hello(path):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(path)
+        _ask(sock, {"op": "hello", "version": PROTOCOL_VERSION})
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _ask(sock, request):
+    sock.send(json.dumps(request).encode())
+    return _receive(sock)
+
+
+def _receive(sock):
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE + 1, 1)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError("the producer closed the connection")
+    reply = json.loads(data)
+    if "event" in reply:
+        return reply, fds
+    if not reply.get("ok"):
+        for fd in fds:
+            os.close(fd)
+        error = reply.get("error") or {}
+        raise ShareError(error.get("code", "unknown"), error.get("message", ""))
+    return reply, fds
+
+
+class Watch:
+    """An iterator of events from `Client.watch`; `next(timeout)` waits at most `timeout`
+    seconds and returns None if nothing happened."""
+
+    def __init__(self, path, prefix):
+        self._sock = _hello(path)
+        try:
+            _ask(self._sock, {"op": "watch", "prefix": prefix})
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def next(self, timeout=None):
+        self._sock.settimeout(timeout)
+        try:
+            event, fds = _receive(self._sock)
+        except socket.timeout:
+            return None
+        for fd in fds:
+            os.close(fd)
+        return event
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return self.next()
+        except ConnectionError:
+            raise StopIteration from None
 
     def close(self):
         self._sock.close()
@@ -116,6 +187,14 @@ class SharedTensor:
         self.shape = tuple(descriptor["shape"])
         self.export = descriptor["export"]
         self.byte_len = descriptor["byte_len"]
+        self.numel = descriptor.get("numel")
+        self.element_size = descriptor.get("element_size")
+        # The sender's attributes (a WAV's sample_rate...), the generation (1, then one more
+        # per update of the name), when it landed, and the producer's device (None on host).
+        self.attributes = dict(descriptor.get("attributes") or {})
+        self.generation = descriptor.get("generation")
+        self.landed_unix_us = descriptor.get("landed_unix_us")
+        self.device_info = descriptor.get("device")
         self._map = self._view = None
         self._release_gpu = None
         self._dlpack_live = 0

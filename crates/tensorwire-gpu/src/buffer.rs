@@ -416,6 +416,22 @@ mod with_cuda {
             self.allocation_mut()?.fill(value)
         }
 
+        /// Writes `src`'s bytes at byte `offset` of this memory, which other handles may
+        /// hold and other processes may have mapped (a shared tensor updated in place: they
+        /// see the new bytes once this returns). Synchronous, after pending copies.
+        pub fn overwrite(&self, offset: usize, src: &crate::TensorBuffer) -> Result<(), GpuError> {
+            check_range(offset, src.len(), self.len)?;
+            match src {
+                crate::TensorBuffer::Cpu(bytes) => {
+                    self.allocation().overwrite_from_host(offset, bytes)
+                }
+                crate::TensorBuffer::Cuda(from) => {
+                    self.allocation()
+                        .overwrite_from_device(offset, from.allocation(), from.len())
+                }
+            }
+        }
+
         /// Copies all bytes into `dst` (same length), device to device, across GPUs too.
         pub fn copy_to(&self, dst: &mut CudaBuffer) -> Result<(), GpuError> {
             if dst.len != self.len {

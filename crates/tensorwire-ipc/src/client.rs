@@ -1,17 +1,22 @@
 //! The consumer's side: list and open tensors a producer shares; leases end on drop.
 
 use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use crate::error::IpcError;
 use crate::memory::SharedMemory;
-use crate::message::{Descriptor, Export, GpuInfo, Info, PROTOCOL_VERSION, Reply, Request};
+use crate::message::{
+    Descriptor, Event, Export, GpuInfo, Info, PROTOCOL_VERSION, Reply, Request,
+};
 use crate::socket::{Packets, Received};
 
 /// A connection to a producer's sharing socket.
 pub struct ShareClient {
     packets: Arc<Mutex<Packets>>,
+    /// The socket's path, for the second connection a watch takes.
+    path: PathBuf,
 }
 
 fn exchange(
@@ -38,15 +43,25 @@ impl ShareClient {
     /// Connects to the producer at `path` and checks the protocol version.
     pub fn connect(path: impl AsRef<Path>) -> Result<Self, IpcError> {
         let client = Self {
-            packets: Arc::new(Mutex::new(Packets::connect(path.as_ref())?)),
+            packets: Arc::new(Mutex::new(hello(path.as_ref())?)),
+            path: path.as_ref().to_owned(),
         };
+        Ok(client)
+    }
+
+    /// Events (published, updated with the generation, deleted) for every tensor whose name
+    /// starts with `prefix`, from now on, on a connection of their own.
+    pub fn watch(&self, prefix: &str) -> Result<Watch, IpcError> {
+        let packets = Mutex::new(hello(&self.path)?);
         exchange(
-            &client.packets,
-            &Request::Hello {
-                version: PROTOCOL_VERSION,
+            &packets,
+            &Request::Watch {
+                prefix: prefix.into(),
             },
         )?;
-        Ok(client)
+        Ok(Watch {
+            packets: packets.into_inner().unwrap_or_else(PoisonError::into_inner),
+        })
     }
 
     /// Every published tensor.
@@ -81,20 +96,33 @@ impl ShareClient {
     /// Maps a tensor, holding a lease until the returned value is dropped. GPU memory is
     /// mapped for the GPU that holds it (found by UUID).
     pub fn open(&self, tensor: &str) -> Result<SharedTensor, IpcError> {
-        self.open_inner(tensor, Access::Owner)
+        self.open_inner(tensor, Access::Owner, None)
+    }
+
+    /// As [`open`](Self::open), waiting up to `wait` for a name that is not published yet
+    /// (`not_found` after that).
+    pub fn open_wait(&self, tensor: &str, wait: Duration) -> Result<SharedTensor, IpcError> {
+        self.open_inner(tensor, Access::Owner, Some(wait))
     }
 
     /// As [`open`](Self::open), and for VMM exports also readable and writable by every GPU
     /// of this process (peer access across GPUs of one host).
     pub fn open_for_all_gpus(&self, tensor: &str) -> Result<SharedTensor, IpcError> {
-        self.open_inner(tensor, Access::AllGpus)
+        self.open_inner(tensor, Access::AllGpus, None)
     }
 
-    fn open_inner(&self, tensor: &str, access: Access) -> Result<SharedTensor, IpcError> {
+    fn open_inner(
+        &self,
+        tensor: &str,
+        access: Access,
+        wait: Option<Duration>,
+    ) -> Result<SharedTensor, IpcError> {
+        let wait_ms = wait.map(|w| u64::try_from(w.as_millis()).unwrap_or(u64::MAX));
         let (reply, fd) = exchange(
             &self.packets,
             &Request::Open {
                 tensor: tensor.into(),
+                wait_ms,
             },
         )?;
         let (Some(lease), Some(descriptor)) = (reply.lease, reply.descriptor) else {
@@ -131,6 +159,66 @@ impl ShareClient {
         .0
         .deferred
         .unwrap_or(false))
+    }
+}
+
+/// Connects to `path` and greets the producer.
+fn hello(path: &Path) -> Result<Packets, IpcError> {
+    let packets = Mutex::new(Packets::connect(path)?);
+    exchange(
+        &packets,
+        &Request::Hello {
+            version: PROTOCOL_VERSION,
+        },
+    )?;
+    Ok(packets.into_inner().unwrap_or_else(PoisonError::into_inner))
+}
+
+/// A stream of [`Event`]s from [`ShareClient::watch`]; iterate it, or wait with a timeout.
+pub struct Watch {
+    packets: Packets,
+}
+
+impl Watch {
+    /// The next event, waiting up to `timeout` (`None`: forever); `Ok(None)` on timeout.
+    pub fn next_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Event>, IpcError> {
+        rustix::net::sockopt::set_socket_timeout(
+            self.packets.as_fd(),
+            rustix::net::sockopt::Timeout::Recv,
+            timeout,
+        )?;
+        let received = match self.packets.recv() {
+            Ok(Some(received)) => received,
+            Ok(None) => return Err(IpcError::Closed),
+            Err(IpcError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if let Ok(event) = serde_json::from_slice::<Event>(&received.bytes) {
+            return Ok(Some(event));
+        }
+        // Not an event: the producer ended the watch and says why (e.g. `overflow`).
+        let reply: Reply = serde_json::from_slice(&received.bytes)
+            .map_err(|e| IpcError::BadMessage(e.to_string()))?;
+        Err(match reply.error {
+            Some(error) => IpcError::Refused {
+                code: error.code,
+                message: error.message,
+            },
+            None => IpcError::BadMessage("a watch message that is not an event".into()),
+        })
+    }
+}
+
+impl Iterator for Watch {
+    type Item = Result<Event, IpcError>;
+
+    /// The next event, waiting as long as it takes; `None` once the producer is gone.
+    fn next(&mut self) -> Option<Self::Item> {
+        match self.next_timeout(None) {
+            Ok(Some(event)) => Some(Ok(event)),
+            Ok(None) | Err(IpcError::Closed) => None,
+            Err(e) => Some(Err(e)),
+        }
     }
 }
 

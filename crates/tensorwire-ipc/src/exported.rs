@@ -107,8 +107,24 @@ impl Exported {
         }
     }
 
+    /// The GPU it lives on; `None` for host memory.
+    pub(crate) fn device_fields(&self) -> Option<crate::message::DeviceFields> {
+        match self {
+            Exported::Host(_) => None,
+            #[cfg(feature = "cuda")]
+            Exported::Device { buffer, .. } => {
+                let info = buffer.allocation().device().info();
+                Some(crate::message::DeviceFields {
+                    ordinal: info.ordinal as u32,
+                    uuid: info.uuid_string(),
+                    name: info.name.clone(),
+                })
+            }
+        }
+    }
+
     /// Reuses of the underlying buffer by its pool.
-    pub(crate) fn generation(&self) -> u64 {
+    pub(crate) fn buffer_reuse(&self) -> u64 {
         match self {
             Exported::Host(_) => 0,
             #[cfg(feature = "cuda")]
@@ -143,6 +159,23 @@ impl Exported {
             } => Ok(Some(buffer.allocation().export_fd()?)),
             #[cfg(feature = "cuda")]
             Exported::Device { .. } => Ok(None),
+        }
+    }
+
+    /// Overwrites the tensor's bytes with `new`'s (an update in place): consumers that mapped
+    /// it see them once this returns.
+    pub(crate) fn overwrite(&self, new: &tensorwire_gpu::TensorBuffer) -> Result<(), IpcError> {
+        match self {
+            Exported::Host(memory) => {
+                let bytes = new.to_host()?;
+                memory.write_at(0, &bytes)
+            }
+            #[cfg(feature = "cuda")]
+            Exported::Device { buffer, offset, .. } => {
+                let at = usize::try_from(*offset)
+                    .map_err(|_| IpcError::BadMessage("offset past the address space".into()))?;
+                Ok(buffer.overwrite(at, new)?)
+            }
         }
     }
 

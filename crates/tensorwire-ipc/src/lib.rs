@@ -20,10 +20,12 @@ mod registry;
 mod service;
 mod socket;
 
-pub use client::{ShareClient, SharedTensor};
+pub use client::{ShareClient, SharedTensor, Watch};
 pub use error::IpcError;
 pub use message::{
-    Descriptor, ErrorBody, ErrorCode, Export, GpuInfo, Info, MAX_MESSAGE, PROTOCOL_VERSION, Reply,
-    Request, SecretHandle, TensorFields,
+    Descriptor, DeviceFields, ErrorBody, ErrorCode, Event, EventKind, Export, GpuInfo, Info,
+    MAX_MESSAGE, PROTOCOL_VERSION, Reply, Request, SecretHandle, TensorFields,
 };
-pub use service::{PublishedTensor, ShareConfig, ShareService, local_gpus};
+pub use service::{
+    OnExisting, PublishedTensor, ShareConfig, ShareService, UpdateRefused, local_gpus,
+};

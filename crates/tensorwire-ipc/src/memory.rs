@@ -74,4 +74,12 @@ impl SharedMemory {
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         &mut self.map
     }
+
+    /// Writes `bytes` at `offset` through the file, not the mapping: every mapping (this
+    /// process's and consumers') sees them, and no `&mut` to shared memory is needed.
+    pub(crate) fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), IpcError> {
+        use std::os::unix::fs::FileExt;
+        self.file.write_all_at(bytes, offset)?;
+        Ok(())
+    }
 }

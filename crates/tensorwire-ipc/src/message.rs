@@ -2,8 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The protocol version this crate speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The protocol version this crate speaks (spec/ipc.md: 2 added generations, full
+/// metadata, `watch` and `open` with a wait).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Largest message in bytes (spec/ipc.md §1).
 pub const MAX_MESSAGE: usize = 64 * 1024;
@@ -28,6 +29,15 @@ pub enum Request {
     Open {
         /// UUID or name.
         tensor: String,
+        /// Wait up to this many milliseconds for a name that is not published yet.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        wait_ms: Option<u64>,
+    },
+    /// Turns the connection into a stream of [`Event`]s for names starting with `prefix`.
+    Watch {
+        /// Name prefix; empty for every tensor.
+        #[serde(default)]
+        prefix: String,
     },
     /// Ends a lease.
     Release {
@@ -83,6 +93,17 @@ impl Export {
     }
 }
 
+/// The GPU a tensor lives on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceFields {
+    /// The ordinal in the producer (others may differ: match by `uuid`).
+    pub ordinal: u32,
+    /// `GPU-…`, as `nvidia-smi -L` prints it.
+    pub uuid: String,
+    /// e.g. "NVIDIA H200".
+    pub name: String,
+}
+
 /// What every listing and descriptor says about a tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorFields {
@@ -96,8 +117,22 @@ pub struct TensorFields {
     pub shape: Vec<u64>,
     /// Bytes of the tensor.
     pub byte_len: u64,
+    /// Elements: the product of the shape.
+    pub numel: u64,
+    /// Bytes per element.
+    pub element_size: u64,
     /// Export mode.
     pub export: Export,
+    /// The sender's attributes (e.g. a WAV's `sample_rate`), as they arrived.
+    #[serde(default)]
+    pub attributes: std::collections::BTreeMap<String, String>,
+    /// The GPU it lives on; `None` in host memory.
+    #[serde(default)]
+    pub device: Option<DeviceFields>,
+    /// 1 when first published under its name, one more with each update (spec/ipc.md §4).
+    pub generation: u64,
+    /// When this generation's bytes had landed, in microseconds since the Unix epoch.
+    pub landed_unix_us: u64,
 }
 
 /// What a listing shows of a tensor.
@@ -124,11 +159,32 @@ pub struct Descriptor {
     pub alloc_len: u64,
     /// The GPU's UUID in hex; `None` for host memory.
     pub device_uuid: Option<String>,
-    /// Reuses of the underlying buffer.
-    pub generation: u64,
+    /// Reuses of the underlying buffer by the producer's pool.
+    pub buffer_reuse: u64,
     /// For `cuda_ipc`: the allocation's 64-byte legacy IPC handle (add `offset`!).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handle: Option<SecretHandle>,
+}
+
+/// What happened to a watched tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// A name was published for the first time (or again after a delete).
+    Published,
+    /// A new generation took the name (replaced, or written in place).
+    Updated,
+    /// The name was deleted.
+    Deleted,
+}
+
+/// One message of a `watch` stream (spec/ipc.md §2).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    /// What happened.
+    pub event: EventKind,
+    /// The tensor as it is after the event (its last state, for `deleted`).
+    pub tensor: Info,
 }
 
 /// A legacy CUDA IPC handle in hex: a bearer secret, so `Debug` does not show it.
@@ -180,6 +236,10 @@ impl ErrorCode {
     /// No such tensor or lease.
     pub fn not_found() -> Self {
         Self("not_found".into())
+    }
+    /// A watcher fell too far behind its events and was disconnected.
+    pub fn overflow() -> Self {
+        Self("overflow".into())
     }
     /// The consumer holds too many leases.
     pub fn lease_limit() -> Self {
@@ -284,8 +344,9 @@ mod tests {
     #[test]
     fn a_descriptor_without_a_handle_still_parses() {
         let json = r#"{"id":"67e55044-10b1-426f-9247-bb680e5fe0c8","name":"w","dtype":"U8",
-            "shape":[4],"byte_len":4,"export":"host","offset":0,"alloc_len":4,
-            "device_uuid":null,"generation":0}"#;
+            "shape":[4],"byte_len":4,"numel":4,"element_size":1,"export":"host","offset":0,
+            "alloc_len":4,"device_uuid":null,"buffer_reuse":0,"generation":1,
+            "landed_unix_us":0}"#;
         let descriptor: Descriptor = serde_json::from_str(json).unwrap();
         assert_eq!(descriptor.handle, None);
     }

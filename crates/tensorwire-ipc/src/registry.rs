@@ -1,11 +1,17 @@
 //! Published tensors and their leases (spec/ipc.md §4). Pure bookkeeping: no IO.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+
 use tensorwire_proto::TensorMeta;
 use uuid::Uuid;
 
 use crate::exported::Exported;
-use crate::message::{Descriptor, ErrorBody, ErrorCode, Info, TensorFields};
+use crate::message::{
+    Descriptor, ErrorBody, ErrorCode, Event, EventKind, Info, TensorFields,
+};
 
 /// A consumer connection's id.
 pub(crate) type ClientId = u64;
@@ -14,7 +20,19 @@ struct Entry {
     meta: TensorMeta,
     memory: Exported,
     leases: u64,
+    /// Gone from the live set (deleted, or replaced by a newer generation); freed when its
+    /// last lease ends.
     deleting: bool,
+    generation: u64,
+    landed_unix_us: u64,
+}
+
+/// A `watch` connection: events for names under `prefix` go to its thread.
+pub(crate) struct Watcher {
+    pub(crate) prefix: String,
+    pub(crate) events: SyncSender<Event>,
+    /// Set when its queue was full: the thread tells the consumer and disconnects.
+    pub(crate) overflowed: Arc<AtomicBool>,
 }
 
 struct Lease {
@@ -31,6 +49,7 @@ pub(crate) struct Registry {
     leases: HashMap<u64, Lease>,
     next_lease: u64,
     max_leases_per_process: usize,
+    watchers: Vec<Watcher>,
 }
 
 /// Why a request was refused, as its error reply carries it.
@@ -51,16 +70,25 @@ impl Registry {
             leases: HashMap::new(),
             next_lease: 1,
             max_leases_per_process,
+            watchers: Vec::new(),
         }
     }
 
-    /// Adds a tensor under its (unique) name.
-    pub(crate) fn publish(&mut self, meta: TensorMeta, memory: Exported) -> Result<Uuid, Refusal> {
-        if self.names.contains_key(meta.name()) {
-            return Err(refuse(
-                ErrorCode::bad_request(),
-                format!("a tensor named {:?} is already published", meta.name()),
-            ));
+    /// Adds a tensor under its name. A tensor already published under it is replaced: it
+    /// leaves the live set (its leases keep its memory) and the new one is its next
+    /// generation. Returns the new id and generation.
+    pub(crate) fn publish(
+        &mut self,
+        meta: TensorMeta,
+        memory: Exported,
+        landed_unix_us: u64,
+    ) -> (Uuid, u64) {
+        let previous = self.names.get(meta.name()).copied();
+        let generation = previous
+            .and_then(|old| self.tensors.get(&old))
+            .map_or(1, |old| old.generation + 1);
+        if let Some(old) = previous {
+            self.retire(old);
         }
         let id = Uuid::new_v4();
         self.names.insert(meta.name().to_owned(), id);
@@ -71,9 +99,90 @@ impl Registry {
                 memory,
                 leases: 0,
                 deleting: false,
+                generation,
+                landed_unix_us,
             },
         );
-        Ok(id)
+        let kind = if previous.is_some() {
+            EventKind::Updated
+        } else {
+            EventKind::Published
+        };
+        self.emit(kind, id);
+        (id, generation)
+    }
+
+    /// The live tensor named `name`: its metadata and memory.
+    pub(crate) fn current(&self, name: &str) -> Option<(TensorMeta, Exported)> {
+        let entry = self.names.get(name).and_then(|id| self.tensors.get(id))?;
+        Some((entry.meta.clone(), entry.memory.clone()))
+    }
+
+    /// `name`'s bytes were overwritten in place: its generation goes up. Returns the id and
+    /// the new generation.
+    pub(crate) fn updated_in_place(
+        &mut self,
+        name: &str,
+        landed_unix_us: u64,
+    ) -> Result<(Uuid, u64), Refusal> {
+        let id = self
+            .names
+            .get(name)
+            .copied()
+            .ok_or_else(|| refuse(ErrorCode::not_found(), format!("no tensor {name:?}")))?;
+        let entry = self
+            .tensors
+            .get_mut(&id)
+            .ok_or_else(|| refuse(ErrorCode::internal(), "entry vanished"))?;
+        entry.generation += 1;
+        entry.landed_unix_us = landed_unix_us;
+        let generation = entry.generation;
+        self.emit(EventKind::Updated, id);
+        Ok((id, generation))
+    }
+
+    /// Starts sending events for names under the watcher's prefix.
+    pub(crate) fn watch(&mut self, watcher: Watcher) {
+        self.watchers.push(watcher);
+    }
+
+    /// Sends `kind` for `id` to every watcher of its name; drops watchers whose consumer
+    /// left or whose queue is full (flagged, so its thread can say why).
+    fn emit(&mut self, kind: EventKind, id: Uuid) {
+        let Some(entry) = self.tensors.get(&id) else {
+            return;
+        };
+        let event = Event {
+            event: kind,
+            tensor: Self::info(id, entry),
+        };
+        self.watchers.retain(|watcher| {
+            if !event.tensor.tensor.name.starts_with(&watcher.prefix) {
+                return true;
+            }
+            match watcher.events.try_send(event.clone()) {
+                Ok(()) => true,
+                Err(TrySendError::Full(_)) => {
+                    watcher.overflowed.store(true, Ordering::SeqCst);
+                    false
+                }
+                Err(TrySendError::Disconnected(_)) => false,
+            }
+        });
+    }
+
+    /// Takes `id` out of the live set: removed now if unleased, else when its last lease ends.
+    fn retire(&mut self, id: Uuid) {
+        let Some(entry) = self.tensors.get_mut(&id) else {
+            return;
+        };
+        entry.deleting = true;
+        if self.names.get(entry.meta.name()) == Some(&id) {
+            self.names.remove(entry.meta.name());
+        }
+        if entry.leases == 0 {
+            self.tensors.remove(&id);
+        }
     }
 
     fn resolve(&self, tensor: &str) -> Option<Uuid> {
@@ -84,13 +193,20 @@ impl Registry {
     }
 
     fn fields(id: Uuid, entry: &Entry) -> TensorFields {
+        let meta = &entry.meta;
         TensorFields {
             id,
-            name: entry.meta.name().to_owned(),
-            dtype: entry.meta.dtype().name().to_owned(),
-            shape: entry.meta.shape().to_vec(),
-            byte_len: entry.meta.byte_len(),
+            name: meta.name().to_owned(),
+            dtype: meta.dtype().name().to_owned(),
+            shape: meta.shape().to_vec(),
+            byte_len: meta.byte_len(),
+            numel: meta.shape().iter().product(),
+            element_size: meta.dtype().size(),
             export: entry.memory.export(),
+            attributes: meta.attributes().iter().cloned().collect(),
+            device: entry.memory.device_fields(),
+            generation: entry.generation,
+            landed_unix_us: entry.landed_unix_us,
         }
     }
 
@@ -170,7 +286,7 @@ impl Registry {
             offset: entry.memory.offset(),
             alloc_len: entry.memory.alloc_len(),
             device_uuid: entry.memory.device_uuid(),
-            generation: entry.memory.generation(),
+            buffer_reuse: entry.memory.buffer_reuse(),
             handle,
         };
         Ok((lease, descriptor, entry.memory.clone()))
@@ -199,13 +315,7 @@ impl Registry {
         };
         entry.leases -= 1;
         if entry.deleting && entry.leases == 0 {
-            self.remove(id);
-        }
-    }
-
-    fn remove(&mut self, id: Uuid) {
-        if let Some(entry) = self.tensors.remove(&id) {
-            self.names.remove(entry.meta.name());
+            self.tensors.remove(&id);
         }
     }
 
@@ -216,15 +326,14 @@ impl Registry {
             .ok_or_else(|| refuse(ErrorCode::not_found(), format!("no tensor {tensor:?}")))?;
         let entry = self
             .tensors
-            .get_mut(&id)
+            .get(&id)
             .ok_or_else(|| refuse(ErrorCode::internal(), "entry vanished"))?;
-        if entry.leases == 0 {
-            self.remove(id);
-            Ok(false)
-        } else {
-            entry.deleting = true;
-            Ok(true)
+        let (live, deferred) = (!entry.deleting, entry.leases > 0);
+        if live {
+            self.emit(EventKind::Deleted, id);
         }
+        self.retire(id);
+        Ok(deferred)
     }
 
     /// A consumer's connection closed: all its leases end.

@@ -4,7 +4,9 @@ use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::mpsc::{RecvTimeoutError, sync_channel};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
 
 use tensorwire_proto::TensorMeta;
 use uuid::Uuid;
@@ -15,7 +17,58 @@ use crate::memory::SharedMemory;
 use crate::message::{
     ErrorBody, ErrorCode, Export, GpuInfo, Info, PROTOCOL_VERSION, Reply, Request,
 };
-use crate::registry::{ClientId, Registry};
+use crate::registry::{ClientId, Registry, Watcher};
+
+/// What publishing a tensor under a name that is already shared does (spec/ipc.md §4).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnExisting {
+    /// The new tensor takes the name as its next generation; leases on the old one keep
+    /// its memory until released.
+    #[default]
+    Replace,
+    /// The new bytes are copied into the existing memory (same address: a consumer that
+    /// mapped it once sees them) and the generation goes up; dtype and shape must match.
+    InPlace,
+    /// The new tensor is refused (a receiver refuses it at METADATA time).
+    Reject,
+}
+
+impl std::str::FromStr for OnExisting {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "replace" => Ok(OnExisting::Replace),
+            "in-place" => Ok(OnExisting::InPlace),
+            "reject" => Ok(OnExisting::Reject),
+            other => Err(format!("{other:?}: expected replace, in-place or reject")),
+        }
+    }
+}
+
+/// Why an update of a shared name is refused, with the wire code a receiver sends its peer.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct UpdateRefused {
+    /// REJECTED (the policy refuses updates) or DESTINATION_MISMATCH (in place, but the
+    /// dtype or shape differ).
+    pub code: tensorwire_proto::ErrorCode,
+    /// Which tensor, and why.
+    pub message: String,
+}
+
+/// Microseconds since the Unix epoch, now.
+fn now_unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// Most events a watcher may have queued; past it the watcher is told and disconnected.
+const WATCH_QUEUE: usize = 1024;
+
+/// Longest `open` wait a consumer may ask for.
+const MAX_OPEN_WAIT: Duration = Duration::from_secs(3600);
 use crate::socket::{Packets, listen};
 
 /// Who may connect and how much they may hold.
@@ -30,6 +83,8 @@ pub struct ShareConfig {
     pub max_connections: usize,
     /// Most connections one consumer process may have open at once.
     pub max_connections_per_process: usize,
+    /// What publishing a name that is already shared does.
+    pub on_existing: OnExisting,
 }
 
 impl Default for ShareConfig {
@@ -39,12 +94,15 @@ impl Default for ShareConfig {
             max_leases_per_process: 1024,
             max_connections: 256,
             max_connections_per_process: 16,
+            on_existing: OnExisting::Replace,
         }
     }
 }
 
 struct Shared {
     registry: Mutex<Registry>,
+    /// Signalled whenever a tensor is published or updated: `open` waits on it.
+    published: Condvar,
     config: ShareConfig,
     next_client: AtomicU64,
     stopping: AtomicBool,
@@ -152,6 +210,7 @@ impl ShareService {
         let listener = Arc::new(listen(&path)?);
         let shared = Arc::new(Shared {
             registry: Mutex::new(Registry::new(config.max_leases_per_process)),
+            published: Condvar::new(),
             connections: Mutex::new(HashMap::new()),
             config,
             next_client: AtomicU64::new(1),
@@ -174,7 +233,42 @@ impl ShareService {
         &self.path
     }
 
-    /// Publishes a host tensor: copies `bytes` into shared memory under `meta`'s name.
+    /// Whether a tensor with `meta` could be published under the policy: a receiver asks at
+    /// METADATA time, so a refused update costs the sender no bytes.
+    pub fn check_update(&self, meta: &TensorMeta) -> Result<(), UpdateRefused> {
+        let Some((current, _)) = self.shared.registry().current(meta.name()) else {
+            return Ok(());
+        };
+        match self.shared.config.on_existing {
+            OnExisting::Replace => Ok(()),
+            OnExisting::Reject => Err(UpdateRefused {
+                code: tensorwire_proto::ErrorCode::REJECTED,
+                message: format!(
+                    "{} is already shared (generation kept; this producer refuses updates)",
+                    meta.name()
+                ),
+            }),
+            OnExisting::InPlace
+                if current.dtype() != meta.dtype() || current.shape() != meta.shape() =>
+            {
+                Err(UpdateRefused {
+                    code: tensorwire_proto::ErrorCode::DESTINATION_MISMATCH,
+                    message: format!(
+                        "{}: {} {:?} cannot update the shared {} {:?} in place",
+                        meta.name(),
+                        meta.dtype(),
+                        meta.shape(),
+                        current.dtype(),
+                        current.shape()
+                    ),
+                })
+            }
+            OnExisting::InPlace => Ok(()),
+        }
+    }
+
+    /// Publishes a host tensor: copies `bytes` into shared memory under `meta`'s name (or,
+    /// updating in place, into the memory already shared under it).
     pub fn publish_host(
         &self,
         meta: &TensorMeta,
@@ -187,8 +281,11 @@ impl ShareService {
                 meta.byte_len()
             )));
         }
-        let memory = Exported::Host(Arc::new(SharedMemory::with_bytes(meta.name(), bytes)?));
-        self.publish(meta, memory)
+        self.publish(
+            meta,
+            || Ok(Exported::Host(Arc::new(SharedMemory::with_bytes(meta.name(), bytes)?))),
+            || tensorwire_gpu::TensorBuffer::cpu(bytes.to_vec()),
+        )
     }
 
     /// Publishes a GPU tensor with no copy: `meta.byte_len()` bytes at `offset` of `buffer`
@@ -196,7 +293,7 @@ impl ShareService {
     /// an fd, `cuMemAlloc` memory as a legacy IPC handle plus the offset; the export is made
     /// now, once per allocation. The buffer stays out of its pool until the tensor is deleted
     /// and its last lease has ended. Publish only after the tensor's last copy completed (a
-    /// buffer from a finished receive has).
+    /// buffer from a finished receive has). Updating in place copies from it.
     #[cfg(feature = "cuda")]
     pub fn publish_device(
         &self,
@@ -204,8 +301,17 @@ impl ShareService {
         buffer: Arc<tensorwire_gpu::CudaBuffer>,
         offset: u64,
     ) -> Result<PublishedTensor, IpcError> {
-        let memory = Exported::device(buffer, offset, meta.byte_len())?;
-        self.publish(meta, memory)
+        if offset != 0 && self.shared.config.on_existing == OnExisting::InPlace {
+            return Err(IpcError::BadMessage(
+                "in-place updates copy whole buffers: publish at offset 0".into(),
+            ));
+        }
+        let bytes = tensorwire_gpu::TensorBuffer::Cuda(buffer.share());
+        self.publish(
+            meta,
+            || Exported::device(buffer, offset, meta.byte_len()),
+            || bytes,
+        )
     }
 
     /// Publishes a received tensor where it landed: GPU buffers with no copy, host buffers
@@ -226,14 +332,43 @@ impl ShareService {
         }
     }
 
-    fn publish(&self, meta: &TensorMeta, memory: Exported) -> Result<PublishedTensor, IpcError> {
+    /// Publishes under `meta`'s name by the update policy: the tensor's memory is exported
+    /// by `export`, or, updating in place, `bytes` are copied into the memory shared already.
+    fn publish(
+        &self,
+        meta: &TensorMeta,
+        export: impl FnOnce() -> Result<Exported, IpcError>,
+        bytes: impl FnOnce() -> tensorwire_gpu::TensorBuffer,
+    ) -> Result<PublishedTensor, IpcError> {
+        let landed = now_unix_us();
         let len = usize::try_from(meta.byte_len())
             .map_err(|_| IpcError::BadMessage("tensor larger than the address space".into()))?;
-        let id = self
-            .shared
-            .registry()
-            .publish(meta.clone(), memory.clone())
-            .map_err(refused)?;
+        self.check_update(meta).map_err(|refused| IpcError::Refused {
+            code: ErrorCode::bad_request(),
+            message: refused.message,
+        })?;
+        let current = self.shared.registry().current(meta.name());
+        let (id, memory) = match current {
+            Some((_, existing)) if self.shared.config.on_existing == OnExisting::InPlace => {
+                // Outside the registry's lock: a large copy must not stall other requests.
+                existing.overwrite(&bytes())?;
+                let (id, _) = self
+                    .shared
+                    .registry()
+                    .updated_in_place(meta.name(), landed)
+                    .map_err(refused)?;
+                (id, existing)
+            }
+            _ => {
+                let memory = export()?;
+                let (id, _) = self
+                    .shared
+                    .registry()
+                    .publish(meta.clone(), memory.clone(), landed);
+                (id, memory)
+            }
+        };
+        self.shared.published.notify_all();
         Ok(PublishedTensor { id, memory, len })
     }
 
@@ -417,6 +552,95 @@ fn serve_client(shared: &Shared, packets: Packets, client: ClientId, process: u3
     shared.registry().client_gone(client);
 }
 
+/// Answers `open`: takes a lease and sends the descriptor with its fd. A name not published
+/// yet is waited for up to `wait` (capped at an hour).
+fn open(
+    shared: &Shared,
+    packets: &Packets,
+    tensor: &str,
+    wait: Option<Duration>,
+    (client, process): (ClientId, u32),
+) -> Result<(), IpcError> {
+    let deadline = Instant::now() + wait.unwrap_or_default().min(MAX_OPEN_WAIT);
+    let mut registry = shared.registry();
+    let opened = loop {
+        match registry.open(tensor, client, process) {
+            Err(mut refusal) if refusal.code == ErrorCode::not_found() => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() || shared.stopping.load(Ordering::SeqCst) {
+                    if let Some(wait) = wait {
+                        refusal.message += &format!(" after waiting {} ms", wait.as_millis());
+                    }
+                    break Err(refusal);
+                }
+                // Every publication wakes all waiters; each looks again.
+                registry = shared
+                    .published
+                    .wait_timeout(registry, left)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+            other => break other,
+        }
+    };
+    drop(registry);
+    let (lease, descriptor, memory) = match opened {
+        Ok(opened) => opened,
+        Err(refusal) => return send(packets, &Reply::refusal(refusal), None),
+    };
+    let fd = match memory.fd() {
+        Ok(fd) => fd,
+        Err(e) => {
+            let _ = shared.registry().release(lease, client);
+            return send(
+                packets,
+                &Reply::error(ErrorCode::internal(), e.to_string()),
+                None,
+            );
+        }
+    };
+    let reply = Reply {
+        lease: Some(lease),
+        descriptor: Some(descriptor),
+        ..Reply::ok()
+    };
+    send(packets, &reply, fd)
+}
+
+/// Serves a `watch`: the connection carries only events from now on, until the consumer
+/// closes it, falls too far behind, or the service stops.
+fn watch(shared: &Shared, packets: &Packets, prefix: String) -> Result<(), IpcError> {
+    let (events, queue) = sync_channel(WATCH_QUEUE);
+    let overflowed = Arc::new(AtomicBool::new(false));
+    shared.registry().watch(Watcher {
+        prefix,
+        events,
+        overflowed: overflowed.clone(),
+    });
+    send(packets, &Reply::ok(), None)?;
+    loop {
+        match queue.recv_timeout(Duration::from_millis(250)) {
+            Ok(event) => {
+                let bytes =
+                    serde_json::to_vec(&event).map_err(|e| IpcError::BadMessage(e.to_string()))?;
+                packets.send(&bytes, None)?;
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                if shared.stopping.load(Ordering::SeqCst) || packets.peer_closed() {
+                    return Ok(());
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                if overflowed.load(Ordering::SeqCst) {
+                    let why = format!("more than {WATCH_QUEUE} events were waiting to be read");
+                    let _ = send(packets, &Reply::error(ErrorCode::overflow(), why), None);
+                }
+                return Ok(());
+            }
+        }
+    }
+}
+
 fn handle(
     shared: &Shared,
     packets: &Packets,
@@ -437,29 +661,15 @@ fn handle(
             },
             Err(refusal) => Reply::refusal(refusal),
         },
-        Request::Open { tensor } => match registry.open(tensor, client, process) {
-            Ok((lease, descriptor, memory)) => {
-                drop(registry);
-                let fd = match memory.fd() {
-                    Ok(fd) => fd,
-                    Err(e) => {
-                        let _ = shared.registry().release(lease, client);
-                        return send(
-                            packets,
-                            &Reply::error(ErrorCode::internal(), e.to_string()),
-                            None,
-                        );
-                    }
-                };
-                let reply = Reply {
-                    lease: Some(lease),
-                    descriptor: Some(descriptor),
-                    ..Reply::ok()
-                };
-                return send(packets, &reply, fd);
-            }
-            Err(refusal) => Reply::refusal(refusal),
-        },
+        Request::Open { tensor, wait_ms } => {
+            drop(registry);
+            let wait = wait_ms.map(Duration::from_millis);
+            return open(shared, packets, tensor, wait, (client, process));
+        }
+        Request::Watch { prefix } => {
+            drop(registry);
+            return watch(shared, packets, prefix.clone()).and(Err(IpcError::Closed));
+        }
         Request::Release { lease } => match registry.release(*lease, client) {
             Ok(()) => Reply::ok(),
             Err(refusal) => Reply::refusal(refusal),

@@ -62,6 +62,18 @@ impl Packets {
         Ok(())
     }
 
+    /// Whether the peer closed the connection, without waiting. A message it sent meanwhile
+    /// is read and dropped (a watching connection takes no requests).
+    pub(crate) fn peer_closed(&self) -> bool {
+        let mut byte = [0u8; 1];
+        match rustix::net::recv(&self.fd, &mut byte, RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+            Ok((0, _)) => true,
+            Ok(_) => !matches!(self.recv(), Ok(Some(_))),
+            Err(rustix::io::Errno::AGAIN) => false,
+            Err(_) => true,
+        }
+    }
+
     /// Receives one message; `None` when the peer closed the connection.
     ///
     /// A packet longer than [`MAX_MESSAGE`] or with more descriptors than one is refused

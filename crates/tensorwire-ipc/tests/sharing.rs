@@ -253,7 +253,7 @@ fn malformed_requests_get_errors_and_the_service_goes_on() {
         code(raw.ask(br#"{"op":"hello","version":99}"#)),
         "unsupported_version"
     );
-    assert_eq!(raw.ask(br#"{"op":"hello","version":1}"#)["ok"], true);
+    assert_eq!(raw.ask(br#"{"op":"hello","version":2}"#)["ok"], true);
     assert_eq!(code(raw.ask(b"\xff\xfe not json")), "bad_request");
     assert_eq!(code(raw.ask(br#"{"op":"format_disk"}"#)), "bad_request");
     assert_eq!(

@@ -219,27 +219,45 @@ impl DeviceAllocation {
     /// Copies the first `len` bytes of `self` to the start of `dst`, across devices if they
     /// differ (synchronously, after pending copies on both).
     pub fn copy_prefix_to(&self, len: usize, dst: &mut DeviceAllocation) -> Result<(), GpuError> {
-        check_range(0, len, self.len)?;
-        check_range(0, len, dst.len)?;
+        dst.overwrite_from_device(0, self, len)
+    }
+
+    /// Copies `src`'s first `len` bytes to byte `offset` of this memory, which others may be
+    /// reading (a shared tensor updated in place: they see the new bytes once this returns).
+    /// Synchronous, after pending copies on both devices.
+    pub fn overwrite_from_device(
+        &self,
+        offset: usize,
+        src: &DeviceAllocation,
+        len: usize,
+    ) -> Result<(), GpuError> {
+        check_range(0, len, src.len)?;
+        check_range(offset, len, self.len)?;
         if len == 0 {
             return Ok(());
         }
+        src.device.synchronize_copies()?;
         self.device.synchronize_copies()?;
-        dst.device.synchronize_copies()?;
-        self.device.bind()?;
-        if Arc::ptr_eq(&self.device, &dst.device) {
+        src.device.bind()?;
+        let target = self.ptr + offset as u64;
+        if Arc::ptr_eq(&self.device, &src.device) {
             // SAFETY: both ranges were checked to lie inside live allocations of the current
             // context; the synchronous copy completes before returning.
-            unsafe { result::memcpy_dtod_sync(dst.ptr, self.ptr, len) }
-                .map_err(cuda("cuMemcpyDtoD"))
+            unsafe { result::memcpy_dtod_sync(target, src.ptr, len) }.map_err(cuda("cuMemcpyDtoD"))
         } else {
-            let (src_ctx, dst_ctx) = (self.device.cuda_context(), dst.device.cuda_context());
+            let (src_ctx, dst_ctx) = (src.device.cuda_context(), self.device.cuda_context());
             // SAFETY: both ranges were checked to lie inside live allocations of their own
             // contexts; cuMemcpyPeer is synchronous with respect to the host.
-            unsafe { sys::cuMemcpyPeer(dst.ptr, dst_ctx.cu_ctx(), self.ptr, src_ctx.cu_ctx(), len) }
+            unsafe { sys::cuMemcpyPeer(target, dst_ctx.cu_ctx(), src.ptr, src_ctx.cu_ctx(), len) }
                 .result()
                 .map_err(cuda("cuMemcpyPeer"))
         }
+    }
+
+    /// Copies `src` to byte `offset` of this memory, which others may be reading (see
+    /// [`overwrite_from_device`](Self::overwrite_from_device)); synchronous.
+    pub fn overwrite_from_host(&self, offset: usize, src: &[u8]) -> Result<(), GpuError> {
+        write(&self.device, self.ptr, self.len, offset, src)
     }
 }
 
