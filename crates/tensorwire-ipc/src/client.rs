@@ -7,9 +7,7 @@ use std::time::Duration;
 
 use crate::error::IpcError;
 use crate::memory::SharedMemory;
-use crate::message::{
-    Descriptor, Event, Export, GpuInfo, Info, PROTOCOL_VERSION, Reply, Request,
-};
+use crate::message::{Descriptor, Event, Export, GpuInfo, Info, PROTOCOL_VERSION, Reply, Request};
 use crate::socket::{Packets, Received};
 
 /// A connection to a producer's sharing socket.

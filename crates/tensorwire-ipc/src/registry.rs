@@ -9,9 +9,7 @@ use tensorwire_proto::TensorMeta;
 use uuid::Uuid;
 
 use crate::exported::Exported;
-use crate::message::{
-    Descriptor, ErrorBody, ErrorCode, Event, EventKind, Info, TensorFields,
-};
+use crate::message::{Descriptor, ErrorBody, ErrorCode, Event, EventKind, Info, TensorFields};
 
 /// A consumer connection's id.
 pub(crate) type ClientId = u64;

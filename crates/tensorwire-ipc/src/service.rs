@@ -179,12 +179,18 @@ pub struct PublishedTensor {
     id: Uuid,
     memory: Exported,
     len: usize,
+    generation: u64,
 }
 
 impl PublishedTensor {
     /// The registry id.
     pub fn id(&self) -> Uuid {
         self.id
+    }
+
+    /// Its name's generation: 1 when first published, one more with each update.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// How it is exported.
@@ -283,7 +289,12 @@ impl ShareService {
         }
         self.publish(
             meta,
-            || Ok(Exported::Host(Arc::new(SharedMemory::with_bytes(meta.name(), bytes)?))),
+            || {
+                Ok(Exported::Host(Arc::new(SharedMemory::with_bytes(
+                    meta.name(),
+                    bytes,
+                )?)))
+            },
             || tensorwire_gpu::TensorBuffer::cpu(bytes.to_vec()),
         )
     }
@@ -343,33 +354,39 @@ impl ShareService {
         let landed = now_unix_us();
         let len = usize::try_from(meta.byte_len())
             .map_err(|_| IpcError::BadMessage("tensor larger than the address space".into()))?;
-        self.check_update(meta).map_err(|refused| IpcError::Refused {
-            code: ErrorCode::bad_request(),
-            message: refused.message,
-        })?;
+        self.check_update(meta)
+            .map_err(|refused| IpcError::Refused {
+                code: ErrorCode::bad_request(),
+                message: refused.message,
+            })?;
         let current = self.shared.registry().current(meta.name());
-        let (id, memory) = match current {
+        let (id, generation, memory) = match current {
             Some((_, existing)) if self.shared.config.on_existing == OnExisting::InPlace => {
                 // Outside the registry's lock: a large copy must not stall other requests.
                 existing.overwrite(&bytes())?;
-                let (id, _) = self
+                let (id, generation) = self
                     .shared
                     .registry()
                     .updated_in_place(meta.name(), landed)
                     .map_err(refused)?;
-                (id, existing)
+                (id, generation, existing)
             }
             _ => {
                 let memory = export()?;
-                let (id, _) = self
-                    .shared
-                    .registry()
-                    .publish(meta.clone(), memory.clone(), landed);
-                (id, memory)
+                let (id, generation) =
+                    self.shared
+                        .registry()
+                        .publish(meta.clone(), memory.clone(), landed);
+                (id, generation, memory)
             }
         };
         self.shared.published.notify_all();
-        Ok(PublishedTensor { id, memory, len })
+        Ok(PublishedTensor {
+            id,
+            memory,
+            len,
+            generation,
+        })
     }
 
     /// Every published tensor.

@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use tensorwire::gpu::{DeviceRequest, Placement};
-use tensorwire::ipc::{ShareConfig, ShareService};
+use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::quic::{Receiver, ReceiverConfig};
+use tensorwire::sink::SinkError;
 use tensorwire_examples::cli::{
     ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, size,
 };
@@ -75,6 +76,12 @@ struct Args {
     /// host tensors as shared memory. Consumers: `tensorwire-share`, python/consume.py.
     #[arg(long)]
     share: Option<PathBuf>,
+    /// With --share, what a tensor whose name is already shared does: replace (it takes the
+    /// name as the next generation; consumers holding the old one keep it until they
+    /// release it), in-place (its bytes are copied into the shared memory, same address;
+    /// dtype and shape must match), or reject (the sender gets REJECT).
+    #[arg(long, default_value = "replace", requires = "share")]
+    on_existing: OnExisting,
     /// UDP sockets bound on the listening address with SO_REUSEPORT, so connections spread
     /// over cores (0: one per core, at most 8). All share the budgets.
     #[arg(long, default_value_t = 0)]
@@ -134,9 +141,17 @@ async fn main() -> anyhow::Result<()> {
     let mut save = args.save.as_deref().map(SaveDir::new).transpose()?;
     let share = match &args.share {
         Some(path) => {
-            let service = ShareService::start(path, ShareConfig::default())?;
-            println!("sharing tensors on {}", path.display());
-            Some(service)
+            let config = ShareConfig {
+                on_existing: args.on_existing,
+                ..ShareConfig::default()
+            };
+            let service = ShareService::start(path, config)?;
+            println!(
+                "sharing tensors on {} (a name shared again: {:?})",
+                path.display(),
+                args.on_existing
+            );
+            Some(std::sync::Arc::new(service))
         }
         None => None,
     };
@@ -155,16 +170,30 @@ async fn main() -> anyhow::Result<()> {
                 let (placement, done_tx) = (placement.clone(), done_tx.clone());
                 let spool = save.as_ref().map(SaveDir::spool);
                 let wait = args.admission_timeout;
+                let share = share.clone();
                 // Admission may wait for memory: off the loop, so other tensors go on.
                 tokio::spawn(async move {
                     let started = Instant::now();
                     let meta = incoming.meta().clone();
                     let origin = incoming.peer().to_string();
+                    // An update the sharing policy refuses is refused before any byte is sent.
+                    let policy = match share.as_ref().map(|s| s.check_update(&meta)) {
+                        Some(Err(refused)) => Err(SinkError {
+                            code: refused.code,
+                            message: refused.message,
+                        }),
+                        _ => Ok(()),
+                    };
                     // With --save, the bytes are on disk before the sender is told COMPLETE.
-                    let admitted = placement
-                        .admit(&meta, incoming.memory_shares(), incoming.host_memory(), wait)
-                        .await
-                        .and_then(|sink| SpoolingSink::new(sink, spool.as_ref(), meta.byte_len()));
+                    let admitted = match policy {
+                        Ok(()) => placement
+                            .admit(&meta, incoming.memory_shares(), incoming.host_memory(), wait)
+                            .await
+                            .and_then(|sink| {
+                                SpoolingSink::new(sink, spool.as_ref(), meta.byte_len())
+                            }),
+                        Err(e) => Err(e),
+                    };
                     let result = match admitted {
                         Ok(sink) => incoming
                             .accept(sink)
@@ -203,8 +232,9 @@ async fn main() -> anyhow::Result<()> {
                         if let Some(service) = &share {
                             match service.publish_buffer(&meta, buffer) {
                                 Ok(shared) => println!(
-                                    "shared {} as {} ({})",
-                                    meta.name(), shared.id(), shared.export().name()
+                                    "shared {} as {} ({}), generation {}",
+                                    meta.name(), shared.id(), shared.export().name(),
+                                    shared.generation()
                                 ),
                                 Err(e) => eprintln!("not shared: {}: {e}", meta.name()),
                             }

@@ -1,6 +1,8 @@
-//! Operator commands for a receiver's sharing socket: list, info, delete; and the local GPUs.
+//! Operator commands for a receiver's sharing socket: list, info, watch, wait, delete; and
+//! the local GPUs.
 //!
 //! `tensorwire-share --socket /run/tensorwire/share.sock list`
+//! `tensorwire-share --socket /run/tensorwire/share.sock watch layers.`
 
 use std::path::PathBuf;
 
@@ -28,6 +30,24 @@ enum Command {
     Info {
         /// Name or id.
         tensor: String,
+    },
+    /// Print events (published, updated with the generation, deleted) for names starting
+    /// with PREFIX, with how long after the tensor landed each was seen.
+    Watch {
+        /// Name prefix (empty: every tensor).
+        #[arg(default_value = "")]
+        prefix: String,
+        /// Stop after this many events (0: never).
+        #[arg(long, default_value_t = 0)]
+        count: usize,
+    },
+    /// Wait until a tensor is shared (open it), then print it.
+    Wait {
+        /// Name.
+        tensor: String,
+        /// Seconds to wait.
+        #[arg(long, default_value_t = 60.0)]
+        timeout_s: f64,
     },
     /// Remove a tensor (deferred while consumers hold leases).
     Delete {
@@ -67,6 +87,34 @@ fn main() -> anyhow::Result<()> {
             "{}",
             serde_json::to_string_pretty(&client()?.info(tensor)?)?
         ),
+        Command::Watch { prefix, count } => {
+            let watch = client()?.watch(prefix)?;
+            for (seen, event) in watch.enumerate() {
+                let event = event?;
+                let t = &event.tensor.tensor;
+                let now_us = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_micros() as u64);
+                println!(
+                    "{:<9} {} generation {} {} {:?} {}: seen {:.3} ms after it landed",
+                    format!("{:?}", event.event).to_lowercase(),
+                    t.name,
+                    t.generation,
+                    t.dtype,
+                    t.shape,
+                    size(t.byte_len),
+                    now_us.saturating_sub(t.landed_unix_us) as f64 / 1e3
+                );
+                if *count > 0 && seen + 1 == *count {
+                    break;
+                }
+            }
+        }
+        Command::Wait { tensor, timeout_s } => {
+            let wait = std::time::Duration::from_secs_f64(timeout_s.max(0.0));
+            let opened = client()?.open_wait(tensor, wait)?;
+            println!("{}", serde_json::to_string_pretty(opened.descriptor())?);
+        }
         Command::Delete { tensor } => {
             let deferred = client()?.delete(tensor)?;
             println!(
