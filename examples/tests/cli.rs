@@ -502,3 +502,76 @@ fn the_inference_server_example_says_what_it_needs_where_there_is_no_gpu() {
     assert!(!required.status.success());
     assert!(stderr.contains("--require-gpu"), "{stderr}");
 }
+
+#[test]
+fn a_shared_wav_keeps_its_attributes_and_a_name_sent_again_is_refused_under_reject() {
+    let dir = temp_dir("share-policy");
+    let wav = dir.join("speech.wav");
+    let spec = hound::WavSpec {
+        channels: 1,
+        sample_rate: 16_000,
+        bits_per_sample: 16,
+        sample_format: hound::SampleFormat::Int,
+    };
+    let mut writer = hound::WavWriter::create(&wav, spec).unwrap();
+    for i in 0..1600i16 {
+        writer.write_sample(i).unwrap();
+    }
+    writer.finalize().unwrap();
+    let socket = dir.join("share").join("share.sock");
+    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
+        .args(["--listen", "127.0.0.1:0", "--device", "host", "--share"])
+        .arg(&socket)
+        .args(["--on-existing", "reject"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let addr = first
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("{first}"))
+        .to_owned();
+    let send = || {
+        Command::new(env!("CARGO_BIN_EXE_sender"))
+            .args(["--connect", &addr, "--quiet"])
+            .arg(&wav)
+            .output()
+            .unwrap()
+    };
+    let sent = send();
+    assert!(
+        sent.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    // Published once COMPLETE went out; the receiver prints it just after.
+    for line in lines.by_ref() {
+        if line.unwrap().starts_with("shared speech") {
+            break;
+        }
+    }
+    let info = Command::new(env!("CARGO_BIN_EXE_tensorwire-share"))
+        .arg("--socket")
+        .arg(&socket)
+        .args(["info", "speech"])
+        .output()
+        .unwrap();
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["attributes"]["sample_rate"], "16000", "{info}");
+    assert_eq!(info["attributes"]["channels"], "1", "{info}");
+    assert_eq!(
+        (info["generation"].as_u64(), info["numel"].as_u64()),
+        (Some(1), Some(1600))
+    );
+    let again = send();
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(!again.status.success(), "a second speech is refused");
+    assert!(
+        stderr.contains("REJECTED") && stderr.contains("already shared"),
+        "the sender says which code and why: {stderr}"
+    );
+    receiver.kill().unwrap();
+    let _ = receiver.wait();
+    std::fs::remove_dir_all(dir).unwrap();
+}
