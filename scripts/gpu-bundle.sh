@@ -25,10 +25,15 @@ cargo test --release --locked -p tensorwire-gpu -p tensorwire-ipc --no-run --mes
       # The Python test finds python/ through its build path; share-e2e.sh covers it here.
       [ "$name" = python ] || cp "$exe" "$out/tests/$name"
     done
+cargo build --release --locked -p tensorwire-c
+mkdir -p "$out/lib" "$out/c/include" "$out/c/examples"
+cp target/release/libtensorwire_c.so "$out/lib/"
+cp crates/tensorwire-c/include/tensorwire.h "$out/c/include/"
+cp crates/tensorwire-c/examples/*.c crates/tensorwire-c/examples/*.cpp "$out/c/examples/"
 mkdir -p "$out/scripts"
 cp -r python "$out/python"
 cp scripts/share-e2e.sh benches/scale.sh "$out/scripts/"
-strip "$out"/bin/* "$out"/tests/* 2>/dev/null || true
+strip "$out"/bin/* "$out"/tests/* "$out"/lib/* 2>/dev/null || true
 
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -54,7 +59,8 @@ echo "== inference-server: landed tensors in cuBLAS, weights updated in place, h
 "$here/bin/inference-server" --require-gpu 2>&1 | tee "$logs/inference-server.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== receiver --share, Python consumer with PyTorch/CuPy"
-REQUIRE_GPU=1 "$here/scripts/share-e2e.sh" "$here/bin" 2>&1 | tee "$logs/share-e2e.log"
+REQUIRE_GPU=1 REQUIRE_CPP=1 C_LIB_DIR="$here/lib" C_SRC_DIR="$here/c" \
+  "$here/scripts/share-e2e.sh" "$here/bin" 2>&1 | tee "$logs/share-e2e.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== ipc-bench"
 "$here/bin/ipc-bench" --json "$logs/ipc-bench.json" 2>&1 | tee "$logs/ipc-bench.log"

@@ -4,6 +4,12 @@
 #
 #   scripts/share-e2e.sh [BIN_DIR]     # BIN_DIR holds receiver and sender (default target/release)
 #
+# Then the C and C++ consumers of crates/tensorwire-c read the same tensors: the C example
+# and, where g++ and PyTorch's LibTorch are installed, the LibTorch one (torch::from_blob),
+# built here against libtensorwire_c.so from C_LIB_DIR (default: BIN_DIR) and the sources in
+# C_SRC_DIR (default crates/tensorwire-c). REQUIRE_CPP=1 makes a missing g++ or LibTorch an
+# error.
+#
 # On a GPU host, tensors land on the GPU and are shared with no copy (VMM fds); elsewhere in
 # host memory. Set DEVICE=host to force host memory, REQUIRE_GPU=1 to fail without a GPU.
 set -euo pipefail
@@ -45,3 +51,41 @@ python3 "$here/python/verify.py" "$work/share/share.sock" "$work/sent.safetensor
 # The example consumer: list, then show a tensor's first bytes.
 python3 "$here/python/consume.py" "$work/share/share.sock"
 python3 "$here/python/consume.py" "$work/share/share.sock" c.f32
+
+# The C and C++ consumers: byte sums of what they read, against the sent file's.
+c_lib=${C_LIB_DIR:-$bin}
+c_src=${C_SRC_DIR:-$here/crates/tensorwire-c}
+python3 - "$work/sent.safetensors" > "$work/expected-sums.txt" <<'PY'
+import json, struct, sys
+data = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", data[:8])[0]
+header = json.loads(data[8:8 + n])
+for name, info in sorted(header.items()):
+    start, end = info["data_offsets"]
+    print(name, sum(data[8 + n + start:8 + n + end]))
+PY
+cc "$c_src/examples/consumer.c" -I "$c_src/include" -L "$c_lib" -ltensorwire_c \
+  -Wl,-rpath,"$c_lib" -o "$work/c-consumer"
+"$work/c-consumer" "$work/share/share.sock" c.f32
+c_sum=$("$work/c-consumer" "$work/share/share.sock" c.f32 | sed -n 's/^sum //p')
+grep -qx "c.f32 $c_sum" "$work/expected-sums.txt" || { echo "C consumer: byte sum $c_sum differs" >&2; exit 1; }
+echo "C consumer: c.f32 byte sum $c_sum matches what was sent"
+torch_dir=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null || true)
+if command -v g++ >/dev/null && [ -n "$torch_dir" ]; then
+  g++ -std=c++17 -O1 "$c_src/examples/torch_consumer.cpp" -I "$c_src/include" \
+    -I "$torch_dir/include" -I "$torch_dir/include/torch/csrc/api/include" \
+    -L "$torch_dir/lib" -Wl,-rpath,"$torch_dir/lib" -Wl,--no-as-needed -ltorch_cuda -ltorch \
+    -ltorch_cpu -lc10_cuda -lc10 -Wl,--as-needed \
+    -L "$c_lib" -ltensorwire_c -Wl,-rpath,"$c_lib" -o "$work/torch-consumer"
+  "$work/torch-consumer" "$work/share/share.sock" a.u8 b.bf16 c.f32 d.i64 | tee "$work/torch.txt"
+  sed -n 's/^\([^ ]*\) .* byte sum \([0-9]*\)$/\1 \2/p' "$work/torch.txt" | sort > "$work/torch-sums.txt"
+  if ! diff "$work/expected-sums.txt" "$work/torch-sums.txt"; then
+    echo "LibTorch consumer: byte sums differ from what was sent" >&2; exit 1
+  fi
+  echo "LibTorch consumer: every tensor's bytes match what was sent"
+elif [ "${REQUIRE_CPP:-0}" = 1 ]; then
+  echo "LibTorch consumer: needs g++ and PyTorch (LibTorch), and REQUIRE_CPP=1" >&2; exit 1
+else
+  echo "LibTorch consumer: skipped (no g++ or no PyTorch here)"
+fi
+

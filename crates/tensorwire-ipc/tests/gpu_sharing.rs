@@ -126,6 +126,36 @@ fn gpu_child() {
             }
             println!("VMM-READ-ON {} GPUS", devices.len());
         }
+        "update" => {
+            // Maps generation 1, then waits (watching) for the update and reads it again
+            // through the same mapping.
+            let mut watch = client.watch("weights").unwrap();
+            let tensor = client.open("weights").unwrap();
+            let (ptr, _) = tensor.device_ptr().unwrap();
+            let len = tensor.descriptor().tensor.byte_len as usize;
+            assert_eq!(tensor.descriptor().tensor.generation, 1);
+            assert!(tensor.read_to_vec().unwrap() == pattern(len, 1));
+            println!("READY");
+            let event = watch.next().unwrap().unwrap();
+            let seen = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_micros() as u64;
+            let landed = event.tensor.tensor.landed_unix_us;
+            assert_eq!(event.tensor.tensor.generation, 2);
+            println!("UPDATE-SEEN-AFTER-US {}", seen.saturating_sub(landed));
+            let read = tensor.read_to_vec().unwrap();
+            let now = client.open("weights").unwrap();
+            let (now_ptr, _) = now.device_ptr().unwrap();
+            if read == pattern(len, 2) && now_ptr == ptr {
+                println!("IN-PLACE: same pointer, new bytes");
+            } else if read == pattern(len, 1) && now_ptr != ptr {
+                assert!(now.read_to_vec().unwrap() == pattern(len, 2));
+                println!("REPLACED: old generation intact, new one elsewhere");
+            } else {
+                panic!("neither an in-place update nor a replacement");
+            }
+        }
         other => panic!("unknown child mode {other}"),
     }
 }
@@ -207,6 +237,86 @@ fn a_consumers_in_place_multiply_is_seen_by_the_producer() {
             "{kind:?}: the producer sees the consumer's write"
         );
     }
+}
+
+/// Publishes `weights` (pattern 1) under `on_existing`, lets a child process map it, then
+/// publishes pattern 2 under the same name; returns the child's report.
+fn update_seen_by_a_mapping(on_existing: tensorwire_ipc::OnExisting, len: usize) -> String {
+    use std::io::{BufRead, BufReader};
+    let path = socket_path(&format!("update-{on_existing:?}"));
+    let config = ShareConfig {
+        on_existing,
+        ..ShareConfig::default()
+    };
+    let service = ShareService::start(&path, config).unwrap();
+    let device = GpuDevice::open(0).unwrap();
+    let buffer = |seed: u64| {
+        let allocation = DeviceAllocation::new_vmm(&device, len).unwrap();
+        let mut buffer = CudaBuffer::from_owned(allocation, len);
+        buffer.write_at(0, &pattern(len, seed)).unwrap();
+        Arc::new(buffer)
+    };
+    let meta = meta("weights", len);
+    let first = service.publish_device(&meta, buffer(1), 0).unwrap();
+    assert_eq!(first.generation(), 1);
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "gpu_child", "--nocapture", "--test-threads", "1"])
+        .env(
+            "TENSORWIRE_IPC_GPU_CHILD",
+            format!("update|{}", path.display()),
+        )
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut report = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        report += &line;
+        report.push('\n');
+        if line == "READY" {
+            break;
+        }
+    }
+    let second = service.publish_device(&meta, buffer(2), 0).unwrap();
+    assert_eq!(second.generation(), 2);
+    for line in lines {
+        report += &line.unwrap();
+        report.push('\n');
+    }
+    assert!(child.wait().unwrap().success(), "{report}");
+    // The child's leases ended with it: only the live generation remains.
+    let listed = service.list();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].tensor.generation, 2);
+    report
+}
+
+#[test]
+fn an_in_place_update_of_a_1_gib_gpu_tensor_is_seen_through_a_mapping_made_before() {
+    let test = "an_in_place_update_of_a_1_gib_gpu_tensor_is_seen_through_a_mapping_made_before";
+    if gpus_or_skip(test).is_none() {
+        return;
+    }
+    let report = update_seen_by_a_mapping(tensorwire_ipc::OnExisting::InPlace, 1 << 30);
+    assert!(
+        report.contains("IN-PLACE: same pointer, new bytes"),
+        "{report}"
+    );
+    eprintln!("{report}");
+}
+
+#[test]
+fn a_replaced_gpu_tensor_stays_readable_to_a_consumer_of_the_old_generation() {
+    let test = "a_replaced_gpu_tensor_stays_readable_to_a_consumer_of_the_old_generation";
+    if gpus_or_skip(test).is_none() {
+        return;
+    }
+    let report = update_seen_by_a_mapping(tensorwire_ipc::OnExisting::Replace, 64 << 20);
+    assert!(
+        report.contains("REPLACED: old generation intact, new one elsewhere"),
+        "{report}"
+    );
 }
 
 #[test]
