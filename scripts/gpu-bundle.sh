@@ -49,7 +49,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$logs/gp
 for test in "$here"/tests/*; do
   name=$(basename "$test")
   echo "== $name"
-  "$test" --test-threads 1 2>&1 | tee "$logs/test-$name.log"
+  # Bounded, so one hung test cannot take the whole run.
+  timeout 300 "$test" --test-threads 1 2>&1 | tee "$logs/test-$name.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 echo "== demo --require-gpu"

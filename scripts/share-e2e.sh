@@ -47,12 +47,9 @@ for _ in $(seq 100); do grep -q "listening on" "$work/receiver.log" && break; sl
 "$bin/sender" --connect "127.0.0.1:$port" --quiet "$work/sent.safetensors"
 for _ in $(seq 100); do [ "$(grep -c '^shared ' "$work/receiver.log")" -ge 4 ] && break; sleep 0.1; done
 cat "$work/receiver.log"
-python3 "$here/python/verify.py" "$work/share/share.sock" "$work/sent.safetensors"
-# The example consumer: list, then show a tensor's first bytes.
-python3 "$here/python/consume.py" "$work/share/share.sock"
-python3 "$here/python/consume.py" "$work/share/share.sock" c.f32
 
-# The C and C++ consumers: byte sums of what they read, against the sent file's.
+# The C and C++ consumers: byte sums of what they read, against the sent file's
+# (first: verify.py below writes a.u8 in place).
 c_lib=${C_LIB_DIR:-$bin}
 c_src=${C_SRC_DIR:-$here/crates/tensorwire-c}
 python3 - "$work/sent.safetensors" > "$work/expected-sums.txt" <<'PY'
@@ -89,3 +86,8 @@ else
   echo "LibTorch consumer: skipped (no g++ or no PyTorch here)"
 fi
 
+
+python3 "$here/python/verify.py" "$work/share/share.sock" "$work/sent.safetensors"
+# The example consumer: list, then show a tensor's first bytes.
+python3 "$here/python/consume.py" "$work/share/share.sock"
+python3 "$here/python/consume.py" "$work/share/share.sock" c.f32

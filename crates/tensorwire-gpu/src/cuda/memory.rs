@@ -240,18 +240,23 @@ impl DeviceAllocation {
         self.device.synchronize_copies()?;
         src.device.bind()?;
         let target = self.ptr + offset as u64;
-        if Arc::ptr_eq(&self.device, &src.device) {
+        let copied = if Arc::ptr_eq(&self.device, &src.device) {
             // SAFETY: both ranges were checked to lie inside live allocations of the current
-            // context; the synchronous copy completes before returning.
+            // context, which stay allocated until the copy completed (waited for below).
             unsafe { result::memcpy_dtod_sync(target, src.ptr, len) }.map_err(cuda("cuMemcpyDtoD"))
         } else {
             let (src_ctx, dst_ctx) = (src.device.cuda_context(), self.device.cuda_context());
             // SAFETY: both ranges were checked to lie inside live allocations of their own
-            // contexts; cuMemcpyPeer is synchronous with respect to the host.
+            // contexts, which stay allocated until the copy completed (waited for below).
             unsafe { sys::cuMemcpyPeer(target, dst_ctx.cu_ctx(), src.ptr, src_ctx.cu_ctx(), len) }
                 .result()
                 .map_err(cuda("cuMemcpyPeer"))
-        }
+        };
+        // Device-to-device copies return before they finish (the driver does not wait for
+        // them, "sync" names notwithstanding): wait, or a caller could free the source or
+        // read the destination while the copy still runs.
+        let finished = finish_device_copies(&src.device, &self.device);
+        copied.and(finished)
     }
 
     /// Copies `src` to byte `offset` of this memory, which others may be reading (see
@@ -259,6 +264,15 @@ impl DeviceAllocation {
     pub fn overwrite_from_host(&self, offset: usize, src: &[u8]) -> Result<(), GpuError> {
         write(&self.device, self.ptr, self.len, offset, src)
     }
+}
+
+/// Waits until device-to-device copies issued on these devices' contexts have completed.
+pub(super) fn finish_device_copies(a: &GpuDevice, b: &GpuDevice) -> Result<(), GpuError> {
+    for device in [a, b] {
+        device.bind()?;
+        result::ctx::synchronize().map_err(cuda("cuCtxSynchronize"))?;
+    }
+    Ok(())
 }
 
 /// Copies `size` bytes at `base + offset` of `device` into `dst`, after pending copies.

@@ -418,11 +418,15 @@ impl ImportedMemory {
         self.device.synchronize_copies()?;
         target.device().synchronize_copies()?;
         // SAFETY: the source range was checked to lie inside this mapping and the destination
-        // is a live allocation of at least `len` bytes; with unified addressing cuMemcpy copies
-        // between any two device addresses, synchronously.
-        unsafe { sys::cuMemcpy(target.device_ptr(), self.ptr + offset as u64, len) }
+        // is a live allocation of at least `len` bytes, both kept until the copy completed
+        // (waited for below); with unified addressing cuMemcpy copies between any two device
+        // addresses.
+        let copied = unsafe { sys::cuMemcpy(target.device_ptr(), self.ptr + offset as u64, len) }
             .result()
-            .map_err(cuda("cuMemcpy"))
+            .map_err(cuda("cuMemcpy"));
+        // A device-to-device cuMemcpy returns before it finishes: wait for it.
+        let finished = memory::finish_device_copies(&self.device, target.device());
+        copied.and(finished)
     }
 }
 
