@@ -46,17 +46,7 @@ struct Registered {
 enum Memory {
     Host(HostMemory),
     #[cfg(feature = "cuda")]
-    Device {
-        device: Arc<crate::cuda::GpuDevice>,
-        ptr: u64,
-        len: usize,
-        /// Keeps the memory allocated (the application's cudarc slice, or what it passed);
-        /// landings keep the whole registration, so this is only held.
-        _owner: Arc<dyn std::any::Any + Send + Sync>,
-        /// The stream the application uses the memory on: copies into it wait for the work
-        /// queued there first.
-        stream: Option<Arc<cudarc::driver::CudaStream>>,
-    },
+    Device(crate::cuda::DeviceRange),
 }
 
 impl Registered {
@@ -123,56 +113,23 @@ impl Destinations {
         &self,
         name: impl Into<String>,
         shape: &[u64],
-        slice: Arc<cudarc::driver::CudaSlice<T>>,
+        slice: std::sync::Arc<cudarc::driver::CudaSlice<T>>,
     ) -> Result<(), GpuError> {
-        use cudarc::driver::DevicePtr;
-        let ctx = slice.context();
-        let device = crate::cuda::GpuDevice::open(ctx.ordinal())?;
-        if ctx.cu_ctx() != device.cuda_context().cu_ctx() {
-            return Err(GpuError::InvalidConfig(format!(
-                "the slice is not on cuda:{}'s primary context (CudaContext::new gives it)",
-                device.ordinal()
-            )));
-        }
-        let stream = slice.stream().clone();
-        let ptr = slice.device_ptr(&stream).0;
-        let len = slice.len() * std::mem::size_of::<T>();
-        let memory = Memory::Device {
-            device,
-            ptr,
-            len,
-            _owner: slice,
-            stream: Some(stream),
-        };
-        self.insert(name, T::DTYPE, shape, len, memory)
+        let range = crate::cuda::DeviceRange::from_cuda_slice(slice)?;
+        self.register_device(name, T::DTYPE, shape, range)
     }
 
-    /// Tensors named `name` land at device address `ptr` (`len` bytes) on cuda:`ordinal`;
-    /// `owner` is kept until the registration and every landing are gone.
-    ///
-    /// # Safety
-    /// `ptr..ptr + len` must be device memory of that device's primary context, allocated for
-    /// as long as `owner` lives, that tensorwire may overwrite at any time while registered.
+    /// Tensors named `name` land in `range`, device memory the application owns.
     #[cfg(feature = "cuda")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn register_device(
+    pub fn register_device(
         &self,
         name: impl Into<String>,
         dtype: DType,
         shape: &[u64],
-        ordinal: usize,
-        ptr: u64,
-        len: usize,
-        owner: impl std::any::Any + Send + Sync,
+        range: crate::cuda::DeviceRange,
     ) -> Result<(), GpuError> {
-        let memory = Memory::Device {
-            device: crate::cuda::GpuDevice::open(ordinal)?,
-            ptr,
-            len,
-            _owner: Arc::new(owner),
-            stream: None,
-        };
-        self.insert(name, dtype, shape, len, memory)
+        let len = range.len();
+        self.insert(name, dtype, shape, len, Memory::Device(range))
     }
 
     /// Forgets `name`'s destination (a tensor landing there finishes); whether there was one.
@@ -224,13 +181,8 @@ impl Destinations {
         let into = match &registered.memory {
             Memory::Host(memory) => LandIn::Host(memory.clone()),
             #[cfg(feature = "cuda")]
-            Memory::Device {
-                device,
-                ptr,
-                len,
-                _owner: _,
-                stream,
-            } => {
+            Memory::Device(range) => {
+                let device = range.device();
                 let Placement::Gpu(gpu) = placement else {
                     return Err(SinkError::unsupported_device(format!(
                         "{}: its destination is on cuda:{}, but this receiver lands tensors in {}",
@@ -247,20 +199,8 @@ impl Destinations {
                         gpu.device().ordinal()
                     )));
                 }
-                if let Some(stream) = stream {
-                    let used = stream
-                        .record_event(None)
-                        .map_err(crate::cuda::cuda("cuEventRecord"))?;
-                    device.copies_wait_for(&used)?;
-                }
-                let keep: Box<dyn std::any::Any + Send + Sync> = Box::new(registered.clone());
-                // SAFETY: the registration's contract (`register_device`'s safety, or a live
-                // cudarc slice of the primary context) makes `ptr..ptr + len` writable
-                // device memory while `registered`, kept by the buffer, lives.
-                let allocation = unsafe {
-                    crate::cuda::DeviceAllocation::caller_owned(device, *ptr, *len, keep)
-                };
-                let dest = crate::buffer::CudaBuffer::from_owned(allocation, *len);
+                let allocation = range.landing_allocation(Box::new(registered.clone()))?;
+                let dest = crate::buffer::CudaBuffer::from_owned(allocation, range.len());
                 LandIn::Device(gpu.sink_into(dest)?)
             }
         };

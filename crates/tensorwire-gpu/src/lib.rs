@@ -20,8 +20,9 @@
 //!   [`DeviceAllocation::ipc_handle`] (legacy), [`ImportedMemory`] on the consumer's side, and
 //!   [`dlpack`] to hand tensors to PyTorch/JAX/CuPy; `tensorwire-ipc` builds on these.
 //!
-//! This crate holds the CUDA FFI `unsafe` (the only other `unsafe` is `tensorwire-ipc`'s
-//! mapping of shared memory): FFI is layered raw (`cudarc::driver::sys`) →
+//! This crate holds the CUDA FFI `unsafe`, in its `cuda` module (and `dlpack`'s C struct);
+//! elsewhere only `tensorwire-ipc`'s mapping of shared memory and `tensorwire-c`'s C ABI
+//! have any: FFI is layered raw (`cudarc::driver::sys`) →
 //! checked (`cudarc::driver::result`) → the safe RAII types of the `cuda` module, and every
 //! block says why it is sound.
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -42,7 +43,7 @@ mod status;
 pub use buffer::{AllocateBuffer, CudaBuffer, TensorBuffer};
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    DeviceAllocation, DeviceInfo, DeviceMemoryKind, DeviceSlice, Element, GpuDevice,
+    DeviceAllocation, DeviceInfo, DeviceMemoryKind, DeviceRange, DeviceSlice, Element, GpuDevice,
     IPC_HANDLE_LEN, ImportedMemory, IpcHandle, PinnedAllocation,
 };
 /// The cudarc this crate is built with: use it for [`CudaBuffer::as_slice`]'s streams so the

@@ -166,10 +166,13 @@ impl Exported {
     /// it see them once this returns.
     pub(crate) fn overwrite(&self, new: &tensorwire_gpu::TensorBuffer) -> Result<(), IpcError> {
         match self {
-            Exported::Host(memory) => {
-                let bytes = new.to_host()?;
-                memory.write_at(0, &bytes)
-            }
+            Exported::Host(memory) => match new {
+                tensorwire_gpu::TensorBuffer::Cpu(bytes) => memory.write_at(0, bytes),
+                #[cfg(feature = "cuda")]
+                gpu => memory.write_at(0, &gpu.to_host()?),
+                #[cfg(not(feature = "cuda"))]
+                tensorwire_gpu::TensorBuffer::Cuda(_) => Err(IpcError::NoCuda("GPU")),
+            },
             #[cfg(feature = "cuda")]
             Exported::Device { buffer, offset, .. } => {
                 let at = usize::try_from(*offset)

@@ -326,6 +326,7 @@ fn a_replaced_gpu_tensor_stays_readable_to_a_consumer_of_the_old_generation() {
         report.contains("REPLACED: old generation intact, new one elsewhere"),
         "{report}"
     );
+    eprintln!("{report}");
 }
 
 #[test]

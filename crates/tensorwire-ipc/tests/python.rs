@@ -88,3 +88,42 @@ fn the_python_consumer_lists_maps_and_writes_in_place() {
         String::from_utf8_lossy(&dlpack.stderr)
     );
 }
+
+#[test]
+fn the_python_consumer_watches_waits_and_reads_generations_and_attributes() {
+    use std::io::{BufRead, BufReader};
+    if Command::new("python3").arg("--version").output().is_err() {
+        eprintln!("SKIPPED the_python_consumer_watches_waits_and_reads_generations: no python3");
+        return;
+    }
+    let path = socket_path("python-updates");
+    let service = ShareService::start(&path, ShareConfig::default()).unwrap();
+    let mut child = Command::new("python3")
+        .arg(consume_py().with_file_name("check_updates.py"))
+        .arg(&path)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut output = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        output += &line;
+        if line == "READY" {
+            break;
+        }
+    }
+    let live = TensorMeta::new([4], DType::U8).unwrap().with_name("live.w");
+    service.publish_host(&live, &[1; 4]).unwrap();
+    service.publish_host(&live, &[2; 4]).unwrap();
+    let late = TensorMeta::new([4], DType::F32)
+        .unwrap()
+        .with_name("late")
+        .with_attribute("sample_rate", "16000");
+    service.publish_host(&late, &[0; 16]).unwrap();
+    for line in lines {
+        output += &line.unwrap();
+    }
+    assert!(child.wait().unwrap().success(), "{output}");
+    assert!(output.contains("UPDATES-OK"), "{output}");
+}

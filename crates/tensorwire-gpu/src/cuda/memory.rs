@@ -427,3 +427,114 @@ impl Drop for PinnedAllocation {
         }
     }
 }
+
+/// Device memory the application owns, for tensors to land in (a registered destination,
+/// `Destinations::register_device`): an address range kept allocated by an owner.
+#[derive(Clone)]
+pub struct DeviceRange {
+    device: Arc<GpuDevice>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    /// Keeps the memory allocated (the application's cudarc slice, or what it passed).
+    owner: Arc<dyn std::any::Any + Send + Sync>,
+    /// The stream the application uses the memory on: copies into it first wait for it.
+    stream: Option<Arc<cudarc::driver::CudaStream>>,
+}
+
+impl std::fmt::Debug for DeviceRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DeviceRange({} bytes at {:#x} on cuda:{})",
+            self.len,
+            self.ptr,
+            self.device.ordinal()
+        )
+    }
+}
+
+impl DeviceRange {
+    /// `len` bytes at `ptr` on cuda:`ordinal`, kept allocated by `owner`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory of that device's primary context that stays
+    /// allocated while `owner` lives, and that tensorwire may overwrite at any time while a
+    /// tensor lands in it.
+    pub unsafe fn new(
+        ordinal: usize,
+        ptr: u64,
+        len: usize,
+        owner: impl std::any::Any + Send + Sync,
+    ) -> Result<Self, GpuError> {
+        Ok(Self {
+            device: GpuDevice::open(ordinal)?,
+            ptr,
+            len,
+            owner: Arc::new(owner),
+            stream: None,
+        })
+    }
+
+    /// The memory of the application's cudarc slice (on a device's primary context), which
+    /// it keeps; copies into it first wait for the work queued on the slice's stream.
+    pub fn from_cuda_slice<T: super::Element>(
+        slice: Arc<cudarc::driver::CudaSlice<T>>,
+    ) -> Result<Self, GpuError> {
+        use cudarc::driver::DevicePtr;
+        let ctx = slice.context();
+        let device = GpuDevice::open(ctx.ordinal())?;
+        if ctx.cu_ctx() != device.cuda_context().cu_ctx() {
+            return Err(GpuError::InvalidConfig(format!(
+                "the slice is not on cuda:{}'s primary context (CudaContext::new gives it)",
+                device.ordinal()
+            )));
+        }
+        let stream = slice.stream().clone();
+        let ptr = slice.device_ptr(&stream).0;
+        let len = slice.len() * std::mem::size_of::<T>();
+        Ok(Self {
+            device,
+            ptr,
+            len,
+            owner: slice,
+            stream: Some(stream),
+        })
+    }
+
+    /// Bytes in the range.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address of its first byte.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The device it is on.
+    pub fn device(&self) -> &Arc<GpuDevice> {
+        &self.device
+    }
+
+    /// The range as an allocation a sink can land a tensor in, after the application's
+    /// queued work on it; `keep` lives as long as the allocation.
+    pub(crate) fn landing_allocation(
+        &self,
+        keep: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<DeviceAllocation, GpuError> {
+        if let Some(stream) = &self.stream {
+            let used = stream.record_event(None).map_err(cuda("cuEventRecord"))?;
+            self.device.copies_wait_for(&used)?;
+        }
+        let keep: Box<dyn std::any::Any + Send + Sync> = Box::new((self.owner.clone(), keep));
+        // SAFETY: a `DeviceRange` is live device memory of this device's primary context
+        // while `owner` lives (`new`'s contract, or a cudarc slice it holds); the allocation
+        // keeps `owner`.
+        Ok(unsafe { DeviceAllocation::caller_owned(&self.device, self.ptr, self.len, keep) })
+    }
+}

@@ -14,7 +14,7 @@ mod view;
 
 pub use device::{DeviceInfo, GpuDevice};
 pub(crate) use memory::check_range;
-pub use memory::{DeviceAllocation, PinnedAllocation};
+pub use memory::{DeviceAllocation, DeviceRange, PinnedAllocation};
 pub use share::{DeviceMemoryKind, IPC_HANDLE_LEN, ImportedMemory, IpcHandle};
 pub(crate) use view::UsedBy;
 pub use view::{DeviceSlice, Element};
