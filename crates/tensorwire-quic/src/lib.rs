@@ -15,6 +15,7 @@ mod config;
 mod dev_trust;
 mod error;
 mod metrics;
+mod pool;
 mod receiver;
 mod sender;
 mod session;
@@ -29,6 +30,7 @@ pub use config::{
 pub use dev_trust::dev_cert_path;
 pub use error::TransportError;
 pub use metrics::MetricsSnapshot;
+pub use pool::SenderPool;
 pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
 pub use sender::{ConnectionSender, SendHandle, SendProgress, SendReport, Sender, Source};
 pub use tensorwire_proto as proto;

@@ -224,6 +224,15 @@ pub struct SendReport {
 impl Sender {
     /// Connects to the receiver at `addr` on an endpoint (UDP socket) of its own.
     pub async fn connect(addr: SocketAddr, config: SenderConfig) -> Result<Self, TransportError> {
+        Self::connect_counting(addr, config, Arc::default()).await
+    }
+
+    /// As [`connect`](Self::connect), counting its sends in `metrics` (a pool's, shared).
+    pub(crate) async fn connect_counting(
+        addr: SocketAddr,
+        config: SenderConfig,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, TransportError> {
         let crypto = crate::tls::client_crypto(&config.tls, addr.port())?;
         let mut client = quinn::ClientConfig::new(crypto);
         client.transport_config(config.transport.transport_config()?);
@@ -242,10 +251,9 @@ impl Sender {
         // Its receiving policy is set once `receive` is called; until then the peer's streams
         // wait unread.
         let session = ConnectionSession::new(SessionConfig::default());
-        Ok(Self {
-            endpoint,
-            sender: ConnectionSender::new(connection, session, &config),
-        })
+        let mut sender = ConnectionSender::new(connection, session, &config);
+        sender.metrics = metrics;
+        Ok(Self { endpoint, sender })
     }
 
     /// Starts sending one tensor; resolves (through the handle) on the receiver's COMPLETE.

@@ -111,3 +111,58 @@ async fn receivers_with_several_endpoints_never_share_a_port() {
         "a second receiver bound a port the first one holds"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_pool_spreads_tensors_over_its_connections_largest_first() {
+    let mut config = receiver_config();
+    config.endpoints = 2;
+    let (mut rx, addr) = receiver(config).await;
+    // Largest first, as the sender program submits them: 8, 6, 5, 3, 2, 1 MiB.
+    let sizes: [usize; 6] = [8 << 20, 6 << 20, 5 << 20, 3 << 20, 2 << 20, 1 << 20];
+    let server = tokio::spawn(async move {
+        let mut handles = Vec::new();
+        for _ in 0..sizes.len() {
+            let incoming = rx.next().await.unwrap();
+            handles.push(tokio::spawn(
+                incoming.accept_host().await.unwrap().finished(),
+            ));
+        }
+        let mut received = Vec::new();
+        for handle in handles {
+            let (meta, bytes) = handle.await.unwrap().unwrap();
+            received.push((meta.name().to_owned(), bytes));
+        }
+        let mut per_connection: Vec<u64> =
+            rx.connections().iter().map(|c| c.metrics.payload_bytes).collect();
+        per_connection.sort_unstable();
+        (received, per_connection, rx)
+    });
+    let pool = tensorwire_quic::SenderPool::connect(
+        addr,
+        tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development),
+        3,
+    )
+    .await
+    .unwrap();
+    assert_eq!(pool.connections(), 3);
+    let sends: Vec<_> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| pool.send(u8_meta(&format!("t{i}"), len), pattern(len, i as u64)))
+        .collect();
+    for send in sends {
+        send.finished().await.unwrap();
+    }
+    let (received, per_connection, rx) = server.await.unwrap();
+    for (name, bytes) in &received {
+        let i: usize = name[1..].parse().unwrap();
+        assert!(*bytes == pattern(sizes[i], i as u64), "{name} arrived intact");
+    }
+    // Greedy by bytes given so far: {8}, {6, 2}, {5, 3, 1} MiB.
+    assert_eq!(per_connection, vec![8 << 20, 8 << 20, 9 << 20]);
+    let metrics = pool.metrics();
+    assert_eq!(metrics.tensors_completed, sizes.len() as u64, "counted over all connections");
+    assert_budget_returned(&rx);
+    pool.close().await;
+    rx.close().await;
+}

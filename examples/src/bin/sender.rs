@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Parser;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tensorwire::proto::{DType, Device};
-use tensorwire::quic::{Sender, SenderConfig, TransportError};
+use tensorwire::quic::{SenderConfig, SenderPool, TransportError};
 use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, rate, seconds, size};
 use tensorwire_examples::files::{load, parse_shape};
 
@@ -37,6 +37,11 @@ struct Args {
     /// No progress bars.
     #[arg(long)]
     quiet: bool,
+    /// Connections to open to the receiver (0: one per core, at most 8 and at most one per
+    /// tensor). One connection moves about one core's worth of QUIC; tensors are spread over
+    /// them, largest first.
+    #[arg(long, default_value_t = 0)]
+    connections: usize,
     /// Seconds without any progress (a frame from the receiver, or tensor data still being sent
     /// or resent) before
     /// a tensor fails with PROGRESS_TIMEOUT.
@@ -76,9 +81,20 @@ async fn main() -> anyhow::Result<()> {
         progress_timeout: args.progress_timeout,
         ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
     };
-    let sender = Sender::connect(args.connect, config)
+    let connections = match args.connections {
+        0 => std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .min(8)
+            .min(outgoing.len())
+            .max(1),
+        n => n,
+    };
+    let sender = SenderPool::connect(args.connect, config, connections)
         .await
         .with_context(|| format!("connecting to {}", args.connect))?;
+    // Largest first: each goes to the connection with the fewest bytes so far, so the
+    // connections finish together and the last tensor to finish is small.
+    outgoing.sort_by_key(|item| std::cmp::Reverse(item.meta.byte_len()));
     let bars = MultiProgress::new();
     if args.quiet {
         bars.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -118,9 +134,11 @@ async fn main() -> anyhow::Result<()> {
     let elapsed = started.elapsed().as_secs_f64();
     let metrics = sender.metrics();
     println!(
-        "sent {} tensors, {} in {elapsed:.2} s: {}; latency p50 {} µs, p99 {} µs; {failed} failed",
+        "sent {} tensors, {} in {elapsed:.2} s over {} connections: {}; latency p50 {} µs, \
+         p99 {} µs; {failed} failed",
         metrics.tensors_completed,
         size(total),
+        sender.connections(),
         rate(total, elapsed),
         metrics.latency_p50_us,
         metrics.latency_p99_us,

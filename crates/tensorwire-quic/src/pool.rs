@@ -1,0 +1,80 @@
+//! Several connections from one sender to one receiver: one connection moves about one
+//! core's worth of QUIC, so a sender with many tensors spreads them over a few.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tensorwire_proto::TensorMeta;
+
+use crate::config::SenderConfig;
+use crate::error::TransportError;
+use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::sender::{SendHandle, Sender, Source};
+
+/// Connections to one receiver, each on its own endpoint (UDP socket), so a receiver with
+/// several endpoints spreads them over its cores. Each tensor goes whole on one connection:
+/// the one with the fewest bytes given to it so far, so submitting the largest tensors first
+/// balances the connections and the last to finish is small.
+pub struct SenderPool {
+    senders: Vec<Sender>,
+    /// Bytes of the tensors given to each connection so far.
+    assigned: Vec<AtomicU64>,
+    metrics: Arc<Metrics>,
+}
+
+impl SenderPool {
+    /// Opens `connections` connections (at least one) to the receiver at `addr`, all at once.
+    pub async fn connect(
+        addr: SocketAddr,
+        config: SenderConfig,
+        connections: usize,
+    ) -> Result<Self, TransportError> {
+        let metrics = Arc::new(Metrics::default());
+        let mut opening = tokio::task::JoinSet::new();
+        for _ in 0..connections.max(1) {
+            let (config, metrics) = (config.clone(), metrics.clone());
+            opening.spawn(Sender::connect_counting(addr, config, metrics));
+        }
+        let mut senders = Vec::with_capacity(connections.max(1));
+        while let Some(opened) = opening.join_next().await {
+            let opened = opened.map_err(|e| TransportError::Config(format!("connect task: {e}")))?;
+            senders.push(opened?);
+        }
+        let assigned = senders.iter().map(|_| AtomicU64::new(0)).collect();
+        Ok(Self {
+            senders,
+            assigned,
+            metrics,
+        })
+    }
+
+    /// Starts sending one tensor on the connection with the fewest bytes given to it so far.
+    pub fn send(&self, meta: TensorMeta, source: impl Into<Source>) -> SendHandle {
+        let least = self
+            .assigned
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, bytes)| bytes.load(Ordering::Relaxed))
+            .map_or(0, |(i, _)| i);
+        self.assigned[least].fetch_add(meta.byte_len(), Ordering::Relaxed);
+        self.senders[least].send(meta, source)
+    }
+
+    /// How many connections it has.
+    pub fn connections(&self) -> usize {
+        self.senders.len()
+    }
+
+    /// Tensor and byte counters over all its connections.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.metrics.snapshot()
+    }
+
+    /// Closes every connection cleanly.
+    pub async fn close(self) {
+        for sender in self.senders {
+            sender.close().await;
+        }
+    }
+}
