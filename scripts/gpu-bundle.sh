@@ -32,7 +32,7 @@ cp crates/tensorwire-c/include/tensorwire.h "$out/c/include/"
 cp crates/tensorwire-c/examples/*.c crates/tensorwire-c/examples/*.cpp "$out/c/examples/"
 mkdir -p "$out/scripts"
 cp -r python "$out/python"
-cp scripts/share-e2e.sh benches/scale.sh "$out/scripts/"
+cp scripts/share-e2e.sh benches/scale.sh benches/one-sender.sh "$out/scripts/"
 strip "$out"/bin/* "$out"/tests/* "$out"/lib/* 2>/dev/null || true
 
 cat > "$out/run.sh" <<'RUN'
@@ -67,6 +67,9 @@ echo "== ipc-bench"
 "$here/bin/ipc-bench" --json "$logs/ipc-bench.json" 2>&1 | tee "$logs/ipc-bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ "${SCALE:-0}" = 1 ]; then
+  echo "== one sender, 8 connections -> 1 receiver, beside raw quinn"
+  "$here/scripts/one-sender.sh" "$here/bin" 8 16 256 cuda:0 2>&1 | tee "$logs/one-sender.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   echo "== scale: 1 receiver <- 8 sender processes, beside raw quinn"
   "$here/scripts/scale.sh" "$here/bin" 8 1024 cuda:0 2>&1 | tee "$logs/scale.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One `sender` command with N connections into one `receiver`, as a user pushing a model runs
+# them, beside raw quinn over the same number of connections in the same run.
+#
+#   benches/one-sender.sh BIN_DIR [CONNECTIONS] [TENSORS] [MIB_PER_TENSOR] [DEVICE]
+#
+# Generates a safetensors file of TENSORS × MIB_PER_TENSOR random U8 tensors (default
+# 16 × 256 MiB = 4 GiB), starts `receiver --device DEVICE` (default cuda:0; host for host
+# memory), sends the file with `sender --connections CONNECTIONS` (default 8), and prints
+# the rate beside raw quinn's and their ratio. Every tensor is checked end to end by its
+# CRC-32C before the receiver says COMPLETE. BIN_DIR holds receiver, sender and bench.
+set -euo pipefail
+bin=$(cd "$1" && pwd)
+connections=${2:-8}
+tensors=${3:-16}
+mib=${4:-256}
+device=${5:-cuda:0}
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+
+# The safetensors layout: u64 header length (little-endian), JSON header, then the data.
+bytes=$((mib << 20))
+header="{"
+for i in $(seq 0 $((tensors - 1))); do
+  [ "$i" -gt 0 ] && header+=","
+  header+="\"t$i\":{\"dtype\":\"U8\",\"shape\":[$bytes],\"data_offsets\":[$((i * bytes)),$(((i + 1) * bytes))]}"
+done
+header+="}"
+while [ $(( ${#header} % 8 )) -ne 0 ]; do header+=" "; done
+len=${#header}
+le=""
+for shift in 0 8 16 24 32 40 48 56; do le+=$(printf '\\x%02x' $(((len >> shift) & 255))); done
+{ printf "$le"; printf '%s' "$header"; head -c $((tensors * bytes)) /dev/urandom; } > "$work/model.safetensors"
+
+"$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device "$device" --count "$tensors" \
+  > "$work/receiver.log" 2>&1 &
+receiver=$!
+for _ in $(seq 100); do grep -q "listening on" "$work/receiver.log" && break; sleep 0.1; done
+addr=$(sed -n 's/^listening on //p' "$work/receiver.log")
+[ -n "$addr" ] || { cat "$work/receiver.log"; exit 1; }
+start=$(date +%s.%N)
+failed=0
+"$bin/sender" --connect "$addr" --mtu 6000 --quiet --connections "$connections" \
+  "$work/model.safetensors" > "$work/sender.log" 2>&1 || failed=1
+end=$(date +%s.%N)
+wait "$receiver" || failed=1
+cat "$work/sender.log"
+grep -o "peak credit held.*" "$work/receiver.log" || true
+total_mib=$((tensors * mib))
+gbit=$(awk -v b="$total_mib" -v s="$start" -v e="$end" 'BEGIN { print b * 1048576 * 8 / (e - s) / 1e9 }')
+raw=$("$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
+  --mib $((total_mib / connections)) 2>&1 | awk '/^ *raw quinn/ { print $4; exit }')
+raw=${raw:-0}
+printf 'one sender, %d connections -> receiver (%s): %d x %d MiB in %.2f s: %.1f Gbit/s (%.2f GB/s); raw quinn %d connections: %s Gbit/s; ratio %s; %d failed\n' \
+  "$connections" "$device" "$tensors" "$mib" "$(awk -v s="$start" -v e="$end" 'BEGIN{print e-s}')" \
+  "$gbit" "$(awk -v g="$gbit" 'BEGIN{print g/8}')" "$connections" "$raw" \
+  "$(awk -v g="$gbit" -v r="$raw" 'BEGIN{ if (r > 0) printf "%.2f", g / r; else print "n/a" }')" "$failed"
+[ "$failed" -eq 0 ]
