@@ -365,6 +365,26 @@ mod with_cuda {
             dtype: DType,
             stream: &Arc<CudaStream>,
         ) -> Result<DeviceSlice<T>, GpuError> {
+            self.as_slice_of(dtype, 0..self.len, stream)
+        }
+
+        /// As [`as_slice`](Self::as_slice), for the tensor of `dtype` at `bytes` of this
+        /// buffer (several tensors packed in one buffer, each at its offset); the range must
+        /// lie inside the buffer and start at a multiple of `T`'s size.
+        pub fn as_slice_of<T: Element>(
+            &self,
+            dtype: DType,
+            bytes: std::ops::Range<usize>,
+            stream: &Arc<CudaStream>,
+        ) -> Result<DeviceSlice<T>, GpuError> {
+            check_range(bytes.start, bytes.len(), self.len)?;
+            if !bytes.start.is_multiple_of(std::mem::size_of::<T>().max(1)) {
+                return Err(GpuError::Bounds(format!(
+                    "a {} view at byte {} is misaligned",
+                    std::any::type_name::<T>(),
+                    bytes.start
+                )));
+            }
             let device = self.device();
             if stream.context().cu_ctx() != device.cuda_context().cu_ctx() {
                 return Err(GpuError::InvalidConfig(format!(
@@ -376,8 +396,8 @@ mod with_cuda {
             }
             let memory: Arc<dyn UsedBy> = self.held.clone();
             DeviceSlice::new(
-                self.device_ptr(),
-                self.len,
+                self.device_ptr() + bytes.start as u64,
+                bytes.len(),
                 dtype,
                 stream,
                 self.landing_event(),

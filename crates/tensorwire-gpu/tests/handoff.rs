@@ -349,6 +349,16 @@ mod gpu {
         let stream = server_stream();
         let wrong = a_gpu.as_slice::<u8>(DType::F32, &stream).unwrap_err();
         assert!(matches!(wrong, GpuError::WrongType { .. }), "{wrong}");
+        // A tensor packed inside a buffer, at its offset: row 2 of A.
+        let row = a_gpu
+            .as_slice_of::<f32>(DType::F32, 2 * k * 4..3 * k * 4, &stream)
+            .unwrap();
+        assert_eq!(stream.clone_dtoh(&*row).unwrap(), a[2 * k..3 * k]);
+        assert!(
+            a_gpu.as_slice_of::<f32>(DType::F32, 2..6, &stream).is_err(),
+            "misaligned"
+        );
+        drop(row);
         let a_view = a_gpu.as_slice::<f32>(DType::F32, &stream).unwrap();
         let b_view = b_gpu.as_slice::<f32>(DType::F32, &stream).unwrap();
         assert_eq!(a_view.device_ptr(&stream).0, a_gpu.device_ptr(), "no copy");

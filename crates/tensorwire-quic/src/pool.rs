@@ -38,7 +38,8 @@ impl SenderPool {
         }
         let mut senders = Vec::with_capacity(connections.max(1));
         while let Some(opened) = opening.join_next().await {
-            let opened = opened.map_err(|e| TransportError::Config(format!("connect task: {e}")))?;
+            let opened =
+                opened.map_err(|e| TransportError::Config(format!("connect task: {e}")))?;
             senders.push(opened?);
         }
         let assigned = senders.iter().map(|_| AtomicU64::new(0)).collect();

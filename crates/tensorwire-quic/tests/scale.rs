@@ -132,8 +132,11 @@ async fn a_sender_pool_spreads_tensors_over_its_connections_largest_first() {
             let (meta, bytes) = handle.await.unwrap().unwrap();
             received.push((meta.name().to_owned(), bytes));
         }
-        let mut per_connection: Vec<u64> =
-            rx.connections().iter().map(|c| c.metrics.payload_bytes).collect();
+        let mut per_connection: Vec<u64> = rx
+            .connections()
+            .iter()
+            .map(|c| c.metrics.payload_bytes)
+            .collect();
         per_connection.sort_unstable();
         (received, per_connection, rx)
     });
@@ -156,12 +159,19 @@ async fn a_sender_pool_spreads_tensors_over_its_connections_largest_first() {
     let (received, per_connection, rx) = server.await.unwrap();
     for (name, bytes) in &received {
         let i: usize = name[1..].parse().unwrap();
-        assert!(*bytes == pattern(sizes[i], i as u64), "{name} arrived intact");
+        assert!(
+            *bytes == pattern(sizes[i], i as u64),
+            "{name} arrived intact"
+        );
     }
     // Greedy by bytes given so far: {8}, {6, 2}, {5, 3, 1} MiB.
     assert_eq!(per_connection, vec![8 << 20, 8 << 20, 9 << 20]);
     let metrics = pool.metrics();
-    assert_eq!(metrics.tensors_completed, sizes.len() as u64, "counted over all connections");
+    assert_eq!(
+        metrics.tensors_completed,
+        sizes.len() as u64,
+        "counted over all connections"
+    );
     assert_budget_returned(&rx);
     pool.close().await;
     rx.close().await;
