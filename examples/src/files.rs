@@ -10,6 +10,9 @@ use tensorwire::quic::Source;
 pub const FILE_ATTR: &str = "tensorwire.file";
 /// Attribute with the number of tensors that file holds.
 pub const FILE_TENSORS_ATTR: &str = "tensorwire.file_tensors";
+/// Attribute naming one run of the sender program: its tensors may arrive over several
+/// connections, and a receiver that saves files groups them by it.
+pub const SENDER_ATTR: &str = "tensorwire.sender";
 /// Attribute with the file's `__metadata__` as JSON (safetensors only).
 pub const FILE_METADATA_ATTR: &str = "safetensors.metadata";
 

@@ -19,7 +19,7 @@ use anyhow::Context;
 use tensorwire::proto::{Payload, TensorMeta};
 use tensorwire::quic::{CreditPermit, Sink, SinkError};
 
-use crate::files::{FILE_ATTR, FILE_METADATA_ATTR, FILE_TENSORS_ATTR};
+use crate::files::{FILE_ATTR, FILE_METADATA_ATTR, FILE_TENSORS_ATTR, SENDER_ATTR};
 
 /// The spool's folder inside the save directory.
 const SPOOL: &str = ".incoming";
@@ -210,8 +210,9 @@ impl SaveDir {
         self.spool.clone()
     }
 
-    /// Adds a landed tensor that came over the connection `origin`; returns the file it
-    /// completed, to be written with [`SaveJob::write`].
+    /// Adds a landed tensor that came over the connection `origin` (`ip:port`); returns the
+    /// file it completed, to be written with [`SaveJob::write`]. A file's tensors are grouped
+    /// by the sender run that sent them (from one host), over however many connections.
     pub fn add(&mut self, origin: &str, meta: TensorMeta, bytes: Spooled) -> Option<SaveJob> {
         let expected = meta
             .attribute(FILE_TENSORS_ATTR)
@@ -223,7 +224,14 @@ impl SaveDir {
                 return Some(self.job(file, vec![(meta, bytes)]));
             }
         };
-        let key = (origin.to_owned(), file.clone());
+        let sender = match meta.attribute(SENDER_ATTR) {
+            Some(run) => {
+                let host = origin.rsplit_once(':').map_or(origin, |(host, _)| host);
+                format!("{host} run {run}")
+            }
+            None => origin.to_owned(),
+        };
+        let key = (sender, file.clone());
         let entry = self
             .pending
             .entry(key.clone())

@@ -28,6 +28,45 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// Starts the receiver program with `args` after `--listen 127.0.0.1:0`; returns it, the rest
+/// of its output lines, and the address it listens on.
+fn spawn_receiver(
+    args: &[&std::ffi::OsStr],
+) -> (
+    std::process::Child,
+    std::io::Lines<BufReader<std::process::ChildStdout>>,
+    String,
+) {
+    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let addr = first
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("{first}"))
+        .to_owned();
+    (receiver, lines, addr)
+}
+
+/// A 16-bit, 16 kHz WAV file of `samples` (interleaved over `channels`).
+fn write_wav(path: &Path, channels: u16, samples: impl IntoIterator<Item = i16>) {
+    let spec = hound::WavSpec {
+        channels,
+        sample_rate: 16_000,
+        bits_per_sample: 16,
+        sample_format: hound::SampleFormat::Int,
+    };
+    let mut writer = hound::WavWriter::create(path, spec).unwrap();
+    for sample in samples {
+        writer.write_sample(sample).unwrap();
+    }
+    writer.finalize().unwrap();
+}
+
 fn write_model(path: &Path) {
     let a: Vec<u8> = (0..24u8).map(|i| i.wrapping_mul(7) | 1).collect();
     let b: Vec<u8> = (0..8u8).map(|i| i ^ 0x5a).collect();
@@ -56,20 +95,15 @@ fn a_safetensors_file_round_trips_through_sender_and_receiver_bit_for_bit() {
     let model = dir.join("model.safetensors");
     write_model(&model);
     let out = dir.join("out");
-    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
-        .args(["--listen", "127.0.0.1:0", "--count", "3", "--save"])
-        .arg(&out)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    let addr = first
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("{first}"))
-        .to_owned();
+    let (mut receiver, lines, addr) = spawn_receiver(&[
+        "--count".as_ref(),
+        "3".as_ref(),
+        "--save".as_ref(),
+        out.as_ref(),
+    ]);
+    // Over three connections: the receiver puts the file back together across them.
     let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
-        .args(["--connect", &addr, "--quiet"])
+        .args(["--connect", &addr, "--quiet", "--connections", "3"])
         .arg(&model)
         .output()
         .unwrap();
@@ -80,6 +114,7 @@ fn a_safetensors_file_round_trips_through_sender_and_receiver_bit_for_bit() {
     );
     let summary = String::from_utf8_lossy(&sent.stdout);
     assert!(summary.contains("sent 3 tensors"), "{summary}");
+    assert!(summary.contains("over 3 connections"), "{summary}");
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
     assert!(receiver.wait().unwrap().success());
     assert!(rest.iter().any(|l| l.starts_with("saved ")), "{rest:?}");
@@ -173,17 +208,7 @@ fn npy_files_load_with_dtype_and_shape() {
 fn wav_files_load_as_f32_with_a_sample_rate() {
     let dir = temp_dir("load-wav");
     let path = dir.join("speech.wav");
-    let spec = hound::WavSpec {
-        channels: 2,
-        sample_rate: 16_000,
-        bits_per_sample: 16,
-        sample_format: hound::SampleFormat::Int,
-    };
-    let mut writer = hound::WavWriter::create(&path, spec).unwrap();
-    for i in 0..200i16 {
-        writer.write_sample(i * 100).unwrap();
-    }
-    writer.finalize().unwrap();
+    write_wav(&path, 2, (0..200i16).map(|i| i * 100));
     let tensors = load(&path, None).unwrap();
     let meta = &tensors[0].meta;
     assert_eq!((meta.dtype(), meta.shape()), (DType::F32, &[100u64, 2][..]));
@@ -507,31 +532,16 @@ fn the_inference_server_example_says_what_it_needs_where_there_is_no_gpu() {
 fn a_shared_wav_keeps_its_attributes_and_a_name_sent_again_is_refused_under_reject() {
     let dir = temp_dir("share-policy");
     let wav = dir.join("speech.wav");
-    let spec = hound::WavSpec {
-        channels: 1,
-        sample_rate: 16_000,
-        bits_per_sample: 16,
-        sample_format: hound::SampleFormat::Int,
-    };
-    let mut writer = hound::WavWriter::create(&wav, spec).unwrap();
-    for i in 0..1600i16 {
-        writer.write_sample(i).unwrap();
-    }
-    writer.finalize().unwrap();
+    write_wav(&wav, 1, 0..1600i16);
     let socket = dir.join("share").join("share.sock");
-    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
-        .args(["--listen", "127.0.0.1:0", "--device", "host", "--share"])
-        .arg(&socket)
-        .args(["--on-existing", "reject"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    let addr = first
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("{first}"))
-        .to_owned();
+    let (mut receiver, mut lines, addr) = spawn_receiver(&[
+        "--device".as_ref(),
+        "host".as_ref(),
+        "--share".as_ref(),
+        socket.as_ref(),
+        "--on-existing".as_ref(),
+        "reject".as_ref(),
+    ]);
     let send = || {
         Command::new(env!("CARGO_BIN_EXE_sender"))
             .args(["--connect", &addr, "--quiet"])

@@ -45,7 +45,20 @@ class ShareError(Exception):
         self.message = message
 
 
-class Client:
+class _Connection:
+    """Owns a socket to the producer; closes it on close() or at the end of `with`."""
+
+    def close(self):
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Client(_Connection):
     """A connection to a producer's sharing socket."""
 
     def __init__(self, path):
@@ -91,14 +104,6 @@ class Client:
         """Deletes a tensor; True if deferred until its leases end."""
         return bool(self._ask({"op": "delete", "tensor": tensor})[0].get("deferred"))
 
-    def close(self):
-        self._sock.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _hello(path):
@@ -134,7 +139,7 @@ def _receive(sock):
     return reply, fds
 
 
-class Watch:
+class Watch(_Connection):
     """An iterator of events from `Client.watch`; `next(timeout)` waits at most `timeout`
     seconds and returns None if nothing happened."""
 
@@ -165,14 +170,6 @@ class Watch:
         except ConnectionError:
             raise StopIteration from None
 
-    def close(self):
-        self._sock.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class SharedTensor:

@@ -419,15 +419,7 @@ mod gpu {
         let address = sink.destination_ptr();
         let writer = tokio::spawn({
             let bytes = bytes.clone();
-            async move {
-                for (i, chunk) in bytes.chunks(1 << 20).enumerate() {
-                    let permit = CreditPermit::unbudgeted(chunk.len() as u64);
-                    sink.write((i << 20) as u64, payload(chunk), permit)
-                        .await
-                        .unwrap();
-                }
-                sink.finish().await.unwrap()
-            }
+            async move { land(sink, &bytes).await }
         });
         let early = handoff.landed().await.unwrap();
         assert_eq!(early.device_ptr(), address);

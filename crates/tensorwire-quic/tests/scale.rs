@@ -172,7 +172,7 @@ async fn a_sender_pool_spreads_tensors_over_its_connections_largest_first() {
         sizes.len() as u64,
         "counted over all connections"
     );
-    assert_budget_returned(&rx);
+    assert_budget_returned(&rx).await;
     pool.close().await;
     rx.close().await;
 }

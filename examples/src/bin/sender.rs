@@ -12,7 +12,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tensorwire::proto::{DType, Device};
 use tensorwire::quic::{SenderConfig, SenderPool, TransportError};
 use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, rate, seconds, size};
-use tensorwire_examples::files::{load, parse_shape};
+use tensorwire_examples::files::{SENDER_ATTR, load, parse_shape};
 
 /// Send tensors over QUIC.
 #[derive(Parser, Debug)]
@@ -69,8 +69,18 @@ async fn main() -> anyhow::Result<()> {
     for file in &args.files {
         outgoing.extend(load(file, raw.clone())?);
     }
-    if let Some(device) = args.device {
-        for item in &mut outgoing {
+    // One id for this run: its tensors may go over several connections, and a receiver
+    // that saves files puts each file's tensors back together by it.
+    let run = format!(
+        "{:x}-{:x}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
+    for item in &mut outgoing {
+        item.meta = item.meta.clone().with_attribute(SENDER_ATTR, run.clone());
+        if let Some(device) = args.device {
             item.meta = item.meta.clone().with_device(device);
         }
     }
