@@ -421,13 +421,16 @@ mod gpu {
             let bytes = bytes.clone();
             async move { land(sink, &bytes).await }
         });
-        let early = handoff.landed().await.unwrap();
-        assert_eq!(early.device_ptr(), address);
+        // Ready before the hand-off, so the copy is queued the moment it comes, while the
+        // last staging copies (up to the staging pool's 128 MiB) still run.
         let stream = server_stream();
+        let mut copy = stream.alloc_zeros::<u8>(len).unwrap();
+        stream.synchronize().unwrap();
+        let early = handoff.landed().await.unwrap();
         // No host wait from here until the read-back: the view's stream waits on the device.
         let view = early.as_slice::<u8>(DType::U8, &stream).unwrap();
-        let mut copy = stream.alloc_zeros::<u8>(len).unwrap();
         stream.memcpy_dtod(&*view, &mut copy).unwrap();
+        assert_eq!(early.device_ptr(), address);
         let finished_first = writer.is_finished();
         let landed_first = early.has_landed();
         eprintln!(
