@@ -80,6 +80,9 @@ pub enum GpuError {
     /// be written through this handle.
     #[error("buffer in use: {0}")]
     InUse(String),
+    /// The tensor ended (failed or was cancelled) before its destination was handed over.
+    #[error("no hand-off: {0}")]
+    NoHandoff(String),
     /// A typed view asked for a Rust type that is not the tensor's dtype.
     #[error("a {dtype} tensor cannot be viewed as {rust_type}")]
     WrongType {
@@ -109,6 +112,7 @@ impl GpuError {
             | GpuError::Bounds(_)
             | GpuError::NotExportable(_)
             | GpuError::InUse(_)
+            | GpuError::NoHandoff(_)
             | GpuError::UnknownDevice(_) => ErrorCode::SINK_FAILED,
             GpuError::WrongType { .. } => ErrorCode::UNSUPPORTED_DTYPE,
         }

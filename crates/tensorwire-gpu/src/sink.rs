@@ -321,7 +321,7 @@ impl Handoff {
     pub async fn landed(self) -> Result<CudaBuffer, GpuError> {
         self.0
             .await
-            .map_err(|_| GpuError::InUse("the tensor failed before its hand-off".into()))
+            .map_err(|_| GpuError::NoHandoff("the tensor ended before its last copy".into()))
     }
 }
 

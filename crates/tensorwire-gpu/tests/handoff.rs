@@ -449,6 +449,41 @@ mod gpu {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tensor_dropped_before_its_end_is_never_handed_over() {
+        if gpus_or_skip("a_tensor_dropped_before_its_end_is_never_handed_over").is_none() {
+            return;
+        }
+        let (placement, gpu) = gpu_placement();
+        let meta = TensorMeta::new([8 << 20], DType::U8)
+            .unwrap()
+            .with_name("cut");
+        let TensorSink::Gpu(mut sink) = placement.sink(&meta).unwrap() else {
+            panic!("a GPU placement lands on the GPU");
+        };
+        let handoff = sink.handoff();
+        let half = pattern(4 << 20, 3);
+        sink.write(
+            0,
+            payload(&half),
+            CreditPermit::unbudgeted(half.len() as u64),
+        )
+        .await
+        .unwrap();
+        drop(sink); // Cancelled mid-tensor.
+        let refused = handoff.landed().await.unwrap_err();
+        assert!(matches!(refused, GpuError::NoHandoff(_)), "{refused}");
+        // Its copy in flight let go of the destination too: the buffer is back in the pool.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while gpu.memory_stats().in_use_buffers != 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the buffer never came back"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_registered_device_destination_lands_at_its_address_with_no_other_allocation() {
         let test = "a_registered_device_destination_lands_at_its_address_with_no_other_allocation";
         if gpus_or_skip(test).is_none() {
