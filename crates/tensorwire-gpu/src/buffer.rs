@@ -167,8 +167,9 @@ mod with_cuda {
     pub struct CudaBuffer {
         held: Arc<Held>,
         len: usize,
-        /// Recorded on the copy stream after the last copy into this buffer: completes when
-        /// the bytes have landed.
+        /// For an early hand-off ([`GpuSink::handoff`](crate::GpuSink::handoff)): recorded on
+        /// the copy stream after the last copy, completes when the bytes have landed. `None`
+        /// when they had landed before this handle was made.
         landed: Option<Arc<CudaEvent>>,
     }
 
@@ -332,8 +333,9 @@ mod with_cuda {
             format!("cuda:{} ({})", info.ordinal, info.name)
         }
 
-        /// The event after the last copy into this buffer, if it was landed by a sink: a
-        /// stream that waits for it reads the landed bytes (see [`wait_on`](Self::wait_on)).
+        /// The event after the last copy into this buffer, for a handle given out before the
+        /// copies completed (an early hand-off): a stream that waits for it reads the landed
+        /// bytes (see [`wait_on`](Self::wait_on)). `None` once the bytes had landed.
         pub fn landing_event(&self) -> Option<&CudaEvent> {
             self.landed.as_deref()
         }
@@ -385,15 +387,8 @@ mod with_cuda {
                     bytes.start
                 )));
             }
-            let device = self.device();
-            if stream.context().cu_ctx() != device.cuda_context().cu_ctx() {
-                return Err(GpuError::InvalidConfig(format!(
-                    "the stream is not on cuda:{}'s primary context (make it with \
-                     CudaContext::new({}) or GpuDevice::cuda_context)",
-                    device.ordinal(),
-                    device.ordinal()
-                )));
-            }
+            self.device()
+                .require_primary(stream.context(), "the stream")?;
             let memory: Arc<dyn UsedBy> = self.held.clone();
             DeviceSlice::new(
                 self.device_ptr() + bytes.start as u64,

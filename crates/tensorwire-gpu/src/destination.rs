@@ -182,26 +182,23 @@ impl Destinations {
             Memory::Host(memory) => LandIn::Host(memory.clone()),
             #[cfg(feature = "cuda")]
             Memory::Device(range) => {
-                let device = range.device();
-                let Placement::Gpu(gpu) = placement else {
-                    return Err(SinkError::unsupported_device(format!(
-                        "{}: its destination is on cuda:{}, but this receiver lands tensors in {}",
+                let elsewhere = |why: String| {
+                    SinkError::unsupported_device(format!(
+                        "{}: its destination is on cuda:{}, {why}",
                         meta.name(),
-                        device.ordinal(),
-                        placement.describe()
+                        range.device().ordinal()
+                    ))
+                };
+                let Placement::Gpu(gpu) = placement else {
+                    let lands = placement.describe();
+                    return Err(elsewhere(format!(
+                        "but this receiver lands tensors in {lands}"
                     )));
                 };
-                if gpu.device().ordinal() != device.ordinal() {
-                    return Err(SinkError::unsupported_device(format!(
-                        "{}: its destination is on cuda:{}, but this receiver stages for cuda:{}",
-                        meta.name(),
-                        device.ordinal(),
-                        gpu.device().ordinal()
-                    )));
-                }
-                let allocation = range.landing_allocation(Box::new(registered.clone()))?;
-                let dest = crate::buffer::CudaBuffer::from_owned(allocation, range.len());
-                LandIn::Device(gpu.sink_into(dest)?)
+                let dest =
+                    crate::buffer::CudaBuffer::from_owned(range.landing_allocation()?, range.len());
+                // `sink_into` refuses a destination on another device than its staging.
+                LandIn::Device(gpu.sink_into(dest).map_err(|e| elsewhere(e.to_string()))?)
             }
         };
         #[cfg(not(feature = "cuda"))]
@@ -256,7 +253,7 @@ impl DestinationSink {
 pub enum Landed {
     /// The application's host memory, now holding the tensor.
     Host(HostMemory),
-    /// The application's device memory, with the landing event; dropping it frees nothing.
+    /// The application's device memory, landed; dropping it frees nothing.
     #[cfg(feature = "cuda")]
     Device(crate::buffer::CudaBuffer),
 }

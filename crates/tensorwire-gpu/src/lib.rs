@@ -13,7 +13,8 @@
 //! - [`Placement`] picks GPU or host for a receiver and hands out [`TensorSink`]s;
 //!   [`Destinations`] lands tensors of registered names in the application's own memory.
 //! - A landed [`CudaBuffer`] is a cudarc slice on the server's stream
-//!   ([`CudaBuffer::as_slice`], ordered after its landing event with no host wait), and any
+//!   ([`CudaBuffer::as_slice`]; from an early hand-off, ordered after its landing event with
+//!   no host wait), and any
 //!   [`TensorBuffer`] exports as DLPack ([`TensorBuffer::into_dlpack`]).
 //! - [`GpuTensorReceiver`] lands one tensor from frames that arrive by any means, no QUIC.
 //! - Sharing device memory with other processes: [`DeviceAllocation::export_fd`] (VMM),

@@ -464,11 +464,13 @@ impl Sink for GpuSink {
 
     async fn finish(mut self) -> Result<CudaBuffer, SinkError> {
         self.flush()?;
-        // Copies run in order on one stream: an event after the last is the tensor's landing.
-        let landing = self.device.record_copies()?;
-        self.dest.set_landing(landing);
+        // Only a hand-off needs the landing event (copies run in order on one stream, so an
+        // event after the last is the tensor's landing): the buffer returned below has
+        // landed already, so other tensors pay nothing for it.
         if let Some(handoff) = self.handoff.take() {
-            let _ = handoff.send(self.dest.share());
+            let mut early = self.dest.share();
+            early.set_landing(self.device.record_copies()?);
+            let _ = handoff.send(early);
         }
         self.in_flight.wait_idle().await;
         if let Some(e) = self.in_flight.error() {

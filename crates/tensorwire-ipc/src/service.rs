@@ -242,9 +242,14 @@ impl ShareService {
     /// Whether a tensor with `meta` could be published under the policy: a receiver asks at
     /// METADATA time, so a refused update costs the sender no bytes.
     pub fn check_update(&self, meta: &TensorMeta) -> Result<(), UpdateRefused> {
-        let Some((current, _)) = self.shared.registry().current(meta.name()) else {
-            return Ok(());
-        };
+        match self.shared.registry().current(meta.name()) {
+            Some((current, _)) => self.update_refusal(meta, &current),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the policy lets `meta` take the name `current` holds.
+    fn update_refusal(&self, meta: &TensorMeta, current: &TensorMeta) -> Result<(), UpdateRefused> {
         match self.shared.config.on_existing {
             OnExisting::Replace => Ok(()),
             OnExisting::Reject => Err(UpdateRefused {
@@ -354,12 +359,14 @@ impl ShareService {
         let landed = now_unix_us();
         let len = usize::try_from(meta.byte_len())
             .map_err(|_| IpcError::BadMessage("tensor larger than the address space".into()))?;
-        self.check_update(meta)
-            .map_err(|refused| IpcError::Refused {
-                code: ErrorCode::bad_request(),
-                message: refused.message,
-            })?;
         let current = self.shared.registry().current(meta.name());
+        if let Some((current, _)) = &current {
+            self.update_refusal(meta, current)
+                .map_err(|refused| IpcError::Refused {
+                    code: ErrorCode::bad_request(),
+                    message: refused.message,
+                })?;
+        }
         let (id, generation, memory) = match current {
             Some((_, existing)) if self.shared.config.on_existing == OnExisting::InPlace => {
                 // Outside the registry's lock: a large copy must not stall other requests.

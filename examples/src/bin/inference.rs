@@ -119,7 +119,7 @@ async fn main() -> anyhow::Result<()> {
     send(&sender, f32_meta("input", &[batch, dim])?, &input);
     let landed_weights = receive(&mut receiver, &placement, &destinations, &stream).await?;
     let landed_input = receive(&mut receiver, &placement, &destinations, &stream).await?;
-    let (w, x) = (landed_weights.cuda()?, landed_input.cuda()?);
+    let (w, x) = (&landed_weights.buffer, &landed_input.buffer);
     let w_view = w.as_slice::<f32>(DType::F32, &stream)?;
     let x_view = x.as_slice::<f32>(DType::F32, &stream)?;
     let mut y = stream.alloc_zeros::<f32>(batch * dim)?;
@@ -145,7 +145,7 @@ async fn main() -> anyhow::Result<()> {
     let new_weights = floats(dim * dim, 3);
     send(&sender, f32_meta("weights", &[dim, dim])?, &new_weights);
     let updated = receive(&mut receiver, &placement, &destinations, &stream).await?;
-    let landed_at = updated.cuda()?.device_ptr();
+    let landed_at = updated.buffer.device_ptr();
     let pool_after = gpu.memory_stats();
     multiply(&blas, &x_view, &own, &mut y, batch, dim)?;
     stream.synchronize()?;
@@ -214,15 +214,8 @@ async fn measure_handoff(
             }
             None => {
                 let (_, landed) = handle.finished().await?;
-                first_use(
-                    blas,
-                    stream,
-                    landed.output.as_cuda()?,
-                    &vector,
-                    &mut out,
-                    rows,
-                    cols,
-                )?
+                let buffer = on_gpu(landed.output)?;
+                first_use(blas, stream, &buffer, &vector, &mut out, rows, cols)?
             }
         };
         stream.synchronize()?;
@@ -382,7 +375,7 @@ async fn receive(
                 );
             };
             Received {
-                buffer: TensorBuffer::Cuda(buffer),
+                buffer,
                 stamp: landed.stamp,
             }
         }
@@ -390,7 +383,7 @@ async fn receive(
             let sink = Stamped::new(placement.sink(&meta)?, stream, &meta)?;
             let (_, landed) = incoming.accept(sink).finished().await?;
             Received {
-                buffer: landed.output,
+                buffer: on_gpu(landed.output)?,
                 stamp: landed.stamp,
             }
         }
@@ -412,18 +405,19 @@ async fn receive(
 
 /// A received tensor and when its last byte arrived.
 struct Received {
-    buffer: TensorBuffer,
+    buffer: CudaBuffer,
     stamp: Stamp,
 }
 
-impl Received {
-    fn cuda(&self) -> anyhow::Result<&CudaBuffer> {
-        match &self.buffer {
-            TensorBuffer::Cuda(buffer) => Ok(buffer),
-            TensorBuffer::Cpu(_) => bail!("landed in host memory"),
-        }
+/// The GPU buffer a GPU placement lands in (the example needs one).
+fn on_gpu(buffer: TensorBuffer) -> anyhow::Result<CudaBuffer> {
+    match buffer {
+        TensorBuffer::Cuda(buffer) => Ok(buffer),
+        TensorBuffer::Cpu(_) => bail!("landed in host memory"),
     }
+}
 
+impl Received {
     /// From the last byte's arrival to `then`.
     fn since_last_byte(&self, then: Instant) -> Duration {
         then.saturating_duration_since(self.stamp.at().unwrap_or(then))
@@ -466,19 +460,6 @@ struct Stamped<S> {
 struct StampedOutput<T> {
     output: T,
     stamp: Stamp,
-}
-
-trait AsCuda {
-    fn as_cuda(&self) -> anyhow::Result<&CudaBuffer>;
-}
-
-impl AsCuda for TensorBuffer {
-    fn as_cuda(&self) -> anyhow::Result<&CudaBuffer> {
-        match self {
-            TensorBuffer::Cuda(buffer) => Ok(buffer),
-            TensorBuffer::Cpu(_) => bail!("landed in host memory"),
-        }
-    }
 }
 
 impl<S: Sink> Stamped<S> {

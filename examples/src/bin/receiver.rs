@@ -176,24 +176,22 @@ async fn main() -> anyhow::Result<()> {
                     let started = Instant::now();
                     let meta = incoming.meta().clone();
                     let origin = incoming.peer().to_string();
-                    // An update the sharing policy refuses is refused before any byte is sent.
-                    let policy = match share.as_ref().map(|s| s.check_update(&meta)) {
-                        Some(Err(refused)) => Err(SinkError {
-                            code: refused.code,
-                            message: refused.message,
-                        }),
-                        _ => Ok(()),
-                    };
-                    // With --save, the bytes are on disk before the sender is told COMPLETE.
-                    let admitted = match policy {
-                        Ok(()) => placement
+                    // An update the sharing policy refuses is refused before any byte is
+                    // sent; with --save, the bytes are on disk before the sender is told
+                    // COMPLETE.
+                    let admitted = async {
+                        if let Some(share) = &share {
+                            share.check_update(&meta).map_err(|refused| SinkError {
+                                code: refused.code,
+                                message: refused.message,
+                            })?;
+                        }
+                        let sink = placement
                             .admit(&meta, incoming.memory_shares(), incoming.host_memory(), wait)
-                            .await
-                            .and_then(|sink| {
-                                SpoolingSink::new(sink, spool.as_ref(), meta.byte_len())
-                            }),
-                        Err(e) => Err(e),
-                    };
+                            .await?;
+                        SpoolingSink::new(sink, spool.as_ref(), meta.byte_len())
+                    }
+                    .await;
                     let result = match admitted {
                         Ok(sink) => incoming
                             .accept(sink)

@@ -286,6 +286,19 @@ impl GpuDevice {
         .map_err(cuda("cuStreamWaitEvent"))
     }
 
+    /// Fails unless `ctx` is this device's primary context, the one tensorwire's memory and
+    /// streams live in; `what` names the caller's object for the message.
+    pub(crate) fn require_primary(&self, ctx: &CudaContext, what: &str) -> Result<(), GpuError> {
+        if ctx.cu_ctx() == self.ctx.cu_ctx() {
+            return Ok(());
+        }
+        Err(GpuError::InvalidConfig(format!(
+            "{what} is not on cuda:{}'s primary context (CudaContext::new({}) gives it)",
+            self.ordinal(),
+            self.ordinal()
+        )))
+    }
+
     /// The device's primary context, shared with cudarc users in this process:
     /// `CudaContext::new(ordinal)` retains the same primary context, so slices and streams of
     /// either work with tensorwire's memory.

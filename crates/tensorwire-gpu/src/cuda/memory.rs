@@ -97,7 +97,7 @@ impl DeviceAllocation {
     /// # Safety
     /// `ptr..ptr + len` must be device memory of `device`'s primary context that stays
     /// allocated while `owner` lives, and that tensorwire may write.
-    pub unsafe fn caller_owned(
+    pub(crate) unsafe fn caller_owned(
         device: &Arc<GpuDevice>,
         ptr: sys::CUdeviceptr,
         len: usize,
@@ -481,14 +481,8 @@ impl DeviceRange {
         slice: Arc<cudarc::driver::CudaSlice<T>>,
     ) -> Result<Self, GpuError> {
         use cudarc::driver::DevicePtr;
-        let ctx = slice.context();
-        let device = GpuDevice::open(ctx.ordinal())?;
-        if ctx.cu_ctx() != device.cuda_context().cu_ctx() {
-            return Err(GpuError::InvalidConfig(format!(
-                "the slice is not on cuda:{}'s primary context (CudaContext::new gives it)",
-                device.ordinal()
-            )));
-        }
+        let device = GpuDevice::open(slice.context().ordinal())?;
+        device.require_primary(slice.context(), "the slice")?;
         let stream = slice.stream().clone();
         let ptr = slice.device_ptr(&stream).0;
         let len = slice.len() * std::mem::size_of::<T>();
@@ -522,16 +516,13 @@ impl DeviceRange {
     }
 
     /// The range as an allocation a sink can land a tensor in, after the application's
-    /// queued work on it; `keep` lives as long as the allocation.
-    pub(crate) fn landing_allocation(
-        &self,
-        keep: Box<dyn std::any::Any + Send + Sync>,
-    ) -> Result<DeviceAllocation, GpuError> {
+    /// queued work on it; the allocation keeps the owner.
+    pub(crate) fn landing_allocation(&self) -> Result<DeviceAllocation, GpuError> {
         if let Some(stream) = &self.stream {
             let used = stream.record_event(None).map_err(cuda("cuEventRecord"))?;
             self.device.copies_wait_for(&used)?;
         }
-        let keep: Box<dyn std::any::Any + Send + Sync> = Box::new((self.owner.clone(), keep));
+        let keep: Box<dyn std::any::Any + Send + Sync> = Box::new(self.owner.clone());
         // SAFETY: a `DeviceRange` is live device memory of this device's primary context
         // while `owner` lives (`new`'s contract, or a cudarc slice it holds); the allocation
         // keeps `owner`.
