@@ -20,4 +20,8 @@ for f in ../spec/vectors/sequences/*.bin; do
   # 12 ops on stream 0: feed METADATA, accept, grant x2, feed x4, release, feed x2, close.
   { printf '\x0c\x00\x03\x04\x04\x00\x01\x02\x00\x25\x01\x02\x07'; cat "$f"; } > "corpus/session_ops/seed-$name"
 done
-echo "seeded $(ls corpus/frame_decoder | wc -l) + $(ls corpus/receiver_state | wc -l) + $(ls corpus/session_ops | wc -l) inputs"
+mkdir -p corpus/exec_message
+for f in ../spec/vectors/exec/*.bin; do
+  cp "$f" "corpus/exec_message/seed-$(basename "${f%.bin}")"
+done
+echo "seeded $(ls corpus/exec_message | wc -l) exec messages; $(ls corpus/frame_decoder | wc -l) + $(ls corpus/receiver_state | wc -l) + $(ls corpus/session_ops | wc -l) inputs"

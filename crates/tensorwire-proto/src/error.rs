@@ -55,6 +55,8 @@ error_codes! {
     INVALID_UTF8 = 0x0105,
     /// The stream ended in the middle of a frame.
     TRUNCATED_FRAME = 0x0106,
+    /// A remote-execution request or reply does not parse (spec §14).
+    EXEC_MALFORMED = 0x0107,
     /// A frame arrived that the stream's state does not allow.
     UNEXPECTED_FRAME = 0x0201,
     /// METADATA's shape times dtype size differs from its byte length, or overflows.
@@ -89,6 +91,22 @@ error_codes! {
     CANCEL_FLOOD = 0x0210,
     /// METADATA declares a tensor larger than the receiver accepts.
     TENSOR_TOO_LARGE = 0x0211,
+    /// A module is larger than the server's limit (spec §14.4).
+    MODULE_TOO_LARGE = 0x0212,
+    /// A request has more kernel arguments than the server's limit (spec §14.4).
+    TOO_MANY_ARGUMENTS = 0x0213,
+    /// A launch's grid, block or shared memory is zero or over the server's limits (spec §14.4).
+    LAUNCH_TOO_LARGE = 0x0214,
+    /// A kernel ran past its time limit, or a request asked for more than the server allows.
+    RUN_TIME_EXCEEDED = 0x0215,
+    /// A kernel faulted (illegal address, trap, misaligned access) (spec §14.5).
+    KERNEL_FAULT = 0x0216,
+    /// A module does not match its hash, does not load on the server's GPU, or lacks the
+    /// function (spec §14.5).
+    MODULE_INVALID = 0x0217,
+    /// Arguments and tensors disagree: an input differs from its declaration, is missing,
+    /// unknown or repeated (spec §14.2).
+    ARGUMENT_MISMATCH = 0x0218,
     /// No progress within the receiver's progress timeout.
     PROGRESS_TIMEOUT = 0x0301,
     /// This side could not get memory or buffers for the tensor.
@@ -111,6 +129,10 @@ error_codes! {
     SHUTDOWN = 0x0407,
     /// The receiver lands this name in memory of its own whose dtype or shape differ.
     DESTINATION_MISMATCH = 0x0408,
+    /// The server does not run kernels, or not for this peer (spec §14.6).
+    EXEC_NOT_ALLOWED = 0x0409,
+    /// The server has no module with the request's hash: send it again with the module.
+    MODULE_NOT_CACHED = 0x040A,
 }
 
 impl ErrorCode {

@@ -31,6 +31,7 @@ mod codec;
 mod credit;
 mod dtype;
 mod error;
+pub mod exec;
 mod flood;
 pub mod frame;
 mod limits;

@@ -65,3 +65,12 @@ fn every_vector_replays_through_every_target() {
         assert!(n > 10, "{sub}");
     }
 }
+
+#[test]
+fn the_exec_message_corpus_replays_cleanly() {
+    let n = replay(
+        &root().join("fuzz/corpus/exec_message"),
+        tensorwire_proto::fuzzing::exec_round_trip,
+    );
+    assert!(n >= 19, "only {n} corpus inputs: run fuzz/seed.sh");
+}
