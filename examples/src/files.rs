@@ -309,3 +309,72 @@ pub fn parse_shape(text: &str) -> anyhow::Result<Vec<u64>> {
         })
         .collect()
 }
+
+/// A `.npy` array's metadata (named after the file) and bytes, read into memory.
+pub fn read_npy(path: &Path) -> anyhow::Result<(TensorMeta, bytes::Bytes)> {
+    use std::io::{Read, Seek, SeekFrom};
+    let loaded = load_npy(path)?;
+    let Some(Outgoing {
+        meta,
+        source: Source::File { offset, .. },
+    }) = loaded.into_iter().next()
+    else {
+        bail!("{}: not one array", path.display());
+    };
+    let mut file = std::fs::File::open(path).with_context(|| path.display().to_string())?;
+    file.seek(SeekFrom::Start(offset))?;
+    let mut bytes = vec![0u8; usize::try_from(meta.byte_len())?];
+    file.read_exact(&mut bytes)
+        .with_context(|| format!("{}: reading the array", path.display()))?;
+    Ok((meta, bytes.into()))
+}
+
+/// The numpy `descr` of `dtype`, if numpy has one.
+pub fn npy_descr(dtype: DType) -> Option<&'static str> {
+    Some(match dtype {
+        DType::Bool => "|b1",
+        DType::U8 => "|u1",
+        DType::I8 => "|i1",
+        DType::U16 => "<u2",
+        DType::I16 => "<i2",
+        DType::U32 => "<u4",
+        DType::I32 => "<i4",
+        DType::U64 => "<u8",
+        DType::I64 => "<i8",
+        DType::F16 => "<f2",
+        DType::F32 => "<f4",
+        DType::F64 => "<f8",
+        _ => return None,
+    })
+}
+
+/// Writes `bytes` as a version 1.0 `.npy` array of `dtype` and `shape` (C order). Types
+/// numpy lacks (BF16, FP8) are written as raw bytes of their width (`|V2`, `|V1`).
+pub fn write_npy(path: &Path, dtype: DType, shape: &[u64], bytes: &[u8]) -> anyhow::Result<()> {
+    let descr = match npy_descr(dtype) {
+        Some(descr) => descr.to_owned(),
+        None => format!("|V{}", dtype.size()),
+    };
+    let dims = match shape {
+        [one] => format!("({one},)"),
+        _ => format!(
+            "({})",
+            shape
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {dims}, }}");
+    // Magic (6) + version (2) + length (2) + header + newline, padded to 64 bytes.
+    let unpadded = 10 + header.len() + 1;
+    header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
+    header.push('\n');
+    let mut out = Vec::with_capacity(10 + header.len() + bytes.len());
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&u16::try_from(header.len())?.to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(bytes);
+    std::fs::write(path, out).with_context(|| path.display().to_string())
+}

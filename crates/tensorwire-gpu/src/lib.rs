@@ -42,6 +42,9 @@ mod sink;
 mod status;
 
 pub use buffer::{AllocateBuffer, CudaBuffer, TensorBuffer};
+/// Loading and launching other people's kernels, for the remote-execution worker.
+#[cfg(feature = "cuda")]
+pub use cuda::kernel;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     DeviceAllocation, DeviceInfo, DeviceMemoryKind, DeviceRange, DeviceSlice, Element, GpuDevice,

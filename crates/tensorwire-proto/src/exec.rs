@@ -74,7 +74,10 @@ impl ExecRole {
             .ok_or_else(|| {
                 ProtocolError::malformed(
                     ErrorCode::EXEC_MALFORMED,
-                    format!("{} has {ROLE_ATTRIBUTE} but no decimal {ID_ATTRIBUTE}", meta.name()),
+                    format!(
+                        "{} has {ROLE_ATTRIBUTE} but no decimal {ID_ATTRIBUTE}",
+                        meta.name()
+                    ),
                 )
             })?;
         Ok(Some((role, id)))
@@ -763,7 +766,12 @@ pub struct ExecReply {
 
 impl ExecReply {
     /// A failed reply to `request` with `code` and `message`.
-    pub fn failure(kind: RequestKind, id: u64, code: ErrorCode, message: impl Into<String>) -> Self {
+    pub fn failure(
+        kind: RequestKind,
+        id: u64,
+        code: ErrorCode,
+        message: impl Into<String>,
+    ) -> Self {
         Self {
             kind,
             id,
@@ -818,7 +826,9 @@ impl ExecReply {
         let mut r = Reader::new(bytes);
         let version = r.u8()?;
         if version != EXEC_VERSION {
-            return Err(malformed(format!("reply version {version}, expected {EXEC_VERSION}")));
+            return Err(malformed(format!(
+                "reply version {version}, expected {EXEC_VERSION}"
+            )));
         }
         let kind = RequestKind::from_code(r.u8()?)?;
         let id = r.u64()?;

@@ -245,9 +245,17 @@ pub fn exec_round_trip(data: &[u8]) {
     use crate::exec::{ExecLimits, ExecReply, ExecRequest};
     let limits = ExecLimits::default();
     if let Ok(request) = ExecRequest::decode(data, &limits) {
-        assert_eq!(request.encode(), data, "a decoded request re-encodes differently");
+        assert_eq!(
+            request.encode(),
+            data,
+            "a decoded request re-encodes differently"
+        );
     }
     if let Ok(reply) = ExecReply::decode(data, limits.max_request_len) {
-        assert_eq!(reply.encode(), data, "a decoded reply re-encodes differently");
+        assert_eq!(
+            reply.encode(),
+            data,
+            "a decoded reply re-encodes differently"
+        );
     }
 }

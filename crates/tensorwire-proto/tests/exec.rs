@@ -6,14 +6,17 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use tensorwire_proto::exec::{
-    ArgSpec, ExecLimits, ExecReply, ExecRequest, ExecRole, LaunchShape, ModuleFormat,
-    RequestBody, RequestKind, RunRequest, Timings,
+    ArgSpec, ExecLimits, ExecReply, ExecRequest, ExecRole, LaunchShape, ModuleFormat, RequestBody,
+    RequestKind, RunRequest, Timings,
 };
 use tensorwire_proto::fuzzing::exec_round_trip;
 use tensorwire_proto::{DType, ErrorCode, TensorMeta};
 
 fn exec_dir() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../spec/vectors/exec"))
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../spec/vectors/exec"
+    ))
 }
 
 /// The SpMV request of the walkthrough: y = A·x with A in CSR.
@@ -367,9 +370,11 @@ fn exec_vectors_match_the_code() {
         std::fs::write(dir.join("manifest.json"), json + "\n").unwrap();
     }
     let committed: Manifest =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap())
-            .unwrap();
-    assert_eq!(committed, manifest, "manifest differs: regenerate the vectors");
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(
+        committed, manifest,
+        "manifest differs: regenerate the vectors"
+    );
     for b in &built {
         let on_disk = std::fs::read(dir.join(&b.vector.file)).unwrap();
         assert_eq!(on_disk, b.bytes, "{} differs from the code", b.vector.file);
@@ -399,7 +404,12 @@ fn requests_and_replies_round_trip() {
         let bytes = request.encode();
         assert_eq!(ExecRequest::decode(&bytes, &limits).unwrap(), request);
     }
-    let reply = ExecReply::failure(RequestKind::Run, 3, ErrorCode::MODULE_NOT_CACHED, "é".repeat(600));
+    let reply = ExecReply::failure(
+        RequestKind::Run,
+        3,
+        ErrorCode::MODULE_NOT_CACHED,
+        "é".repeat(600),
+    );
     assert!(reply.message.len() <= 1024 && reply.message.is_char_boundary(reply.message.len()));
     assert_eq!(ExecReply::decode(&reply.encode(), 1 << 16).unwrap(), reply);
 }
@@ -420,12 +430,19 @@ fn every_limit_is_refused_with_its_code() {
     let check = |change: &dyn Fn(&mut RunRequest), code: ErrorCode| {
         let mut request = spmv(100, 500);
         change(&mut request);
-        assert_eq!(request.check(&limits).unwrap_err().code(), code, "{request:?}");
+        assert_eq!(
+            request.check(&limits).unwrap_err().code(),
+            code,
+            "{request:?}"
+        );
         // The decoder applies the same check.
         let err = ExecRequest::decode(&run(1, request).encode(), &limits).unwrap_err();
         assert_eq!(err.code(), code);
     };
-    check(&|r| r.module_len = limits.max_module_len + 1, ErrorCode::MODULE_TOO_LARGE);
+    check(
+        &|r| r.module_len = limits.max_module_len + 1,
+        ErrorCode::MODULE_TOO_LARGE,
+    );
     check(
         &|r| {
             r.args = (0..=limits.max_args)
@@ -446,15 +463,20 @@ fn every_limit_is_refused_with_its_code() {
             ErrorCode::LAUNCH_TOO_LARGE,
         );
         check(
-            &|r| r.launch.block = {
-                let mut b = [1, 1, 1];
-                b[axis] = limits.max_block[axis] + 1;
-                b
+            &|r| {
+                r.launch.block = {
+                    let mut b = [1, 1, 1];
+                    b[axis] = limits.max_block[axis] + 1;
+                    b
+                }
             },
             ErrorCode::LAUNCH_TOO_LARGE,
         );
     }
-    check(&|r| r.launch.block = [512, 2, 2], ErrorCode::LAUNCH_TOO_LARGE);
+    check(
+        &|r| r.launch.block = [512, 2, 2],
+        ErrorCode::LAUNCH_TOO_LARGE,
+    );
     check(
         &|r| r.launch.shared_mem_bytes = limits.max_shared_mem_bytes + 1,
         ErrorCode::LAUNCH_TOO_LARGE,
@@ -493,7 +515,10 @@ fn every_limit_is_refused_with_its_code() {
         },
         ErrorCode::EXEC_MALFORMED,
     );
-    check(&|r| r.function = "f".repeat(1025), ErrorCode::EXEC_MALFORMED);
+    check(
+        &|r| r.function = "f".repeat(1025),
+        ErrorCode::EXEC_MALFORMED,
+    );
     check(
         &|r| {
             r.args.push(ArgSpec::Input {
@@ -529,7 +554,10 @@ fn time_limits_default_and_are_capped() {
     let limits = ExecLimits::default();
     let mut request = spmv(10, 10);
     request.time_limit_ms = 0;
-    assert_eq!(request.effective_time_limit_ms(&limits), limits.default_time_limit_ms);
+    assert_eq!(
+        request.effective_time_limit_ms(&limits),
+        limits.default_time_limit_ms
+    );
     request.time_limit_ms = 250;
     assert_eq!(request.effective_time_limit_ms(&limits), 250);
 }
@@ -537,13 +565,22 @@ fn time_limits_default_and_are_capped() {
 #[test]
 fn inputs_are_checked_against_their_declaration() {
     let request = spmv(10, 40);
-    let ok = TensorMeta::new(vec![40], DType::F32).unwrap().with_name("values");
+    let ok = TensorMeta::new(vec![40], DType::F32)
+        .unwrap()
+        .with_name("values");
     request.check_input(&ok).unwrap();
-    let wrong_shape = TensorMeta::new(vec![41], DType::F32).unwrap().with_name("values");
+    let wrong_shape = TensorMeta::new(vec![41], DType::F32)
+        .unwrap()
+        .with_name("values");
     let err = request.check_input(&wrong_shape).unwrap_err();
     assert_eq!(err.code(), ErrorCode::ARGUMENT_MISMATCH);
-    assert!(err.to_string().contains("[41]") && err.to_string().contains("[40]"), "{err}");
-    let wrong_dtype = TensorMeta::new(vec![40], DType::I32).unwrap().with_name("values");
+    assert!(
+        err.to_string().contains("[41]") && err.to_string().contains("[40]"),
+        "{err}"
+    );
+    let wrong_dtype = TensorMeta::new(vec![40], DType::I32)
+        .unwrap()
+        .with_name("values");
     assert_eq!(
         request.check_input(&wrong_dtype).unwrap_err().code(),
         ErrorCode::ARGUMENT_MISMATCH
@@ -565,16 +602,28 @@ fn roles_are_read_from_attributes() {
     let no_id = plain
         .clone()
         .with_attribute(tensorwire_proto::exec::ROLE_ATTRIBUTE, "reply");
-    assert_eq!(ExecRole::of(&no_id).unwrap_err().code(), ErrorCode::EXEC_MALFORMED);
+    assert_eq!(
+        ExecRole::of(&no_id).unwrap_err().code(),
+        ErrorCode::EXEC_MALFORMED
+    );
     let unknown = plain
         .with_attribute(tensorwire_proto::exec::ROLE_ATTRIBUTE, "launch")
         .with_attribute(tensorwire_proto::exec::ID_ATTRIBUTE, "1");
-    assert_eq!(ExecRole::of(&unknown).unwrap_err().code(), ErrorCode::EXEC_MALFORMED);
+    assert_eq!(
+        ExecRole::of(&unknown).unwrap_err().code(),
+        ErrorCode::EXEC_MALFORMED
+    );
 }
 
 #[test]
 fn module_formats_are_sniffed() {
     assert_eq!(ModuleFormat::sniff(b"\x7fELF\x02\x01"), ModuleFormat::Cubin);
-    assert_eq!(ModuleFormat::sniff(&[0x50, 0xed, 0x55, 0xba, 1, 0]), ModuleFormat::Fatbin);
-    assert_eq!(ModuleFormat::sniff(b"//\n.version 8.0\n"), ModuleFormat::Ptx);
+    assert_eq!(
+        ModuleFormat::sniff(&[0x50, 0xed, 0x55, 0xba, 1, 0]),
+        ModuleFormat::Fatbin
+    );
+    assert_eq!(
+        ModuleFormat::sniff(b"//\n.version 8.0\n"),
+        ModuleFormat::Ptx
+    );
 }

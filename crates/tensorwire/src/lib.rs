@@ -3,9 +3,11 @@
 //! This facade re-exports the layers; each lives in its own crate, and data flows one way:
 //! [`proto`] (sans-IO protocol) → [`sink`] (where bytes land: the `Sink` trait, credit
 //! permits, memory budgets, host memory) → [`quic`] (QUIC driver) and [`gpu`] (GPU sink,
-//! pools) → [`ipc`] (re-sharing with local processes, no QUIC stack).
+//! pools) → [`ipc`] (re-sharing with local processes, no QUIC stack) and [`exec`] (remote
+//! kernel execution on received tensors, in isolated worker processes).
 #![forbid(unsafe_code)]
 
+pub use tensorwire_exec as exec;
 pub use tensorwire_gpu as gpu;
 pub use tensorwire_ipc as ipc;
 pub use tensorwire_proto as proto;

@@ -1,12 +1,15 @@
 //! Receives tensors over QUIC into host memory, optionally saving them as `.safetensors`.
 //!
 //! `receiver --listen 127.0.0.1:7000 --save DIR`
+//!
+//! With `--allow-exec` it also runs CUDA kernels peers send (`tensorwire-exec`, spec §14).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use tensorwire::exec::{ExecAccess, ExecConfig, ExecServer, WorkerCommand, refuse_exec};
 use tensorwire::gpu::{DeviceRequest, Placement};
 use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::quic::{Receiver, ReceiverConfig};
@@ -86,6 +89,21 @@ struct Args {
     /// over cores (0: one per core, at most 8). All share the budgets.
     #[arg(long, default_value_t = 0)]
     endpoints: usize,
+    /// Run CUDA kernels that peers send with their inputs (spec §14; `tensorwire-exec`), in
+    /// worker processes of their own. Needs mutual TLS (--client-ca), or a loopback --listen
+    /// address, so that only authenticated or local peers can run code here.
+    #[arg(long)]
+    allow_exec: bool,
+    /// With --allow-exec: worker processes, each running one kernel at a time.
+    #[arg(long, default_value_t = 2, requires = "allow_exec")]
+    exec_workers: usize,
+    /// With --allow-exec: the longest a kernel may run, in ms (also the default limit).
+    #[arg(long, default_value_t = 10_000, requires = "allow_exec")]
+    exec_time_limit_ms: u32,
+    /// With --allow-exec: the worker program (default: tensorwire-exec-worker beside this
+    /// program).
+    #[arg(long, requires = "allow_exec")]
+    exec_worker: Option<PathBuf>,
     /// Exit after this many tensors (0: run until interrupted).
     #[arg(long, default_value_t = 0)]
     count: u64,
@@ -128,6 +146,26 @@ async fn main() -> anyhow::Result<()> {
     if args.endpoints > 0 {
         config.endpoints = args.endpoints;
     }
+    // Refused before anything binds: running code for unauthenticated remote peers.
+    let exec = if args.allow_exec {
+        let access = ExecAccess::for_listener(args.listen, &config.tls)?;
+        let worker = match &args.exec_worker {
+            Some(path) => WorkerCommand::new(path),
+            None => WorkerCommand::beside_current_exe()?,
+        };
+        let mut exec_config = ExecConfig::new(access, worker);
+        exec_config.device = match args.device {
+            DeviceRequest::Host => DeviceRequest::Auto,
+            device => device,
+        };
+        exec_config.workers = args.exec_workers;
+        exec_config.limits.max_time_limit_ms = args.exec_time_limit_ms;
+        exec_config.limits.default_time_limit_ms = args.exec_time_limit_ms;
+        exec_config.admission_wait = args.admission_timeout;
+        Some(ExecServer::new(exec_config)?)
+    } else {
+        None
+    };
     // Shared tensors land in VMM memory, which other processes can map with no copy.
     let placement =
         Placement::choose_shareable(args.device, args.require_gpu, args.share.is_some())?;
@@ -138,6 +176,15 @@ async fn main() -> anyhow::Result<()> {
         receiver.endpoint_count()
     );
     println!("tensors land in {}", placement.describe());
+    if let Some(exec) = &exec {
+        match exec.unavailable() {
+            None => println!(
+                "remote execution: on, {} worker(s), kernels limited to {} ms",
+                args.exec_workers, args.exec_time_limit_ms
+            ),
+            Some(why) => println!("remote execution: on, but runs are refused: no GPU ({why})"),
+        }
+    }
     let mut save = args.save.as_deref().map(SaveDir::new).transpose()?;
     let share = match &args.share {
         Some(path) => {
@@ -166,6 +213,12 @@ async fn main() -> anyhow::Result<()> {
         tokio::select! {
             incoming = receiver.next(), if args.count == 0 || accepted < args.count => {
                 let Some(incoming) = incoming else { break };
+                // Remote execution's tensors (spec §14) go to its server, or are refused.
+                let incoming = match &exec {
+                    Some(exec) => exec.offer(incoming),
+                    None => refuse_exec(incoming),
+                };
+                let Some(incoming) = incoming else { continue };
                 accepted += 1;
                 let (placement, done_tx) = (placement.clone(), done_tx.clone());
                 let spool = save.as_ref().map(SaveDir::spool);

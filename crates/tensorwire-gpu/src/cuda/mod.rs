@@ -8,6 +8,7 @@
 //! sharing); pinned memory is page-locked without write-combining.
 
 mod device;
+pub mod kernel;
 mod memory;
 mod share;
 mod view;
