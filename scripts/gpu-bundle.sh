@@ -13,18 +13,29 @@ mkdir -p "$out/tests" "$out/bin"
 
 echo "building programs" >&2
 cargo build --release --locked -p tensorwire-examples -p tensorwire-bench --bins
-for program in demo receiver sender bench ipc-bench inference-server; do
+for program in demo receiver sender bench ipc-bench inference-server tensorwire-exec \
+  tensorwire-exec-worker spmv; do
   cp "target/release/$program" "$out/bin/"
 done
 
 echo "building test binaries" >&2
-cargo test --release --locked -p tensorwire-gpu -p tensorwire-ipc --no-run --message-format=json 2>/dev/null \
+cargo test --release --locked -p tensorwire-gpu -p tensorwire-ipc -p tensorwire-exec --no-run --message-format=json 2>/dev/null \
   | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/' \
   | while read -r exe; do
       name=$(basename "$exe" | sed 's/-[0-9a-f]*$//')
       # The Python test finds python/ through its build path; share-e2e.sh covers it here.
       [ "$name" = python ] || cp "$exe" "$out/tests/$name"
     done
+# The remote-execution tests, which start the programs above.
+cargo test --release --locked -p tensorwire-examples --test exec --no-run --message-format=json 2>/dev/null \
+  | grep '"kind":\["test"\]' | grep -o '"executable":"[^"]*"' \
+  | sed 's/"executable":"\(.*\)"/\1/' \
+  | while read -r exe; do cp "$exe" "$out/tests/exec-programs"; done
+# Sources those tests read: the kernels, the SpMV PTX, the exec vectors.
+mkdir -p "$out/src/examples/tests" "$out/src/spec/vectors"
+cp -r examples/spmv "$out/src/examples/"
+cp -r examples/tests/kernels "$out/src/examples/tests/"
+cp -r spec/vectors/exec "$out/src/spec/vectors/"
 cargo build --release --locked -p tensorwire-c
 mkdir -p "$out/lib" "$out/c/include" "$out/c/examples"
 cp target/release/libtensorwire_c.so "$out/lib/"
@@ -32,18 +43,31 @@ cp crates/tensorwire-c/include/tensorwire.h "$out/c/include/"
 cp crates/tensorwire-c/examples/*.c crates/tensorwire-c/examples/*.cpp "$out/c/examples/"
 mkdir -p "$out/scripts"
 cp -r python "$out/python"
-cp scripts/share-e2e.sh benches/scale.sh benches/one-sender.sh "$out/scripts/"
+cp scripts/share-e2e.sh scripts/spmv-e2e.sh benches/scale.sh benches/one-sender.sh "$out/scripts/"
 strip "$out"/bin/* "$out"/tests/* "$out"/lib/* 2>/dev/null || true
+# Compressed, so the folder stays small enough to copy around (run.sh unpacks it).
+tar -C "$out" -czf "$out/payload.tar.gz" bin tests lib
+rm -rf "$out/bin" "$out/tests" "$out/lib"
 
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs the GPU tests with TENSORWIRE_REQUIRE_GPU=1 (no test may skip), then the demo on the
 # GPU. Logs go to LOG_DIR (default: ./logs). Exit status: 0 only if everything passed.
 set -uo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-logs=${1:-$here/logs}
+bundle=$(cd "$(dirname "$0")" && pwd)
+logs=${1:-$bundle/logs}
 mkdir -p "$logs"
+# Programs, tests and the C library, unpacked where they can run.
+here=$(mktemp -d)
+chmod 755 "$here" # tests that spawn processes as another user run them from here
+trap 'rm -rf "$here"' EXIT
+tar -C "$here" -xzf "$bundle/payload.tar.gz"
+ln -s "$bundle/scripts" "$here/scripts"
+ln -s "$bundle/src" "$here/src"
+ln -s "$bundle/c" "$here/c"
+ln -s "$bundle/python" "$here/python"
 export TENSORWIRE_REQUIRE_GPU=1
+export TENSORWIRE_BIN_DIR="$here/bin" TENSORWIRE_SOURCE_DIR="$here/src"
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$logs/gpus.txt" 2>&1 || true
 for test in "$here"/tests/*; do
@@ -63,6 +87,12 @@ echo "== receiver --share, Python consumer with PyTorch/CuPy"
 REQUIRE_GPU=1 REQUIRE_CPP=1 C_LIB_DIR="$here/lib" C_SRC_DIR="$here/c" \
   "$here/scripts/share-e2e.sh" "$here/bin" 2>&1 | tee "$logs/share-e2e.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "== remote execution: SpMV walkthrough beside plain sender/receiver"
+for mtu in 1200 6000; do
+  MTU=$mtu "$here/scripts/spmv-e2e.sh" "$here/bin" "$here/src/examples/spmv" 2>&1 \
+    | tee "$logs/spmv-e2e-$mtu.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
 echo "== ipc-bench"
 "$here/bin/ipc-bench" --json "$logs/ipc-bench.json" 2>&1 | tee "$logs/ipc-bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -19,8 +19,12 @@ use tensorwire_proto::exec::ExecRole;
 use tensorwire_proto::{DType, ErrorCode, TensorMeta};
 use tensorwire_quic::{ClientTls, Receiver, ReceiverConfig, Sender, SenderConfig, ServerTls};
 
+/// The source tree: `TENSORWIRE_SOURCE_DIR` where the tests run away from it (the GPU
+/// bundle), else this checkout.
 fn root() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+    std::env::var_os("TENSORWIRE_SOURCE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../..")))
 }
 
 /// A receiver whose every tensor goes to `route`; returns its address.

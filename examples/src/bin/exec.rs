@@ -19,7 +19,7 @@ use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 use tensorwire::exec::{ExecClient, ExecError, ExecReply, Module, Run, RunOutput};
 use tensorwire::proto::{Blame, DType};
 use tensorwire::quic::SenderConfig;
-use tensorwire_examples::cli::{ClientTlsArgs, init_logging, size};
+use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, size};
 use tensorwire_examples::files::{parse_shape, read_npy, write_npy};
 
 /// Run CUDA kernels on a remote GPU over tensorwire.
@@ -31,6 +31,8 @@ struct Args {
     connect: SocketAddr,
     #[command(flatten)]
     tls: ClientTlsArgs,
+    #[command(flatten)]
+    transport: TransportArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -42,7 +44,7 @@ enum Command {
     /// Whether the server can run kernels now: workers, cached modules.
     Health,
     /// Run a kernel.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
 }
 
 #[derive(clap::Args, Debug)]
@@ -118,6 +120,7 @@ fn explain(error: &anyhow::Error) -> String {
 async fn run(args: Args, matches: &ArgMatches) -> anyhow::Result<()> {
     let mut config = SenderConfig::new(args.tls.tls());
     config.server_name = args.tls.server_name.clone();
+    config.transport = args.transport.settings();
     let client = ExecClient::connect(args.connect, config)
         .await
         .with_context(|| format!("connecting to {}", args.connect))?;
