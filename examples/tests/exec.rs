@@ -525,3 +525,88 @@ async fn a_cubin_for_another_architecture_is_refused_with_both_named() {
     assert_eq!(err.code(), Some(ErrorCode::MODULE_INVALID), "{err}");
     assert!(err.to_string().contains("no_such_kernel"), "{err}");
 }
+
+/// Processes whose parent is `pid`, and not yet dead (zombies count as gone).
+fn live_children(pid: u32) -> Vec<u32> {
+    let mut children = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ...": the fields after the last ')'.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if fields.len() > 1 && fields[0] != "Z" && fields[1] == pid.to_string() {
+            children.push(child);
+        }
+    }
+    children
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| {
+            !stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+/// A server that dies while a kernel spins takes its workers with it: nothing is left
+/// holding the GPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_end_with_their_server() {
+    if gpus_or_skip("workers_end_with_their_server").is_none() {
+        return;
+    }
+    let mut server = Server::start(
+        &[
+            "--device",
+            "cuda:0",
+            "--exec-workers",
+            "1",
+            "--exec-time-limit-ms",
+            "60000",
+        ],
+        &[],
+    );
+    let ptx = std::fs::read(kernels("kernels.ptx")).unwrap();
+    let module = Arc::new(Module::new(ModuleFormat::Ptx, ptx));
+    let client = server.client().await;
+    let spin = Run::new(module, "spin")
+        .output("flag", DType::I32, vec![1])
+        .time_limit(Duration::from_secs(60));
+    let running = tokio::spawn(async move { client.run(&spin).await });
+    // Wait for the worker to exist and the kernel to have had time to start.
+    let mut workers = Vec::new();
+    for _ in 0..100 {
+        workers = live_children(server.child.id());
+        if !workers.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!workers.is_empty(), "the receiver started no worker");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    let mut left = workers.clone();
+    for _ in 0..200 {
+        left.retain(|&pid| alive(pid));
+        if left.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(left.is_empty(), "workers {left:?} outlived their server");
+    assert!(
+        running.await.unwrap().is_err(),
+        "the run cannot succeed without its server"
+    );
+}

@@ -20,6 +20,7 @@ const MAX_MODULES: usize = 64;
 /// device `ordinal`. The `tensorwire-exec-worker` program is this function; a program that
 /// embeds the server and wants to be its own worker can call it instead.
 pub fn serve_stdin(ordinal: usize) -> ExitCode {
+    exit_with_parent();
     let fd = match std::io::stdin().as_fd().try_clone_to_owned() {
         Ok(fd) => fd,
         Err(e) => {
@@ -152,6 +153,23 @@ fn run(
     // tensors and no host memory into its context, and it exits on a sticky fault.
     let elapsed = unsafe { launch(module, &job.function, config, &args, &zero) };
     elapsed.map(|d| d.as_nanos() as u64).map_err(failed)
+}
+
+/// A worker must not outlive its server: a kernel that never ends would hold the GPU. A
+/// thread watches the parent (the parent-death signal would fire when the spawning thread
+/// ends, not the server) and ends the process, running kernel and all, once it is gone.
+fn exit_with_parent() {
+    let parent = rustix::process::getppid();
+    let _ = std::thread::Builder::new()
+        .name("parent-watch".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                if rustix::process::getppid() != parent {
+                    std::process::exit(4);
+                }
+            }
+        });
 }
 
 fn failed(error: KernelError) -> Report {
