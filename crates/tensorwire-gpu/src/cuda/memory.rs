@@ -515,6 +515,17 @@ impl DeviceRange {
         &self.device
     }
 
+    /// Copies bytes `offset..offset + dst.len()` of the range to `dst` (synchronously, after
+    /// the work queued on its slice's stream, if it came from one): a tensor on the GPU
+    /// read for sending, a chunk at a time.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), GpuError> {
+        if let Some(stream) = &self.stream {
+            stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
+        }
+        self.device.bind()?;
+        read(&self.device, self.ptr, self.len, offset, dst)
+    }
+
     /// The range as an allocation a sink can land a tensor in, after the application's
     /// queued work on it; the allocation keeps the owner.
     pub(crate) fn landing_allocation(&self) -> Result<DeviceAllocation, GpuError> {

@@ -1,0 +1,438 @@
+"""tensorwire: send tensors over QUIC straight into GPU memory, receive them with no copy into
+PyTorch, CuPy or NumPy.
+
+    import numpy as np, tensorwire
+    rx = tensorwire.Receiver("127.0.0.1:0")               # lands on GPU 0 if there is one
+    tensorwire.send(rx.address, {"w": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    t = rx.recv()
+    w = torch.from_dlpack(t)   # on the GPU, no copy; or t.numpy() for host tensors
+
+``send`` takes anything with ``__dlpack__`` or ``__cuda_array_interface__`` or the buffer
+protocol (PyTorch, CuPy, NumPy, bytes), on the host or a GPU, or a ``.safetensors`` path.
+Every failure raises :class:`TensorwireError` with the wire code. The pure-Python consumer of
+shared tensors, ``tensorwire_ipc``, ships in the same package.
+"""
+
+import asyncio
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+from . import _native
+from .errors import TensorwireError
+
+__all__ = [
+    "GpuStatus",
+    "Raw",
+    "ReceivedTensor",
+    "Receiver",
+    "SendResult",
+    "TensorwireError",
+    "devices",
+    "send",
+    "send_async",
+]
+
+__version__ = _native.VERSION
+
+# Attributes the Rust sender sets, so a receiver rebuilds files sent from .safetensors.
+_FILE_ATTR = "tensorwire.file"
+_FILE_TENSORS_ATTR = "tensorwire.file_tensors"
+_FILE_METADATA_ATTR = "safetensors.metadata"
+_SENDER_ATTR = "tensorwire.sender"
+
+_NUMPY_TO_DTYPE = {
+    "|b1": "BOOL",
+    "|u1": "U8",
+    "|i1": "I8",
+    "<u2": "U16",
+    "<i2": "I16",
+    "<u4": "U32",
+    "<i4": "I32",
+    "<u8": "U64",
+    "<i8": "I64",
+    "<f2": "F16",
+    "<f4": "F32",
+    "<f8": "F64",
+}
+# ml_dtypes' names, for NumPy arrays of types NumPy itself lacks.
+_NAMED_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+_DTYPE_TO_NUMPY = {v: k for k, v in _NUMPY_TO_DTYPE.items()}
+# Element sizes, for raw buffers (spec §5.1).
+_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8,
+    "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
+}
+
+
+@dataclass(frozen=True)
+class Raw:
+    """Bytes with an explicit dtype and shape: for types NumPy lacks (BF16, FP8) without
+    ml_dtypes, or any buffer sent as is."""
+
+    dtype: str
+    shape: Sequence[int]
+    data: Any
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """One tensor sent and acknowledged (COMPLETE: resident where the receiver put it)."""
+
+    name: str
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GpuStatus:
+    """Whether this process can use a GPU, and why not."""
+
+    available: bool
+    device_count: int
+    description: str
+
+    @staticmethod
+    def detect() -> "GpuStatus":
+        """Probes the CUDA driver (libcuda is loaded at run time; no toolkit needed)."""
+        return GpuStatus(*_native.gpu_status())
+
+
+def devices() -> List[Dict[str, Any]]:
+    """Each GPU: ordinal, name, uuid, compute_capability, total_memory."""
+    return _native.devices()
+
+
+def _torch_dtype(t: Any) -> str:
+    import torch
+
+    table = {
+        torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
+        torch.int32: "I32", torch.int64: "I64", torch.float16: "F16",
+        torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
+    }
+    for name, code in [("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+                       ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")]:
+        if hasattr(torch, name):
+            table[getattr(torch, name)] = code
+    if t.dtype not in table:
+        raise TypeError(f"torch dtype {t.dtype} has no tensorwire dtype")
+    return table[t.dtype]
+
+
+def _host(array: Any) -> Tuple[int, int, Any]:
+    """`(address, bytes, owner)` of a C-contiguous NumPy array, without copying; the owner
+    keeps the memory alive while it is sent (do not modify it meanwhile)."""
+    import numpy as np
+
+    array = _contiguous(np.asarray(array))
+    return (array.__array_interface__["data"][0], array.nbytes, array)
+
+
+def _contiguous(array: Any) -> Any:
+    """`array` in C order, copied only if it is not (np.ascontiguousarray would also turn a
+    0-d array into a 1-d one)."""
+    import numpy as np
+
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
+def _item(name: str, obj: Any) -> Tuple[str, str, List[int], str, Any, List[Tuple[str, str]]]:
+    """`(name, dtype, shape, kind, payload, attributes)` for the native sender."""
+    import numpy as np
+
+    if isinstance(obj, Raw):
+        data = np.frombuffer(obj.data, dtype=np.uint8)
+        return (name, obj.dtype.upper(), list(obj.shape), "host", _host(data), [])
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        data = np.frombuffer(obj, dtype=np.uint8)
+        return (name, "U8", [data.nbytes], "host", _host(data), [])
+    module = type(obj).__module__.split(".")[0]
+    if module == "torch":
+        t = obj.detach().contiguous()
+        dtype = _torch_dtype(t)
+        shape = list(t.shape)
+        if t.is_cuda:
+            import torch
+
+            # Bytes queued on the tensor's stream are written before they are read.
+            torch.cuda.current_stream(t.device).synchronize()
+            return (name, dtype, shape, "device", (t.data_ptr(), t.nbytes, t.device.index, t), [])
+        # NumPy has no BF16 or FP8: their bits go as integers of the same width.
+        raw = t.view(torch.int16) if dtype == "BF16" else t.view(torch.uint8) if dtype.startswith("F8") else t
+        return (name, dtype, shape, "host", _host(raw.numpy()), [])
+    cuda = getattr(obj, "__cuda_array_interface__", None)
+    if cuda is not None:
+        return _cuda_array_item(name, obj, cuda)
+    array = _contiguous(np.asarray(obj))
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    dtype = _NAMED_DTYPES.get(array.dtype.name) or _NUMPY_TO_DTYPE.get(array.dtype.str)
+    if dtype is None:
+        raise TypeError(
+            f"{name}: NumPy dtype {array.dtype} has no tensorwire dtype; use tensorwire.Raw"
+        )
+    return (name, dtype, list(array.shape), "host", _host(array), [])
+
+
+def _cuda_array_item(name: str, obj: Any, cuda: Mapping[str, Any]):
+    """An object with ``__cuda_array_interface__`` (CuPy, Numba): read from device memory."""
+    import numpy as np
+
+    if cuda.get("strides") not in (None, ()):
+        # Strides given: require C order.
+        itemsize = np.dtype(cuda["typestr"]).itemsize
+        expected, acc = [], itemsize
+        for dim in reversed(cuda["shape"]):
+            expected.insert(0, acc)
+            acc *= dim
+        if list(cuda["strides"]) != expected:
+            raise ValueError(f"{name}: only C-contiguous device arrays are sent")
+    typestr = np.dtype(cuda["typestr"]).str
+    dtype = _NUMPY_TO_DTYPE.get(typestr)
+    if dtype is None:
+        raise TypeError(f"{name}: device dtype {typestr} has no tensorwire dtype")
+    stream = cuda.get("stream")
+    if stream not in (None, 0, 1, 2):
+        import ctypes
+
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        libcuda.cuStreamSynchronize(ctypes.c_void_p(stream))
+    shape = list(cuda["shape"])
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(typestr).itemsize if shape else np.dtype(typestr).itemsize
+    device = getattr(getattr(obj, "device", None), "id", 0)
+    return (name, dtype, shape, "device", (int(cuda["data"][0]), nbytes, int(device), obj), [])
+
+
+def _safetensors_items(path: Union[str, os.PathLike]) -> List[Tuple]:
+    """Every tensor of a .safetensors file, read in place from the file by the sender, with
+    the attributes that let a receiver rebuild the file."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        size = os.fstat(f.fileno()).st_size
+        if header_len > min(100 << 20, size - 8):
+            raise TensorwireError(f"{path}: header length {header_len} is not plausible")
+        header = json.loads(f.read(header_len))
+    data_start = 8 + header_len
+    metadata = header.pop("__metadata__", None)
+    attrs = [(_FILE_ATTR, os.path.basename(path)), (_FILE_TENSORS_ATTR, str(len(header)))]
+    if metadata is not None:
+        attrs.append(
+            (_FILE_METADATA_ATTR, json.dumps(metadata, separators=(",", ":"), sort_keys=True, ensure_ascii=False))
+        )
+    items = []
+    for name in sorted(header):
+        info = header[name]
+        dtype = info["dtype"]
+        if dtype not in _SIZES:
+            raise TensorwireError(f"{path}: tensor {name!r}: dtype {dtype!r} is not supported")
+        begin, end = info["data_offsets"]
+        length = _SIZES[dtype]
+        for dim in info["shape"]:
+            length *= dim
+        if not 0 <= begin <= end <= size - data_start or end - begin != length:
+            raise TensorwireError(
+                f"{path}: tensor {name!r}: data_offsets [{begin}, {end}) do not hold its {length} bytes"
+            )
+        items.append((name, dtype, list(info["shape"]), "file", (path, data_start + begin), list(attrs)))
+    return items
+
+
+def send(
+    addr: str,
+    tensors: Union[Mapping[str, Any], str, "os.PathLike[str]"],
+    *,
+    connections: Optional[int] = None,
+    ca: Optional[str] = None,
+    client_cert: Optional[str] = None,
+    client_key: Optional[str] = None,
+    server_name: str = "localhost",
+    mtu: int = 1200,
+    device: Optional[str] = None,
+    progress: bool = False,
+) -> List[SendResult]:
+    """Sends `tensors` (a name → tensor mapping, or a .safetensors path) to the receiver at
+    `addr` ("host:port") and returns once each is acknowledged.
+
+    GPU tensors (PyTorch CUDA, CuPy) are read from device memory a chunk at a time, never
+    copied to the host whole; host buffers are sent without a copy. `connections` (default:
+    one per core, at most 8 and at most one per tensor) spreads the tensors over parallel
+    connections. `device` ("host", "cuda:N") asks the receiver to land them there (spec §5.2).
+    With no `ca`, development trust: a receiver on this host. Raises TensorwireError.
+    """
+    if isinstance(tensors, (str, os.PathLike)):
+        items = _safetensors_items(tensors)
+    else:
+        items = [_item(str(name), obj) for name, obj in tensors.items()]
+    run = f"python-{os.getpid()}-{time.time_ns()}"
+    for item in items:
+        item[5].append((_SENDER_ATTR, run))
+    if connections is None:
+        connections = max(1, min(os.cpu_count() or 1, 8, len(items)))
+    results = _native.send(
+        addr,
+        items,
+        connections=connections,
+        ca=ca,
+        client_cert=client_cert,
+        client_key=client_key,
+        server_name=server_name,
+        mtu=mtu,
+        device=device,
+    )
+    out = [SendResult(name, nbytes, seconds) for name, nbytes, seconds in results]
+    if progress:
+        for r in out:
+            print(f"sent {r.name}: {r.nbytes} bytes in {r.seconds:.3f} s")
+    return out
+
+
+async def send_async(addr: str, tensors: Any, **kwargs: Any) -> List[SendResult]:
+    """:func:`send` without blocking the event loop (it runs on a worker thread)."""
+    return await asyncio.to_thread(send, addr, tensors, **kwargs)
+
+
+class ReceivedTensor:
+    """A tensor that landed. Hand it to a framework with no copy, once:
+    ``torch.from_dlpack(t)``, ``cupy.from_dlpack(t)``, ``np.from_dlpack(t)`` (host), or
+    :meth:`numpy` / :meth:`torch`. The memory returns to the receiver's pool when the
+    framework's tensor (or this object, if never handed over) is freed."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, native: Any) -> None:
+        self._t = native
+
+    name = property(lambda self: self._t.name, doc="The tensor's name.")
+    dtype = property(lambda self: self._t.dtype, doc="Its dtype name (spec §5.1), e.g. 'F32'.")
+    shape = property(lambda self: tuple(self._t.shape), doc="Its shape.")
+    attributes = property(lambda self: dict(self._t.attributes), doc="The sender's attributes.")
+    device = property(lambda self: self._t.device, doc="'cuda:N' or 'cpu'.")
+    nbytes = property(lambda self: self._t.nbytes, doc="Its size in bytes.")
+    data_ptr = property(lambda self: self._t.data_ptr, doc="Address of its first byte.")
+    peer = property(lambda self: self._t.peer, doc="The sender's address.")
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None) -> Any:
+        return self._t.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return self._t.__dlpack_device__()
+
+    def tobytes(self) -> bytes:
+        """A host copy of the bytes."""
+        return self._t.tobytes()
+
+    def release(self) -> None:
+        """Gives the memory back now."""
+        self._t.release()
+
+    def numpy(self) -> Any:
+        """A NumPy array: no copy for host tensors of NumPy types; BF16 and FP8 come as their
+        raw bits (uint16 / uint8). GPU tensors are copied to the host."""
+        import numpy as np
+
+        raw = {"BF16": np.uint16, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
+        if self.dtype in raw or self.device != "cpu":
+            kind = raw.get(self.dtype) or np.dtype(_DTYPE_TO_NUMPY[self.dtype])
+            return np.frombuffer(self.tobytes(), dtype=kind).reshape(self.shape)
+        return np.from_dlpack(self)
+
+    def torch(self) -> Any:
+        """A PyTorch tensor on the same memory, no copy."""
+        import torch
+
+        return torch.from_dlpack(self)
+
+    def __repr__(self) -> str:
+        return f"ReceivedTensor({self.name!r}, {self.dtype} {list(self.shape)}, {self.device})"
+
+
+class Receiver:
+    """Listens on `listen` and lands tensors on a GPU (`device`: "auto", "cuda:N", "host").
+
+    Iterate it (or ``async for``) to take tensors as they land; ``recv(timeout)`` for one.
+    Memory is admitted against budgets before any byte is accepted: a credit budget of
+    `budget_mib`, host memory of `host_memory_mib` (default a quarter of RAM), and device
+    memory; `require_gpu` makes a missing GPU an error instead of host memory.
+    """
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        *,
+        device: str = "auto",
+        require_gpu: bool = False,
+        budget_mib: int = 256,
+        host_memory_mib: Optional[int] = None,
+        admission_timeout_s: float = 30.0,
+        cert: Optional[str] = None,
+        key: Optional[str] = None,
+        client_ca: Optional[str] = None,
+        mtu: int = 1200,
+    ) -> None:
+        self._native = _native.Receiver(
+            listen,
+            device=device,
+            require_gpu=require_gpu,
+            budget_mib=budget_mib,
+            host_memory_mib=host_memory_mib,
+            admission_timeout_s=admission_timeout_s,
+            cert=cert,
+            key=key,
+            client_ca=client_ca,
+            mtu=mtu,
+        )
+
+    @property
+    def address(self) -> str:
+        """The address it listens on, "host:port"."""
+        return self._native.address
+
+    @property
+    def placement(self) -> str:
+        """Where tensors land, and why (for host memory)."""
+        return self._native.placement
+
+    def recv(self, timeout: Optional[float] = None) -> ReceivedTensor:
+        """The next tensor; TimeoutError after `timeout` seconds, EOFError once closed."""
+        return ReceivedTensor(self._native.recv(timeout))
+
+    def failures(self) -> List[str]:
+        """Tensors that failed, each with its sender, code and cause."""
+        return self._native.failures()
+
+    def pool_stats(self) -> Dict[str, Dict[str, int]]:
+        """GPU pool statistics: ``{"device": {...}, "staging": {...}}`` (empty on the host)."""
+        return self._native.pool_stats()
+
+    def close(self) -> None:
+        """Stops listening."""
+        self._native.close()
+
+    def __iter__(self) -> Iterator[ReceivedTensor]:
+        return self
+
+    def __next__(self) -> ReceivedTensor:
+        try:
+            return self.recv()
+        except EOFError:
+            raise StopIteration from None
+
+    def __aiter__(self) -> "Receiver":
+        return self
+
+    async def __anext__(self) -> ReceivedTensor:
+        try:
+            return await asyncio.to_thread(self.recv)
+        except EOFError:
+            raise StopAsyncIteration from None
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

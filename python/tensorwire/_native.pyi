@@ -1,0 +1,63 @@
+"""Types of the native module (crates/tensorwire-py). Use the `tensorwire` package's API."""
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+VERSION: str
+
+def send(
+    addr: str,
+    items: Sequence[Tuple[str, str, Sequence[int], str, Any, Sequence[Tuple[str, str]]]],
+    *,
+    connections: int = 1,
+    ca: Optional[str] = None,
+    client_cert: Optional[str] = None,
+    client_key: Optional[str] = None,
+    server_name: str = "localhost",
+    mtu: int = 1200,
+    device: Optional[str] = None,
+) -> List[Tuple[str, int, float]]: ...
+def gpu_status() -> Tuple[bool, int, str]: ...
+def devices() -> List[Dict[str, Any]]: ...
+
+class ReceivedTensor:
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    attributes: Dict[str, str]
+    device: str
+    nbytes: int
+    data_ptr: int
+    peer: str
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: Any = None,
+        dl_device: Any = None,
+        copy: Optional[bool] = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    def tobytes(self) -> bytes: ...
+    def release(self) -> None: ...
+
+class Receiver:
+    address: str
+    placement: str
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        *,
+        device: str = "auto",
+        require_gpu: bool = False,
+        budget_mib: int = 256,
+        host_memory_mib: Optional[int] = None,
+        admission_timeout_s: float = 30.0,
+        cert: Optional[str] = None,
+        key: Optional[str] = None,
+        client_ca: Optional[str] = None,
+        mtu: int = 1200,
+    ) -> None: ...
+    def recv(self, timeout: Optional[float] = None) -> ReceivedTensor: ...
+    def failures(self) -> List[str]: ...
+    def pool_stats(self) -> Dict[str, Dict[str, int]]: ...
+    def close(self) -> None: ...

@@ -1,0 +1,333 @@
+"""The tensorwire Python package against the Rust programs and itself: send from NumPy, receive
+from the Rust sender, every dtype, .safetensors files, typed errors; on a GPU, PyTorch CUDA
+tensors both ways with no copy.
+
+The Rust programs come from TENSORWIRE_BIN_DIR (default: target/debug of this checkout).
+GPU tests skip without PyTorch CUDA, and fail instead when TENSORWIRE_REQUIRE_GPU=1.
+"""
+
+import asyncio
+import json
+import os
+import pathlib
+import struct
+import subprocess
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire import Raw, TensorwireError
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def program(name: str) -> str:
+    path = pathlib.Path(os.environ.get("TENSORWIRE_BIN_DIR", ROOT / "target" / "debug")) / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing: cargo build --bins, or set TENSORWIRE_BIN_DIR")
+    return str(path)
+
+
+class RustReceiver:
+    """`receiver --listen 127.0.0.1:0 ARGS`, its address read from its first line."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [program("receiver"), "--listen", "127.0.0.1:0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        first = self.proc.stdout.readline()
+        assert first.startswith("listening on "), first + self.proc.stderr.read()
+        self.addr = first.split()[-1]
+        self.port = int(self.addr.rsplit(":", 1)[1])
+        self.lines = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait(self, timeout: float = 60) -> str:
+        self.proc.wait(timeout)
+        self._reader.join(timeout)
+        return "".join(self.lines) + self.proc.stderr.read()
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def dev_cert(self) -> str:
+        return os.path.join(tempfile.gettempdir(), f"tensorwire-dev-{os.getuid()}", f"receiver-{self.port}.pem")
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    return header, data
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """A .safetensors file of name → (dtype, shape, bytes)."""
+    header, offset, blobs = {}, 0, []
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def sample_arrays():
+    rng = np.random.default_rng(7)
+    arrays = {
+        "bool": rng.integers(0, 2, (3, 5)).astype(np.bool_),
+        "u8": rng.integers(0, 255, (4, 4), dtype=np.uint8),
+        "i8": rng.integers(-128, 127, 17, dtype=np.int8),
+        "u16": rng.integers(0, 65535, (2, 3), dtype=np.uint16),
+        "i16": rng.integers(-30000, 30000, 9, dtype=np.int16),
+        "u32": rng.integers(0, 2**32 - 1, 5, dtype=np.uint32),
+        "i32": rng.integers(-(2**31), 2**31 - 1, (2, 2, 2), dtype=np.int32),
+        "u64": rng.integers(0, 2**63, 3, dtype=np.uint64),
+        "i64": rng.integers(-(2**62), 2**62, 3, dtype=np.int64),
+        "f16": rng.standard_normal((8, 2)).astype(np.float16),
+        "f32": rng.standard_normal((16, 8)).astype(np.float32),
+        "f64": rng.standard_normal(7),
+        "scalar": np.array(3.5, dtype=np.float32),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+    }
+    raw = {
+        "bf16": Raw("BF16", (4, 2), rng.integers(0, 65535, 8, dtype=np.uint16).tobytes()),
+        "fp8_e4m3": Raw("F8_E4M3", (6,), bytes(range(6))),
+        "fp8_e5m2": Raw("F8_E5M2", (2, 2), bytes([1, 2, 250, 255])),
+    }
+    return arrays, raw
+
+
+NUMPY_NAME = {"bool": "BOOL", "u8": "U8", "i8": "I8", "u16": "U16", "i16": "I16", "u32": "U32",
+              "i32": "I32", "u64": "U64", "i64": "I64", "f16": "F16", "f32": "F32", "f64": "F64",
+              "scalar": "F32", "empty": "F32"}
+
+
+def test_numpy_arrays_of_every_dtype_land_bit_exact_in_the_rust_receiver(tmp_path):
+    arrays, raw = sample_arrays()
+    rx = RustReceiver("--device", "host", "--save", str(tmp_path), "--count", str(len(arrays) + len(raw)))
+    try:
+        results = tensorwire.send(rx.addr, {**arrays, **raw})
+        assert sorted(r.name for r in results) == sorted([*arrays, *raw])
+        out = rx.wait()
+    finally:
+        rx.stop()
+    for name, array in arrays.items():
+        header, data = read_safetensors(tmp_path / f"{name}.safetensors")
+        assert header[name]["dtype"] == NUMPY_NAME[name], out
+        assert header[name]["shape"] == list(array.shape)
+        assert data == array.tobytes()
+    for name, r in raw.items():
+        header, data = read_safetensors(tmp_path / f"{name}.safetensors")
+        assert header[name]["dtype"] == r.dtype and header[name]["shape"] == list(r.shape)
+        assert data == bytes(r.data)
+
+
+def test_a_safetensors_file_sent_from_python_is_saved_bit_exact(tmp_path):
+    source = tmp_path / "model.safetensors"
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 32)).astype(np.float32).tobytes()
+    b = rng.standard_normal(32).astype(np.float16).tobytes()
+    ids = np.arange(10, dtype=np.int64).tobytes()
+    write_safetensors(source, {"layer.bias": ("F16", [32], b), "layer.weight": ("F32", [64, 32], w),
+                               "ids": ("I64", [10], ids)}, metadata={"format": "pt", "step": "12"})
+    saved = tmp_path / "saved"
+    rx = RustReceiver("--save", str(saved), "--count", "3")
+    try:
+        tensorwire.send(rx.addr, source, connections=2)
+        rx.wait()
+    finally:
+        rx.stop()
+    header, data = read_safetensors(saved / "model.safetensors")
+    original, original_data = read_safetensors(source)
+    assert header["__metadata__"] == original["__metadata__"]
+    for name, info in original.items():
+        if name == "__metadata__":
+            continue
+        got = header[name]
+        assert (got["dtype"], got["shape"]) == (info["dtype"], info["shape"])
+        begin, end = info["data_offsets"]
+        got_begin, got_end = got["data_offsets"]
+        assert data[got_begin:got_end] == original_data[begin:end]
+
+
+def test_python_receives_what_the_rust_sender_sends(tmp_path):
+    source = tmp_path / "pair.safetensors"
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    c = np.array([1, -2, 3], dtype=np.int32)
+    write_safetensors(source, {"a": ("F32", [3, 4], a.tobytes()), "c": ("I32", [3], c.tobytes())})
+    with tensorwire.Receiver(device="host") as rx:
+        sent = subprocess.run([program("sender"), "--connect", rx.address, "--quiet", str(source)],
+                              capture_output=True, text=True, timeout=60)
+        assert sent.returncode == 0, sent.stderr
+        got = {}
+        for _ in range(2):
+            t = rx.recv(timeout=30)
+            assert t.device == "cpu"
+            assert t.attributes["tensorwire.file"] == "pair.safetensors"
+            got[t.name] = t.numpy()
+    np.testing.assert_array_equal(got["a"], a)
+    np.testing.assert_array_equal(got["c"], c)
+
+
+def test_every_dtype_round_trips_python_to_python():
+    arrays, raw = sample_arrays()
+    with tensorwire.Receiver(device="host") as rx:
+        tensorwire.send(rx.address, {**arrays, **raw}, connections=3)
+        got = {}
+        for _ in range(len(arrays) + len(raw)):
+            t = rx.recv(timeout=30)
+            got[t.name] = t
+    for name, array in arrays.items():
+        t = got[name]
+        assert (t.dtype, t.shape) == (NUMPY_NAME[name], array.shape)
+        np.testing.assert_array_equal(t.numpy(), array)
+    bf16 = got["bf16"].numpy()
+    assert bf16.dtype == np.uint16 and bf16.shape == (4, 2)
+    assert bf16.tobytes() == bytes(raw["bf16"].data)
+    fp8 = got["fp8_e5m2"].numpy()
+    assert fp8.dtype == np.uint8 and fp8.tobytes() == bytes([1, 2, 250, 255])
+
+
+def test_host_tensors_are_handed_to_numpy_without_a_copy():
+    with tensorwire.Receiver(device="host") as rx:
+        tensorwire.send(rx.address, {"x": np.arange(1000, dtype=np.float64)})
+        t = rx.recv(timeout=30)
+        address = t.data_ptr
+        array = np.from_dlpack(t)
+        assert array.__array_interface__["data"][0] == address
+        np.testing.assert_array_equal(array, np.arange(1000, dtype=np.float64))
+        with pytest.raises(RuntimeError, match="already handed over"):
+            t.tobytes()
+
+
+def test_a_bad_address_raises_the_typed_error():
+    with pytest.raises(TensorwireError) as bad:
+        tensorwire.send("not-an-address", {"x": b"abc"})
+    assert "not-an-address" in str(bad.value)
+    # Nobody listens there, so no development certificate either.
+    with pytest.raises(TensorwireError):
+        tensorwire.send("127.0.0.1:9", {"x": b"abc"})
+
+
+def test_a_receiver_with_another_certificate_is_refused():
+    a, b = RustReceiver(), RustReceiver()
+    try:
+        with pytest.raises(TensorwireError) as refused:
+            tensorwire.send(a.addr, {"x": b"abc"}, ca=b.dev_cert())
+        assert refused.value.code is None or refused.value.code_name, refused.value
+        assert "certificate" in str(refused.value).lower() or "tls" in str(refused.value).lower()
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_rejected_tensor_raises_with_its_code_and_name():
+    rx = RustReceiver("--max-tensor-mib", "1")
+    try:
+        with pytest.raises(TensorwireError) as rejected:
+            tensorwire.send(rx.addr, {"too.big": np.zeros(1 << 19, dtype=np.float32)})
+    finally:
+        rx.stop()
+    err = rejected.value
+    assert err.code_name == "TENSOR_TOO_LARGE" and err.code == 0x0211
+    assert err.tensor == "too.big" and err.blame == "PeerBrokeRule"
+
+
+def test_async_send_and_receive():
+    async def main():
+        with tensorwire.Receiver(device="host") as rx:
+            sent = await tensorwire.send_async(rx.address, {"a": np.ones(5, np.float32), "b": b"xyz"})
+            assert len(sent) == 2
+            names = []
+            async for t in rx:
+                names.append(t.name)
+                if len(names) == 2:
+                    break
+            return sorted(names)
+
+    assert asyncio.run(main()) == ["a", "b"]
+
+
+def test_gpu_status_and_devices_describe_this_host():
+    status = tensorwire.GpuStatus.detect()
+    assert isinstance(status.available, bool) and status.description
+    listed = tensorwire.devices()
+    assert len(listed) == (status.device_count if status.available else 0)
+    for d in listed:
+        assert d["uuid"].startswith("GPU-") and "." in d["compute_capability"]
+
+
+def test_the_ipc_consumer_ships_in_the_same_package():
+    import tensorwire_ipc
+
+    assert hasattr(tensorwire_ipc, "Client")
+
+
+# --- On a GPU -----------------------------------------------------------------------------
+
+
+def cuda_or_skip():
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        return torch
+    if os.environ.get("TENSORWIRE_REQUIRE_GPU") == "1":
+        pytest.fail("TENSORWIRE_REQUIRE_GPU=1 but PyTorch has no CUDA device")
+    pytest.skip("no PyTorch CUDA device")
+
+
+def test_a_torch_cuda_tensor_lands_on_the_rust_receivers_gpu(tmp_path):
+    torch = cuda_or_skip()
+    w = torch.randn(1024, 1024, device="cuda:0")
+    h = torch.randn(3000, device="cuda:0").to(torch.bfloat16)
+    rx = RustReceiver("--device", "cuda:0", "--require-gpu", "--save", str(tmp_path), "--count", "2")
+    try:
+        tensorwire.send(rx.addr, {"w": w, "h": h})
+        out = rx.wait()
+    finally:
+        rx.stop()
+    assert "-> cuda:0" in out or "cuda:0" in out, out
+    header, data = read_safetensors(tmp_path / "w.safetensors")
+    assert header["w"]["dtype"] == "F32" and data == w.cpu().numpy().tobytes()
+    header, data = read_safetensors(tmp_path / "h.safetensors")
+    assert header["h"]["dtype"] == "BF16" and data == h.cpu().view(torch.int16).numpy().tobytes()
+
+
+def test_received_gpu_tensors_go_to_torch_with_no_copy_and_back_to_the_pool():
+    torch = cuda_or_skip()
+    with tensorwire.Receiver(device="cuda:0", require_gpu=True) as rx:
+        source = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+        tensorwire.send(rx.address, {"x": source})
+        t = rx.recv(timeout=60)
+        assert t.device == "cuda:0"
+        pointer = t.data_ptr
+        x = torch.from_dlpack(t)
+        assert x.device.type == "cuda" and x.data_ptr() == pointer
+        assert torch.equal(x, source)
+        before = rx.pool_stats()["device"]
+        assert before["in_use_buffers"] >= 1
+        del x, t
+        torch.cuda.synchronize()
+        after = rx.pool_stats()["device"]
+        assert after["returns"] == before["returns"] + 1, (before, after)
+        assert after["in_use_buffers"] == before["in_use_buffers"] - 1
