@@ -14,7 +14,7 @@ mkdir -p "$out/tests" "$out/bin"
 echo "building programs" >&2
 cargo build --release --locked -p tensorwire-examples -p tensorwire-bench --bins
 for program in demo receiver sender bench ipc-bench inference-server tensorwire-exec \
-  tensorwire-exec-worker spmv; do
+  tensorwire-exec-worker spmv tensorwire-share; do
   cp "target/release/$program" "$out/bin/"
 done
 
@@ -41,9 +41,13 @@ mkdir -p "$out/lib" "$out/c/include" "$out/c/examples"
 cp target/release/libtensorwire_c.so "$out/lib/"
 cp crates/tensorwire-c/include/tensorwire.h "$out/c/include/"
 cp crates/tensorwire-c/examples/*.c crates/tensorwire-c/examples/*.cpp "$out/c/examples/"
+echo "building the Python wheel" >&2
+mkdir -p "$out/wheel"
+python3 -m pip wheel --no-deps --quiet ./python -w "$out/wheel"
 mkdir -p "$out/scripts"
 cp -r python "$out/python"
-cp scripts/share-e2e.sh scripts/spmv-e2e.sh benches/scale.sh benches/one-sender.sh "$out/scripts/"
+cp scripts/share-e2e.sh scripts/spmv-e2e.sh scripts/pytest-lite.py benches/scale.sh \
+  benches/one-sender.sh benches/python-send.sh "$out/scripts/"
 strip "$out"/bin/* "$out"/tests/* "$out"/lib/* 2>/dev/null || true
 # Compressed, so the folder stays small enough to copy around (run.sh unpacks it).
 tar -C "$out" -czf "$out/payload.tar.gz" bin tests lib
@@ -93,6 +97,16 @@ for mtu in 1200 6000; do
     | tee "$logs/spmv-e2e-$mtu.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
+echo "== Python package: its tests with PyTorch on the GPU (the wheel, unpacked)"
+python3 -m zipfile -e "$bundle"/wheel/*.whl "$here/pypkg"
+PYTHONPATH="$here/pypkg" TENSORWIRE_BIN_DIR="$here/bin" \
+  python3 "$here/scripts/pytest-lite.py" "$bundle/python/tests/test_package.py" 2>&1 \
+  | tee "$logs/python.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "== Python send of a 4 GiB CUDA tensor beside the Rust sender"
+PYTHONPATH="$here/pypkg" "$here/scripts/python-send.sh" "$here/bin" 4096 2>&1 \
+  | tee "$logs/python-send.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== ipc-bench"
 "$here/bin/ipc-bench" --json "$logs/ipc-bench.json" 2>&1 | tee "$logs/ipc-bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

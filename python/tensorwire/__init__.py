@@ -26,6 +26,9 @@ from .errors import TensorwireError
 
 __all__ = [
     "GpuStatus",
+    "ShareService",
+    "SharedBuffer",
+    "empty",
     "Raw",
     "ReceivedTensor",
     "Receiver",
@@ -294,6 +297,71 @@ def send(
 async def send_async(addr: str, tensors: Any, **kwargs: Any) -> List[SendResult]:
     """:func:`send` without blocking the event loop (it runs on a worker thread)."""
     return await asyncio.to_thread(send, addr, tensors, **kwargs)
+
+
+SharedBuffer = _native.SharedBuffer
+
+
+def empty(shape: Sequence[int], dtype: str = "F32", device: str = "cuda:0") -> "SharedBuffer":
+    """A zeroed tensor in GPU memory other processes can map (VMM): view it with
+    ``torch.from_dlpack(buf)`` or ``cupy.from_dlpack(buf)`` (any number of views, no copy),
+    fill it, then :meth:`ShareService.publish` it."""
+    return _native.empty(list(shape), dtype.upper(), device)
+
+
+def _synchronize_frameworks() -> None:
+    """Waits for work PyTorch and CuPy queued, so published bytes are written."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        try:
+            cupy.cuda.Device().synchronize()
+        except Exception:  # no device or no context: nothing was queued
+            pass
+
+
+class ShareService:
+    """Publishes tensors to local processes on the Unix socket `path` (its directory is made
+    mode 0700), as ``receiver --share`` does: consumers are ``tensorwire_ipc.Client``,
+    ``tensorwire-share``, the C library. `on_existing`: "replace", "in-place" or "reject"
+    for a name published again."""
+
+    def __init__(self, path: Union[str, "os.PathLike[str]"], *, on_existing: str = "replace") -> None:
+        self._native = _native.ShareService(os.fspath(path), on_existing=on_existing)
+
+    @property
+    def path(self) -> str:
+        return str(self._native.path)
+
+    def publish(self, name: str, tensor: Any) -> int:
+        """Shares `tensor` as `name` and returns its generation: a :func:`empty` buffer with
+        no copy (a consumer's writes are seen here), or a host array (NumPy, PyTorch CPU,
+        bytes) copied once into shared memory. Other GPU memory (a framework's own
+        allocator) cannot be exported: allocate it with :func:`empty`."""
+        _synchronize_frameworks()
+        if isinstance(tensor, SharedBuffer):
+            return self._native.publish_device(name, tensor)
+        item = _item(name, tensor)
+        if item[3] != "host":
+            raise TensorwireError(
+                f"{name}: GPU tensors are published from tensorwire.empty() memory, which "
+                "other processes can map; this one belongs to its framework's allocator",
+                tensor=name,
+            )
+        return self._native.publish_host(name, item[1], item[2], item[4])
+
+    def names(self) -> List[str]:
+        """The names shared now."""
+        return self._native.names()
+
+    def delete(self, name: str) -> bool:
+        """Unshares `name`; True if consumers still hold it (its memory goes when they let
+        go). An unknown name raises TensorwireError."""
+        return self._native.delete(name)
 
 
 class ReceivedTensor:

@@ -275,6 +275,34 @@ def test_gpu_status_and_devices_describe_this_host():
         assert d["uuid"].startswith("GPU-") and "." in d["compute_capability"]
 
 
+def test_host_arrays_published_from_python_are_read_by_other_processes(tmp_path):
+    import sys
+
+    sock = tmp_path / "share" / "tw.sock"
+    service = tensorwire.ShareService(sock)
+    array = np.arange(24, dtype=np.int32).reshape(4, 6)
+    assert service.publish("ids", array) >= 1
+    assert service.names() == ["ids"]
+    listed = subprocess.run([program("tensorwire-share"), "--socket", str(sock), "list"],
+                            capture_output=True, text=True, timeout=30)
+    assert listed.returncode == 0 and "ids" in listed.stdout, listed.stderr
+    code = (
+        "import sys, numpy as np\n"
+        "from tensorwire_ipc import Client\n"
+        "with Client(sys.argv[1]) as c, c.open('ids') as t:\n"
+        "    print(np.frombuffer(t.read(), dtype=np.int32).sum())\n"
+    )
+    read = subprocess.run([sys.executable, "-c", code, str(sock)], capture_output=True, text=True, timeout=30)
+    assert read.returncode == 0, read.stderr
+    assert int(read.stdout.strip()) == int(array.sum())
+    service.delete("ids")
+    assert service.names() == []
+    with pytest.raises(TensorwireError):
+        service.delete("ids")
+    with pytest.raises(ValueError, match="empty"):
+        tensorwire.empty((2,), "F32", device="cpu")
+
+
 def test_the_ipc_consumer_ships_in_the_same_package():
     import tensorwire_ipc
 
@@ -331,3 +359,33 @@ def test_received_gpu_tensors_go_to_torch_with_no_copy_and_back_to_the_pool():
         after = rx.pool_stats()["device"]
         assert after["returns"] == before["returns"] + 1, (before, after)
         assert after["in_use_buffers"] == before["in_use_buffers"] - 1
+
+
+def test_a_tensor_published_from_python_is_mapped_by_rust_and_python_and_written_in_place(tmp_path):
+    import sys
+
+    torch = cuda_or_skip()
+    sock = tmp_path / "share" / "tw.sock"
+    service = tensorwire.ShareService(sock)
+    buf = tensorwire.empty((256, 256), "F32", device="cuda:0")
+    w = torch.from_dlpack(buf)
+    assert w.data_ptr() == buf.data_ptr and torch.count_nonzero(w).item() == 0
+    w.copy_(torch.arange(65536, dtype=torch.float32, device="cuda:0").reshape(256, 256))
+    service.publish("weights", buf)
+    rust = subprocess.run([program("tensorwire-share"), "--socket", str(sock), "wait", "weights"],
+                          capture_output=True, text=True, timeout=60)
+    assert rust.returncode == 0 and "weights" in rust.stdout, rust.stderr
+    code = (
+        "import sys, torch\n"
+        "from tensorwire_ipc import Client\n"
+        "with Client(sys.argv[1]) as c, c.open('weights') as t:\n"
+        "    x = torch.from_dlpack(t)\n"
+        "    assert x[0, 1].item() == 1.0, x[0, 1]\n"
+        "    x.mul_(2)\n"
+        "    torch.cuda.synchronize()\n"
+        "    del x\n"
+    )
+    python = subprocess.run([sys.executable, "-c", code, str(sock)], capture_output=True, text=True, timeout=120)
+    assert python.returncode == 0, python.stderr
+    torch.cuda.synchronize()
+    assert w[0, 1].item() == 2.0 and w[255, 255].item() == 2.0 * 65535
