@@ -63,7 +63,7 @@ def main(paths):
         for name, test in inspect.getmembers(module, inspect.isfunction):
             if not name.startswith("test_") or test.__module__ != module.__name__:
                 continue
-            tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-"))
+            tmp = pathlib.Path(tempfile.mkdtemp(prefix="test-"))
             kwargs = {"tmp_path": tmp} if "tmp_path" in inspect.signature(test).parameters else {}
             try:
                 test(**kwargs)

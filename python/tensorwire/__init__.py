@@ -18,6 +18,7 @@ import json
 import os
 import struct
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -454,6 +455,9 @@ class Receiver:
             client_ca=client_ca,
             mtu=mtu,
         )
+        if device == "auto" and self.placement.startswith("host memory"):
+            # Never a silent fallback: say where tensors go, and why.
+            warnings.warn(f"tensorwire: tensors will land in {self.placement}", stacklevel=2)
 
     @property
     def address(self) -> str:

@@ -275,10 +275,21 @@ def test_gpu_status_and_devices_describe_this_host():
         assert d["uuid"].startswith("GPU-") and "." in d["compute_capability"]
 
 
-def test_host_arrays_published_from_python_are_read_by_other_processes(tmp_path):
+def short_socket_path() -> pathlib.Path:
+    """A socket path well under the 108-byte limit of Unix socket addresses."""
+    return pathlib.Path(tempfile.mkdtemp(prefix="tw")) / "share" / "tw.sock"
+
+
+def test_a_socket_path_over_the_limit_is_refused_with_the_reason(tmp_path):
+    long_dir = tmp_path / ("d" * 120)
+    with pytest.raises(TensorwireError, match="at most 107 bytes"):
+        tensorwire.ShareService(long_dir / "tw.sock")
+
+
+def test_host_arrays_published_from_python_are_read_by_other_processes():
     import sys
 
-    sock = tmp_path / "share" / "tw.sock"
+    sock = short_socket_path()
     service = tensorwire.ShareService(sock)
     array = np.arange(24, dtype=np.int32).reshape(4, 6)
     assert service.publish("ids", array) >= 1
@@ -361,11 +372,11 @@ def test_received_gpu_tensors_go_to_torch_with_no_copy_and_back_to_the_pool():
         assert after["in_use_buffers"] == before["in_use_buffers"] - 1
 
 
-def test_a_tensor_published_from_python_is_mapped_by_rust_and_python_and_written_in_place(tmp_path):
+def test_a_tensor_published_from_python_is_mapped_by_rust_and_python_and_written_in_place():
     import sys
 
     torch = cuda_or_skip()
-    sock = tmp_path / "share" / "tw.sock"
+    sock = short_socket_path()
     service = tensorwire.ShareService(sock)
     buf = tensorwire.empty((256, 256), "F32", device="cuda:0")
     w = torch.from_dlpack(buf)

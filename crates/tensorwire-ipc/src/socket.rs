@@ -30,6 +30,7 @@ pub(crate) struct Received {
 impl Packets {
     /// Connects to the socket at `path`.
     pub(crate) fn connect(path: &Path) -> Result<Self, IpcError> {
+        check_path_len(path)?;
         let fd = seqpacket()?;
         rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)
             .map_err(|e| IpcError::Connect(format!("{}: {e}", path.display())))?;
@@ -115,6 +116,22 @@ impl Packets {
     }
 }
 
+/// Longest socket path the kernel takes (`sun_path` is 108 bytes with its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// Refuses a path too long for a Unix socket address, saying so (the kernel's own error is a
+/// bare "File name too long").
+fn check_path_len(path: &Path) -> Result<(), IpcError> {
+    let len = path.as_os_str().len();
+    if len > MAX_SOCKET_PATH {
+        return Err(IpcError::Config(format!(
+            "{}: a Unix socket path is at most {MAX_SOCKET_PATH} bytes; this one is {len}",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
 /// A new close-on-exec Unix `SOCK_SEQPACKET` socket.
 fn seqpacket() -> Result<OwnedFd, IpcError> {
     Ok(rustix::net::socket_with(
@@ -161,6 +178,7 @@ fn remove_stale_socket(path: &Path) -> Result<(), IpcError> {
 /// A listening socket at `path`, in a directory created (or checked to be) mode 0700 and
 /// owned by this process's user.
 pub(crate) fn listen(path: &Path) -> Result<OwnedFd, IpcError> {
+    check_path_len(path)?;
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())

@@ -489,3 +489,19 @@ fn the_producer_reports_its_gpus_by_uuid() {
         assert!(device.free_memory <= device.total_memory);
     }
 }
+
+#[test]
+fn a_socket_path_too_long_for_the_kernel_is_refused_with_the_limit_named() {
+    let long = std::env::temp_dir()
+        .join("d".repeat(100))
+        .join("share.sock");
+    let Err(err) = ShareService::start(&long, ShareConfig::default()) else {
+        panic!("a {}-byte socket path was accepted", long.as_os_str().len());
+    };
+    assert!(err.to_string().contains("at most 107 bytes"), "{err}");
+    let Err(err) = ShareClient::connect(&long) else {
+        panic!("connected through a path the kernel cannot take");
+    };
+    assert!(err.to_string().contains("at most 107 bytes"), "{err}");
+    assert!(!long.parent().unwrap().exists(), "nothing was created");
+}
