@@ -9,7 +9,10 @@ bin=$(cd "$1" && pwd)
 mib=${2:-4096}
 work=$(mktemp -d)
 pid=
-cleanup() { [ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$work"; }
+cleanup() {
+  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; fi
+  rm -rf "$work"
+}
 trap cleanup EXIT
 "$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device cuda:0 --require-gpu --count 2 \
   --max-tensor-mib $((mib + 1)) > "$work/receiver.log" 2>&1 &

@@ -73,52 +73,60 @@ ln -s "$bundle/python" "$here/python"
 export TENSORWIRE_REQUIRE_GPU=1
 export TENSORWIRE_BIN_DIR="$here/bin" TENSORWIRE_SOURCE_DIR="$here/src"
 status=0
+failed=()
+check() { # STATUS STEP: remembers a failed step, to list at the end
+  if [ "$1" -ne 0 ]; then
+    status=1
+    failed+=("$2 (exit $1)")
+  fi
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$logs/gpus.txt" 2>&1 || true
 for test in "$here"/tests/*; do
   name=$(basename "$test")
   echo "== $name"
   # Bounded, so one hung test cannot take the whole run.
   timeout 300 "$test" --test-threads 1 2>&1 | tee "$logs/test-$name.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  check "${PIPESTATUS[0]}" "test $name"
 done
 echo "== demo --require-gpu"
 "$here/bin/demo" --require-gpu 2>&1 | tee "$logs/demo.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+check "${PIPESTATUS[0]}" "demo --require-gpu"
 echo "== inference-server: landed tensors in cuBLAS, weights updated in place, hand-off timing"
 "$here/bin/inference-server" --require-gpu 2>&1 | tee "$logs/inference-server.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+check "${PIPESTATUS[0]}" "inference-server: landed tensors in cuBLAS, weights updated in place, hand-off timing"
 echo "== receiver --share, Python consumer with PyTorch/CuPy"
 REQUIRE_GPU=1 REQUIRE_CPP=1 C_LIB_DIR="$here/lib" C_SRC_DIR="$here/c" \
   "$here/scripts/share-e2e.sh" "$here/bin" 2>&1 | tee "$logs/share-e2e.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+check "${PIPESTATUS[0]}" "receiver --share, Python consumer with PyTorch/CuPy"
 echo "== remote execution: SpMV walkthrough beside plain sender/receiver"
 for mtu in 1200 6000; do
   MTU=$mtu "$here/scripts/spmv-e2e.sh" "$here/bin" "$here/src/examples/spmv" 2>&1 \
     | tee "$logs/spmv-e2e-$mtu.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  check "${PIPESTATUS[0]}" "remote execution: SpMV walkthrough beside plain sender/receiver"
 done
 echo "== Python package: its tests with PyTorch on the GPU (the wheel, unpacked)"
 python3 -m zipfile -e "$bundle"/wheel/*.whl "$here/pypkg"
 PYTHONPATH="$here/pypkg" TENSORWIRE_BIN_DIR="$here/bin" \
   python3 "$here/scripts/pytest-lite.py" "$bundle/python/tests/test_package.py" 2>&1 \
   | tee "$logs/python.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+check "${PIPESTATUS[0]}" "Python package: its tests with PyTorch on the GPU (the wheel, unpacked)"
 echo "== Python send of a 4 GiB CUDA tensor beside the Rust sender"
 PYTHONPATH="$here/pypkg" "$here/scripts/python-send.sh" "$here/bin" 4096 2>&1 \
   | tee "$logs/python-send.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+check "${PIPESTATUS[0]}" "Python send of a 4 GiB CUDA tensor beside the Rust sender"
 echo "== ipc-bench"
 "$here/bin/ipc-bench" --json "$logs/ipc-bench.json" 2>&1 | tee "$logs/ipc-bench.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+check "${PIPESTATUS[0]}" "ipc-bench"
 if [ "${SCALE:-0}" = 1 ]; then
   echo "== one sender, 8 connections -> 1 receiver, beside raw quinn"
   "$here/scripts/one-sender.sh" "$here/bin" 8 16 256 cuda:0 2>&1 | tee "$logs/one-sender.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  check "${PIPESTATUS[0]}" "one sender, 8 connections -> 1 receiver, beside raw quinn"
   echo "== scale: 1 receiver <- 8 sender processes, beside raw quinn"
   "$here/scripts/scale.sh" "$here/bin" 8 1024 cuda:0 2>&1 | tee "$logs/scale.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  check "${PIPESTATUS[0]}" "scale: 1 receiver <- 8 sender processes, beside raw quinn"
 fi
 grep -h "test result" "$logs"/test-*.log
+for step in "${failed[@]}"; do echo "FAILED: $step"; done
 exit $status
 RUN
 chmod +x "$out/run.sh"
