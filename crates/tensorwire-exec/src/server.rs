@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tensorwire_gpu::{
-    Allocation, CudaBuffer, DeviceAllocation, DeviceRequest, Placement, PooledGpuReceiver,
-    TensorBuffer,
+    Allocation, CudaBuffer, DeviceAllocation, DeviceMemoryKind, DeviceRequest, HostFallback,
+    Placement, PooledGpuReceiver, TensorBuffer,
 };
 use tensorwire_proto::exec::{
     ArgSpec, ExecLimits, ExecReply, ExecRequest, ExecRole, ModuleFormat, RequestBody, RequestKind,
@@ -198,14 +198,43 @@ impl ExecServer {
     /// workers. Without a GPU it still answers info and health, and refuses runs with
     /// UNSUPPORTED_DEVICE.
     pub fn new(config: ExecConfig) -> Result<Self, ExecError> {
-        if config.workers == 0 {
-            return Err(ExecError::Config("at least one worker is needed".into()));
-        }
         let gpu = match Placement::choose_shareable(config.device, true, true) {
             Ok(Placement::Gpu(gpu)) => Ok(gpu),
             Ok(Placement::Host { reason }) => Err(reason),
             Err(e) => Err(e.to_string()),
         };
+        Self::build(config, gpu)
+    }
+
+    /// A server that lands inputs and allocates outputs through `placement`, the
+    /// receiver's own: one set of pools and one device-memory budget for everything the
+    /// receiver holds (spec §7.5). `config.device` is not used. The placement must export
+    /// its memory (VMM, `Placement::choose_shareable`); inputs never fall back to host
+    /// memory, whatever its fallback policy.
+    pub fn with_placement(config: ExecConfig, placement: &Placement) -> Result<Self, ExecError> {
+        let gpu = match placement {
+            Placement::Gpu(gpu) if gpu.memory_kind() == DeviceMemoryKind::Vmm => {
+                Ok(gpu.clone().with_host_fallback(HostFallback::Forbidden))
+            }
+            Placement::Gpu(_) => {
+                return Err(ExecError::Config(
+                    "remote execution needs exportable (VMM) device memory: choose the \
+                     placement with Placement::choose_shareable"
+                        .into(),
+                ));
+            }
+            Placement::Host { reason } => Err(reason.clone()),
+        };
+        Self::build(config, gpu)
+    }
+
+    fn build(
+        config: ExecConfig,
+        gpu: Result<PooledGpuReceiver, String>,
+    ) -> Result<Self, ExecError> {
+        if config.workers == 0 {
+            return Err(ExecError::Config("at least one worker is needed".into()));
+        }
         let workers = gpu.as_ref().ok().map(|gpu| {
             WorkerPool::start(
                 config.worker.clone(),

@@ -467,3 +467,18 @@ async fn a_peer_without_a_client_certificate_is_refused() {
         "only the authenticated request arrived"
     );
 }
+
+/// A server on a receiver's host placement answers but refuses runs, naming why.
+#[test]
+fn a_server_on_a_host_placement_refuses_runs_with_the_placements_reason() {
+    let placement = tensorwire_gpu::Placement::Host {
+        reason: "host memory was requested".into(),
+    };
+    let server = ExecServer::with_placement(
+        exec_config(ExecAccess::LoopbackPeers, Duration::from_secs(5)),
+        &placement,
+    )
+    .unwrap();
+    assert_eq!(server.unavailable(), Some("host memory was requested"));
+    assert_eq!(server.stats().workers.workers, 0);
+}

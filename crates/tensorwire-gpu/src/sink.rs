@@ -137,6 +137,11 @@ impl PooledGpuReceiver {
         self.fallback
     }
 
+    /// The kind of device memory tensors land in (VMM memory can be exported).
+    pub fn memory_kind(&self) -> DeviceMemoryKind {
+        self.kind
+    }
+
     /// Defaults: 128 MiB of pinned staging allocated up front, the default device pool.
     pub fn with_defaults(ordinal: usize) -> Result<Self, GpuError> {
         Self::with_defaults_of_kind(ordinal, DeviceMemoryKind::Legacy)

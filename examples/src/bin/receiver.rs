@@ -147,28 +147,33 @@ async fn main() -> anyhow::Result<()> {
         config.endpoints = args.endpoints;
     }
     // Refused before anything binds: running code for unauthenticated remote peers.
-    let exec = if args.allow_exec {
-        let access = ExecAccess::for_listener(args.listen, &config.tls)?;
-        let worker = match &args.exec_worker {
-            Some(path) => WorkerCommand::new(path),
-            None => WorkerCommand::beside_current_exe()?,
-        };
-        let mut exec_config = ExecConfig::new(access, worker);
-        exec_config.device = match args.device {
-            DeviceRequest::Host => DeviceRequest::Auto,
-            device => device,
-        };
-        exec_config.workers = args.exec_workers;
-        exec_config.limits.max_time_limit_ms = args.exec_time_limit_ms;
-        exec_config.limits.default_time_limit_ms = args.exec_time_limit_ms;
-        exec_config.admission_wait = args.admission_timeout;
-        Some(ExecServer::new(exec_config)?)
-    } else {
-        None
+    let exec_access = args
+        .allow_exec
+        .then(|| ExecAccess::for_listener(args.listen, &config.tls))
+        .transpose()?;
+    // Shared tensors and kernel inputs land in VMM memory, which other processes can map
+    // with no copy.
+    let placement = Placement::choose_shareable(
+        args.device,
+        args.require_gpu,
+        args.share.is_some() || args.allow_exec,
+    )?;
+    // Kernels use the receiver's own pools and device-memory budget.
+    let exec = match exec_access {
+        Some(access) => {
+            let worker = match &args.exec_worker {
+                Some(path) => WorkerCommand::new(path),
+                None => WorkerCommand::beside_current_exe()?,
+            };
+            let mut exec_config = ExecConfig::new(access, worker);
+            exec_config.workers = args.exec_workers;
+            exec_config.limits.max_time_limit_ms = args.exec_time_limit_ms;
+            exec_config.limits.default_time_limit_ms = args.exec_time_limit_ms;
+            exec_config.admission_wait = args.admission_timeout;
+            Some(ExecServer::with_placement(exec_config, &placement)?)
+        }
+        None => None,
     };
-    // Shared tensors land in VMM memory, which other processes can map with no copy.
-    let placement =
-        Placement::choose_shareable(args.device, args.require_gpu, args.share.is_some())?;
     let mut receiver = Receiver::bind(config).await?;
     println!("listening on {}", receiver.local_addr()?);
     println!(
