@@ -9,6 +9,7 @@ use std::fmt;
 
 use crate::dtype::DType;
 use crate::error::{ErrorCode, ProtocolError};
+use crate::frame::wire::{Reader, truncate_reason};
 use crate::meta::TensorMeta;
 
 /// The version byte that starts every request and reply (spec §14.2).
@@ -419,7 +420,7 @@ impl ExecRequest {
                 limit: limits.max_request_len,
             });
         }
-        let mut r = Reader::new(bytes);
+        let mut r = Reader::exec(bytes);
         let version = r.u8()?;
         if version != EXEC_VERSION {
             return Err(malformed(format!(
@@ -776,7 +777,7 @@ impl ExecReply {
             kind,
             id,
             error: Some(code),
-            message: truncate(message.into(), crate::MAX_REASON_LEN),
+            message: truncate_reason(message.into(), crate::MAX_REASON_LEN),
             timings: Timings::default(),
             attributes: Vec::new(),
         }
@@ -823,7 +824,7 @@ impl ExecReply {
                 limit: max_len,
             });
         }
-        let mut r = Reader::new(bytes);
+        let mut r = Reader::exec(bytes);
         let version = r.u8()?;
         if version != EXEC_VERSION {
             return Err(malformed(format!(
@@ -865,18 +866,6 @@ impl ExecReply {
     }
 }
 
-/// Cuts `s` to at most `max` bytes on a character boundary.
-fn truncate(mut s: String, max: usize) -> String {
-    if s.len() > max {
-        let mut end = max;
-        while !s.is_char_boundary(end) {
-            end -= 1;
-        }
-        s.truncate(end);
-    }
-    s
-}
-
 fn clamp16(len: usize) -> u16 {
     u16::try_from(len).unwrap_or(u16::MAX)
 }
@@ -901,67 +890,4 @@ fn put_len16(out: &mut Vec<u8>, len: usize) {
 
 fn malformed(detail: String) -> ProtocolError {
     ProtocolError::malformed(ErrorCode::EXEC_MALFORMED, detail)
-}
-
-/// Bounds-checked little-endian reads; running short is EXEC_MALFORMED.
-struct Reader<'a> {
-    buf: &'a [u8],
-}
-
-impl<'a> Reader<'a> {
-    fn new(buf: &'a [u8]) -> Self {
-        Self { buf }
-    }
-
-    fn bytes(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
-        if self.buf.len() < n {
-            return Err(malformed(format!(
-                "message ends {} bytes early",
-                n - self.buf.len()
-            )));
-        }
-        let (head, tail) = self.buf.split_at(n);
-        self.buf = tail;
-        Ok(head)
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], ProtocolError> {
-        let mut out = [0u8; N];
-        out.copy_from_slice(self.bytes(N)?);
-        Ok(out)
-    }
-
-    fn u8(&mut self) -> Result<u8, ProtocolError> {
-        Ok(self.array::<1>()?[0])
-    }
-
-    fn u16(&mut self) -> Result<u16, ProtocolError> {
-        self.array().map(u16::from_le_bytes)
-    }
-
-    fn u32(&mut self) -> Result<u32, ProtocolError> {
-        self.array().map(u32::from_le_bytes)
-    }
-
-    fn u64(&mut self) -> Result<u64, ProtocolError> {
-        self.array().map(u64::from_le_bytes)
-    }
-
-    fn string(&mut self, n: usize) -> Result<String, ProtocolError> {
-        let raw = self.bytes(n)?;
-        std::str::from_utf8(raw).map(str::to_owned).map_err(|e| {
-            ProtocolError::malformed(ErrorCode::INVALID_UTF8, format!("string field: {e}"))
-        })
-    }
-
-    fn finish(self) -> Result<(), ProtocolError> {
-        if self.buf.is_empty() {
-            Ok(())
-        } else {
-            Err(malformed(format!(
-                "message has {} trailing bytes",
-                self.buf.len()
-            )))
-        }
-    }
 }

@@ -11,7 +11,7 @@ mod data;
 mod end;
 mod metadata;
 mod reject;
-mod wire;
+pub(crate) mod wire;
 
 pub use accept::Accept;
 pub use cancel::Cancel;

@@ -6,34 +6,73 @@ use super::FrameType;
 use crate::error::{ErrorCode, ProtocolError};
 use crate::limits::Limits;
 
-/// Reads fixed-width little-endian fields from a frame body; running short is FRAME_MALFORMED.
+/// What a [`Reader`] reads, for its errors: a frame's body, or a remote-execution message
+/// (spec §14), each with its own code for bytes that do not parse.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Subject {
+    Frame(FrameType),
+    Exec,
+}
+
+impl Subject {
+    fn malformed(self) -> ErrorCode {
+        match self {
+            Subject::Frame(_) => ErrorCode::FRAME_MALFORMED,
+            Subject::Exec => ErrorCode::EXEC_MALFORMED,
+        }
+    }
+}
+
+impl std::fmt::Display for Subject {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Subject::Frame(ty) => write!(f, "{ty} body"),
+            Subject::Exec => f.write_str("remote-execution message"),
+        }
+    }
+}
+
+/// Reads fixed-width little-endian fields; running short is FRAME_MALFORMED (or
+/// EXEC_MALFORMED, for a remote-execution message).
 pub(crate) struct Reader<'a> {
     buf: &'a [u8],
-    frame: FrameType,
+    subject: Subject,
 }
 
 impl<'a> Reader<'a> {
     pub(crate) fn new(buf: &'a [u8], frame: FrameType) -> Self {
-        Self { buf, frame }
+        Self {
+            buf,
+            subject: Subject::Frame(frame),
+        }
+    }
+
+    /// A reader of a remote-execution request or reply (spec §14).
+    pub(crate) fn exec(buf: &'a [u8]) -> Self {
+        Self {
+            buf,
+            subject: Subject::Exec,
+        }
+    }
+
+    /// The error for bytes that do not parse here.
+    pub(crate) fn malformed(&self, detail: impl std::fmt::Display) -> ProtocolError {
+        ProtocolError::malformed(
+            self.subject.malformed(),
+            format!("{}: {detail}", self.subject),
+        )
     }
 
     pub(crate) fn bytes(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
         if self.buf.len() < n {
-            return Err(ProtocolError::malformed(
-                ErrorCode::FRAME_MALFORMED,
-                format!(
-                    "{} body ends {} bytes early",
-                    self.frame,
-                    n - self.buf.len()
-                ),
-            ));
+            return Err(self.malformed(format_args!("ends {} bytes early", n - self.buf.len())));
         }
         let (head, tail) = self.buf.split_at(n);
         self.buf = tail;
         Ok(head)
     }
 
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], ProtocolError> {
+    pub(crate) fn array<const N: usize>(&mut self) -> Result<[u8; N], ProtocolError> {
         let mut out = [0u8; N];
         out.copy_from_slice(self.bytes(N)?);
         Ok(out)
@@ -62,7 +101,7 @@ impl<'a> Reader<'a> {
             Ok(s) => Ok(s.to_owned()),
             Err(e) => Err(ProtocolError::malformed(
                 ErrorCode::INVALID_UTF8,
-                format!("{} string field: {e}", self.frame),
+                format!("{} string field: {e}", self.subject),
             )),
         }
     }
@@ -72,10 +111,7 @@ impl<'a> Reader<'a> {
         if self.buf.is_empty() {
             Ok(())
         } else {
-            Err(ProtocolError::malformed(
-                ErrorCode::FRAME_MALFORMED,
-                format!("{} body has {} trailing bytes", self.frame, self.buf.len()),
-            ))
+            Err(self.malformed(format_args!("{} trailing bytes", self.buf.len())))
         }
     }
 }
