@@ -171,6 +171,19 @@ def _item(name: str, obj: Any) -> Tuple[str, str, List[int], str, Any, List[Tupl
     cuda = getattr(obj, "__cuda_array_interface__", None)
     if cuda is not None:
         return _cuda_array_item(name, obj, cuda)
+    if hasattr(obj, "__dlpack_device__") and not isinstance(obj, np.ndarray):
+        # Any other DLPack producer (JAX, a tensor received here): through NumPy on the
+        # host, through PyTorch or CuPy on a GPU, without a copy either way.
+        kind, _ = obj.__dlpack_device__()
+        if kind == 1:
+            return _item(name, np.from_dlpack(obj))
+        for framework in ("torch", "cupy"):
+            try:
+                module = __import__(framework)
+            except ImportError:
+                continue
+            return _item(name, module.from_dlpack(obj))
+        raise TypeError(f"{name}: a GPU DLPack tensor needs PyTorch or CuPy to be read")
     array = _contiguous(np.asarray(obj))
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))

@@ -218,6 +218,17 @@ def test_host_tensors_are_handed_to_numpy_without_a_copy():
             t.tobytes()
 
 
+def test_a_received_tensor_is_forwarded_through_dlpack():
+    values = np.linspace(0, 1, 300, dtype=np.float32).reshape(3, 100)
+    with tensorwire.Receiver(device="host") as first, tensorwire.Receiver(device="host") as second:
+        tensorwire.send(first.address, {"x": values})
+        received = first.recv(timeout=30)
+        tensorwire.send(second.address, {"forwarded": received})
+        again = second.recv(timeout=30)
+    assert (again.name, again.dtype, again.shape) == ("forwarded", "F32", (3, 100))
+    np.testing.assert_array_equal(again.numpy(), values)
+
+
 def test_a_bad_address_raises_the_typed_error():
     with pytest.raises(TensorwireError) as bad:
         tensorwire.send("not-an-address", {"x": b"abc"})
@@ -400,3 +411,17 @@ def test_a_tensor_published_from_python_is_mapped_by_rust_and_python_and_written
     assert python.returncode == 0, python.stderr
     torch.cuda.synchronize()
     assert w[0, 1].item() == 2.0 and w[255, 255].item() == 2.0 * 65535
+
+
+def test_a_received_gpu_tensor_is_forwarded_from_device_memory():
+    torch = cuda_or_skip()
+    source = torch.randn(512, 256, device="cuda:0")
+    with tensorwire.Receiver(device="cuda:0", require_gpu=True) as first, \
+            tensorwire.Receiver(device="cuda:0", require_gpu=True) as second:
+        tensorwire.send(first.address, {"x": source})
+        received = first.recv(timeout=60)
+        assert received.device == "cuda:0"
+        tensorwire.send(second.address, {"forwarded": received})
+        again = second.recv(timeout=60)
+        assert again.device == "cuda:0"
+        assert torch.equal(again.torch(), source)
