@@ -219,24 +219,16 @@ fn load_npy(path: &Path) -> anyhow::Result<Vec<Outgoing>> {
         .split('\'')
         .next()
         .unwrap_or("");
-    let dtype = match descr {
-        "|b1" => DType::Bool,
-        "|u1" => DType::U8,
-        "|i1" => DType::I8,
-        "<u2" => DType::U16,
-        "<i2" => DType::I16,
-        "<u4" => DType::U32,
-        "<i4" => DType::I32,
-        "<u8" => DType::U64,
-        "<i8" => DType::I64,
-        "<f2" => DType::F16,
-        "<f4" => DType::F32,
-        "<f8" => DType::F64,
-        other => bail!(
-            "{}: numpy dtype {other} is not supported (little-endian numbers and bool only)",
-            path.display()
-        ),
-    };
+    let dtype = NPY_DESCRS
+        .iter()
+        .find(|(_, d)| *d == descr)
+        .map(|(dtype, _)| *dtype)
+        .with_context(|| {
+            format!(
+                "{}: numpy dtype {descr} is not supported (little-endian numbers and bool only)",
+                path.display()
+            )
+        })?;
     if field("fortran_order")?.starts_with("True") {
         bail!(
             "{}: Fortran-order arrays are not supported; save with np.ascontiguousarray",
@@ -329,23 +321,28 @@ pub fn read_npy(path: &Path) -> anyhow::Result<(TensorMeta, bytes::Bytes)> {
     Ok((meta, bytes.into()))
 }
 
+/// NumPy's `descr` of each dtype NumPy has (little-endian), for reading and writing `.npy`.
+const NPY_DESCRS: [(DType, &str); 12] = [
+    (DType::Bool, "|b1"),
+    (DType::U8, "|u1"),
+    (DType::I8, "|i1"),
+    (DType::U16, "<u2"),
+    (DType::I16, "<i2"),
+    (DType::U32, "<u4"),
+    (DType::I32, "<i4"),
+    (DType::U64, "<u8"),
+    (DType::I64, "<i8"),
+    (DType::F16, "<f2"),
+    (DType::F32, "<f4"),
+    (DType::F64, "<f8"),
+];
+
 /// The numpy `descr` of `dtype`, if numpy has one.
 pub fn npy_descr(dtype: DType) -> Option<&'static str> {
-    Some(match dtype {
-        DType::Bool => "|b1",
-        DType::U8 => "|u1",
-        DType::I8 => "|i1",
-        DType::U16 => "<u2",
-        DType::I16 => "<i2",
-        DType::U32 => "<u4",
-        DType::I32 => "<i4",
-        DType::U64 => "<u8",
-        DType::I64 => "<i8",
-        DType::F16 => "<f2",
-        DType::F32 => "<f4",
-        DType::F64 => "<f8",
-        _ => return None,
-    })
+    NPY_DESCRS
+        .iter()
+        .find(|(d, _)| *d == dtype)
+        .map(|(_, descr)| *descr)
 }
 
 /// Writes `bytes` as a version 1.0 `.npy` array of `dtype` and `shape` (C order). Types

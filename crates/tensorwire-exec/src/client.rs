@@ -71,25 +71,6 @@ impl Module {
     }
 }
 
-/// One argument of a [`Run`], in the kernel's parameter order.
-#[derive(Clone, Debug)]
-enum RunArg {
-    Input {
-        meta: TensorMeta,
-        data: Bytes,
-    },
-    Output {
-        name: String,
-        dtype: DType,
-        shape: Vec<u64>,
-    },
-    Scalar {
-        name: String,
-        dtype: DType,
-        value: Vec<u8>,
-    },
-}
-
 /// A kernel launch to request: module, function, launch shape and arguments.
 #[derive(Clone, Debug)]
 pub struct Run {
@@ -97,7 +78,10 @@ pub struct Run {
     function: String,
     launch: LaunchShape,
     time_limit: Option<Duration>,
-    args: Vec<RunArg>,
+    /// The kernel's parameters in order, as the request declares them.
+    args: Vec<ArgSpec>,
+    /// The bytes of each input, in declaration order.
+    inputs: Vec<(TensorMeta, Bytes)>,
 }
 
 impl Run {
@@ -113,6 +97,7 @@ impl Run {
             },
             time_limit: None,
             args: Vec::new(),
+            inputs: Vec::new(),
         }
     }
 
@@ -153,13 +138,18 @@ impl Run {
                 meta.byte_len()
             )));
         }
-        self.args.push(RunArg::Input { meta, data });
+        self.args.push(ArgSpec::Input {
+            name: meta.name().to_owned(),
+            dtype: meta.dtype(),
+            shape: meta.shape().to_vec(),
+        });
+        self.inputs.push((meta, data));
         Ok(self)
     }
 
     /// An output tensor the server allocates (zeroed), passed as a device pointer.
     pub fn output(mut self, name: impl Into<String>, dtype: DType, shape: Vec<u64>) -> Self {
-        self.args.push(RunArg::Output {
+        self.args.push(ArgSpec::Output {
             name: name.into(),
             dtype,
             shape,
@@ -174,7 +164,7 @@ impl Run {
         dtype: DType,
         value: impl Into<Vec<u8>>,
     ) -> Self {
-        self.args.push(RunArg::Scalar {
+        self.args.push(ArgSpec::Scalar {
             name: name.into(),
             dtype,
             value: value.into(),
@@ -188,27 +178,6 @@ impl Run {
         attach: bool,
         limits: &ExecLimits,
     ) -> Result<ExecRequest, ExecError> {
-        let args = self
-            .args
-            .iter()
-            .map(|arg| match arg {
-                RunArg::Input { meta, .. } => ArgSpec::Input {
-                    name: meta.name().to_owned(),
-                    dtype: meta.dtype(),
-                    shape: meta.shape().to_vec(),
-                },
-                RunArg::Output { name, dtype, shape } => ArgSpec::Output {
-                    name: name.clone(),
-                    dtype: *dtype,
-                    shape: shape.clone(),
-                },
-                RunArg::Scalar { name, dtype, value } => ArgSpec::Scalar {
-                    name: name.clone(),
-                    dtype: *dtype,
-                    value: value.clone(),
-                },
-            })
-            .collect();
         let time_limit_ms = self.time_limit.map_or(0, |d| {
             u32::try_from(d.as_millis().max(1)).unwrap_or(u32::MAX)
         });
@@ -220,7 +189,7 @@ impl Run {
             function: self.function.clone(),
             launch: self.launch,
             time_limit_ms,
-            args,
+            args: self.args.clone(),
         };
         // The client checks what the server will, so a bad request fails here with the
         // same code, before anything is sent.
@@ -361,18 +330,15 @@ impl ExecClient {
                     .send(ExecRole::Module.tag(meta, id), run.module.bytes.clone()),
             );
         }
+        for (meta, data) in &run.inputs {
+            bytes_moved += data.len() as u64;
+            let meta = ExecRole::Input.tag(meta.clone(), id);
+            sends.push(self.sender.send(meta, data.clone()));
+        }
         let mut outputs = Vec::new();
         for arg in &run.args {
-            match arg {
-                RunArg::Input { meta, data } => {
-                    bytes_moved += data.len() as u64;
-                    let meta = ExecRole::Input.tag(meta.clone(), id);
-                    sends.push(self.sender.send(meta, data.clone()));
-                }
-                RunArg::Output { name, dtype, shape } => {
-                    outputs.push(TensorMeta::new(shape.clone(), *dtype)?.with_name(name.clone()));
-                }
-                RunArg::Scalar { .. } => {}
+            if let ArgSpec::Output { name, dtype, shape } = arg {
+                outputs.push(TensorMeta::new(shape.clone(), *dtype)?.with_name(name.clone()));
             }
         }
         let wait = self.reply_timeout + run.time_limit.unwrap_or(Duration::from_secs(10));

@@ -565,24 +565,28 @@ impl RunRequest {
             check_name_len("argument name", clamp16(arg.name().len()), limits)?;
         }
         let launch = &self.launch;
-        for (axis, ((&g, &b), (&max_g, &max_b))) in ["x", "y", "z"].iter().zip(
-            launch
-                .grid
-                .iter()
-                .zip(&launch.block)
-                .zip(limits.max_grid.iter().zip(&limits.max_block)),
-        ) {
+        const AXES: [(&str, &str, &str); 3] = [
+            ("x", "grid x", "block x"),
+            ("y", "grid y", "block y"),
+            ("z", "grid z", "block z"),
+        ];
+        for (i, (axis, grid, block)) in AXES.into_iter().enumerate() {
+            let (g, b) = (launch.grid[i], launch.block[i]);
             if g == 0 || b == 0 {
                 return Err(ProtocolError::violation(
                     ErrorCode::LAUNCH_TOO_LARGE,
                     format!("grid {g} × block {b} in {axis}: every dimension must be at least 1"),
                 ));
             }
-            if g > max_g {
-                return Err(too_large(grid_what(axis), u64::from(g), u64::from(max_g)));
+            if g > limits.max_grid[i] {
+                return Err(too_large(grid, u64::from(g), u64::from(limits.max_grid[i])));
             }
-            if b > max_b {
-                return Err(too_large(block_what(axis), u64::from(b), u64::from(max_b)));
+            if b > limits.max_block[i] {
+                return Err(too_large(
+                    block,
+                    u64::from(b),
+                    u64::from(limits.max_block[i]),
+                ));
             }
         }
         let threads: u64 = launch.block.iter().map(|&b| u64::from(b)).product();
@@ -707,22 +711,6 @@ impl RunRequest {
             .iter()
             .filter(|a| matches!(a, ArgSpec::Input { .. }))
             .count()
-    }
-}
-
-fn grid_what(axis: &str) -> &'static str {
-    match axis {
-        "x" => "grid x",
-        "y" => "grid y",
-        _ => "grid z",
-    }
-}
-
-fn block_what(axis: &str) -> &'static str {
-    match axis {
-        "x" => "block x",
-        "y" => "block y",
-        _ => "block z",
     }
 }
 

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
-use tensorwire::gpu::dlpack::DLManagedTensor;
+use tensorwire::gpu::dlpack::{DLManagedTensor, KDL_CPU, KDL_CUDA};
 use tensorwire::gpu::{
     CudaBuffer, DeviceAllocation, DeviceRange, DeviceRequest, GpuDevice, GpuStatus, Placement,
     TensorBuffer,
@@ -333,9 +333,6 @@ struct ReceivedTensor {
     buffer: Mutex<Option<TensorBuffer>>,
 }
 
-/// DLPack device types (dlpack.h).
-const KDL_CPU: i32 = 1;
-const KDL_CUDA: i32 = 2;
 const DLTENSOR: &CStr = c"dltensor";
 
 /// Frees a DLPack capsule nobody consumed (a consumer renames it `used_dltensor`).
