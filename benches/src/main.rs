@@ -58,7 +58,8 @@ struct Args {
     /// network→GPU beside network→host (needs a CUDA GPU).
     #[arg(long)]
     gpu: bool,
-    /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile it.
+    /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile
+    /// it, or only the small-tensor latency (latency).
     #[arg(long)]
     only: Option<String>,
     /// Repeat each throughput run this many times and keep the best.
@@ -778,7 +779,9 @@ async fn main() -> anyhow::Result<()> {
         }
         ratios.push((n, quinn_s / tw_s));
     }
-    let samples = match (&args.only, args.quick) {
+    let samples = match (args.only.as_deref(), args.quick) {
+        (Some("latency"), true) => 300,
+        (Some("latency"), false) => 2000,
         (Some(_), _) => 0,
         (None, true) => 300,
         (None, false) => 2000,

@@ -37,8 +37,10 @@ pub struct TransportSettings {
     pub idle_timeout: Duration,
     /// Keep-alive interval, under the idle timeout.
     pub keep_alive: Duration,
-    /// UDP socket send and receive buffer size requested from the OS (capped by
-    /// `net.core.rmem_max` / `wmem_max` on Linux). Small buffers drop bursts on loopback.
+    /// UDP socket send and receive buffer size requested from the OS. Linux caps it at
+    /// `net.core.rmem_max` / `wmem_max` unless the process may exceed them (CAP_NET_ADMIN,
+    /// which it then uses); a capped buffer is logged once. Small receive buffers drop
+    /// bursts, and each drop halves a sender's congestion window.
     pub socket_buffer: usize,
     /// Congestion control.
     pub congestion: Congestion,
@@ -193,9 +195,7 @@ impl TransportSettings {
             // Linux admits only sockets of the same effective user to the group.
             socket.set_reuse_port(true)?;
         }
-        // Best effort: the OS caps these at its maximum; a smaller buffer still works.
-        let _ = socket.set_recv_buffer_size(self.socket_buffer);
-        let _ = socket.set_send_buffer_size(self.socket_buffer);
+        size_buffers(&socket, self.socket_buffer);
         socket.bind(&addr.into())?;
         Ok(socket)
     }
@@ -458,5 +458,47 @@ impl SenderConfig {
             progress_timeout: Duration::from_secs(60),
             chunk_size: 1 << 20,
         }
+    }
+}
+
+/// Asks for `bytes` of send and receive buffer. Above `net.core.rmem_max` Linux silently caps
+/// the request; a process with CAP_NET_ADMIN may go past the cap (`SO_RCVBUFFORCE`). A receive
+/// buffer left under the request is logged once per process: on a fast path it overflows in
+/// bursts (counted as `RcvbufErrors` in `/proc/net/snmp`), and every drop is a loss to the
+/// sender's congestion control.
+fn size_buffers(socket: &socket2::Socket, bytes: usize) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    // Best effort throughout: a smaller buffer still works, only slower.
+    let _ = socket.set_recv_buffer_size(bytes);
+    let _ = socket.set_send_buffer_size(bytes);
+    // Linux reports twice what was set (the doubling is its bookkeeping overhead).
+    let reported = |got: usize| {
+        if cfg!(target_os = "linux") {
+            got / 2
+        } else {
+            got
+        }
+    };
+    let short = |got: std::io::Result<usize>| got.is_ok_and(|got| reported(got) < bytes);
+    #[cfg(target_os = "linux")]
+    {
+        if short(socket.recv_buffer_size()) {
+            let _ = rustix::net::sockopt::set_socket_recv_buffer_size_force(socket, bytes);
+        }
+        if short(socket.send_buffer_size()) {
+            let _ = rustix::net::sockopt::set_socket_send_buffer_size_force(socket, bytes);
+        }
+    }
+    if let Ok(got) = socket.recv_buffer_size().map(reported)
+        && got < bytes
+    {
+        WARNED.call_once(|| {
+            tracing::warn!(
+                requested = bytes,
+                granted = got,
+                "UDP receive buffer capped by the OS: bursts may be dropped at high rates \
+                 (raise net.core.rmem_max, e.g. sysctl -w net.core.rmem_max={bytes})"
+            );
+        });
     }
 }

@@ -4,8 +4,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -21,6 +21,7 @@ use tracing::{Instrument, debug, info_span};
 
 use crate::config::{ReceiverConfig, SenderConfig};
 use crate::error::TransportError;
+use crate::file::MappedRegion;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::receiver::Receiver;
 use crate::session::ConnectionSession;
@@ -30,7 +31,10 @@ use crate::stream::FrameStream;
 pub enum Source {
     /// Bytes in memory, sent without copying.
     Bytes(Bytes),
-    /// A region of a file starting at `offset`, as long as the tensor.
+    /// A region of a file starting at `offset`, as long as the tensor. It is mapped and sent
+    /// from the page cache without a copy; the file must not be truncated while it is sent
+    /// (the process would get SIGBUS, as with any mapped file), and bytes changed meanwhile
+    /// fail the receiver's checksum.
     File {
         /// The file.
         path: PathBuf,
@@ -56,15 +60,7 @@ impl From<Vec<u8>> for Source {
 /// Reads a [`Source`] in pieces of at most a requested length.
 enum SourceReader {
     Bytes(Bytes),
-    /// A file read one chunk ahead on the blocking pool, straight into the buffer that is
-    /// sent: the next read overlaps sending this one.
-    File {
-        file: Arc<std::fs::File>,
-        /// Bytes of the tensor not yet read (reads never go past it).
-        unread: u64,
-        leftover: Bytes,
-        ahead: Option<JoinHandle<std::io::Result<Bytes>>>,
-    },
+    File(MappedRegion),
     Stream {
         inner: Pin<Box<dyn Stream<Item = std::io::Result<Bytes>> + Send>>,
         leftover: Bytes,
@@ -77,19 +73,15 @@ impl SourceReader {
         Ok(match source {
             Source::Bytes(bytes) => SourceReader::Bytes(bytes),
             Source::File { path, offset } => {
-                let file = tokio::task::spawn_blocking(move || {
-                    let mut file = std::fs::File::open(&path)?;
-                    std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(offset))?;
-                    Ok::<_, std::io::Error>(file)
+                let region = tokio::task::spawn_blocking(move || {
+                    let file = std::fs::File::open(&path).map_err(|e| {
+                        std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+                    })?;
+                    MappedRegion::map(&file, offset, len)
                 })
                 .await
                 .map_err(std::io::Error::other)??;
-                SourceReader::File {
-                    file: Arc::new(file),
-                    unread: len,
-                    leftover: Bytes::new(),
-                    ahead: None,
-                }
+                SourceReader::File(region)
             }
             Source::Stream(inner) => SourceReader::Stream {
                 inner,
@@ -102,30 +94,7 @@ impl SourceReader {
     async fn next(&mut self, max: usize) -> std::io::Result<Bytes> {
         match self {
             SourceReader::Bytes(bytes) => Ok(bytes.split_to(max.min(bytes.len()))),
-            SourceReader::File {
-                file,
-                unread,
-                leftover,
-                ahead,
-            } => {
-                if leftover.is_empty() {
-                    let read_len = |unread: u64| {
-                        usize::try_from(unread)
-                            .unwrap_or(usize::MAX)
-                            .min(max.max(FILE_READ))
-                    };
-                    let read = match ahead.take() {
-                        Some(read) => read,
-                        None => spawn_read(file, read_len(*unread)),
-                    };
-                    *leftover = read.await.map_err(std::io::Error::other)??;
-                    *unread -= (leftover.len() as u64).min(*unread);
-                    if !leftover.is_empty() && *unread > 0 {
-                        *ahead = Some(spawn_read(file, read_len(*unread)));
-                    }
-                }
-                Ok(leftover.split_to(max.min(leftover.len())))
-            }
+            SourceReader::File(region) => region.next(max).await,
             SourceReader::Stream { inner, leftover } => {
                 if leftover.is_empty() {
                     let next = std::future::poll_fn(|cx| inner.as_mut().poll_next(cx)).await;
@@ -135,53 +104,6 @@ impl SourceReader {
             }
         }
     }
-}
-
-/// Bytes read from a file at once: several DATA payloads per read, so the blocking pool is
-/// woken less often.
-const FILE_READ: usize = 4 << 20;
-
-/// File read buffers kept for reuse across the process's sends (a fresh buffer per read
-/// costs a page fault per 4 KiB: 6% of a sender's time, profiled).
-static READ_BUFFERS: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
-
-/// The most buffers [`READ_BUFFERS`] keeps.
-const KEPT_READ_BUFFERS: usize = 16;
-
-/// A read buffer that goes back to [`READ_BUFFERS`] once the last [`Bytes`] sent from it
-/// (quinn keeps them until acknowledged) is dropped.
-struct ReadBuffer(Vec<u8>);
-
-impl AsRef<[u8]> for ReadBuffer {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl Drop for ReadBuffer {
-    fn drop(&mut self) {
-        let mut kept = READ_BUFFERS.lock().unwrap_or_else(PoisonError::into_inner);
-        if kept.len() < KEPT_READ_BUFFERS {
-            kept.push(std::mem::take(&mut self.0));
-        }
-    }
-}
-
-/// Reads up to `len` bytes from `file`'s cursor (fewer only at its end) on the blocking pool,
-/// into a reused buffer.
-fn spawn_read(file: &Arc<std::fs::File>, len: usize) -> JoinHandle<std::io::Result<Bytes>> {
-    let file = file.clone();
-    tokio::task::spawn_blocking(move || {
-        let reused = READ_BUFFERS
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop();
-        let mut buf = reused.unwrap_or_default();
-        buf.clear();
-        buf.reserve_exact(len);
-        std::io::Read::read_to_end(&mut std::io::Read::take(&*file, len as u64), &mut buf)?;
-        Ok(Bytes::from_owner(ReadBuffer(buf)))
-    })
 }
 
 /// A connection to a receiver that sends tensors, each on its own stream; it can also

@@ -262,6 +262,37 @@ async fn a_source_shorter_than_its_metadata_cancels_the_tensor() {
     );
 }
 
+/// A file that cannot be opened fails its tensor with an error naming the file, before
+/// anything is sent; the connection goes on.
+#[tokio::test]
+async fn a_missing_file_is_named() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let server = tokio::spawn(async move { receive_host(&mut rx).await });
+    let tx = sender(addr).await;
+    let path = std::env::temp_dir().join(format!("tensorwire-missing-{}.bin", std::process::id()));
+    let err = tx
+        .send(
+            u8_meta("missing", 1000),
+            tensorwire_quic::Source::File {
+                path: path.clone(),
+                offset: 0,
+            },
+        )
+        .finished()
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains(&path.display().to_string()),
+        "{err}"
+    );
+    tx.send(u8_meta("next", 10), vec![3u8; 10])
+        .finished()
+        .await
+        .unwrap();
+    let (meta, bytes) = server.await.unwrap().unwrap();
+    assert_eq!((meta.name(), &bytes[..]), ("next", &[3u8; 10][..]));
+}
+
 /// A file region spanning several reads is sent exactly, not a byte of what follows it;
 /// a file that ends before its region does cancels the tensor with the cause.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
