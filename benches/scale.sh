@@ -5,8 +5,10 @@
 #   benches/scale.sh BIN_DIR [SENDERS] [MIB_PER_SENDER] [DEVICE] [ENDPOINTS]
 #
 # RECEIVER_FLAGS adds receiver flags (e.g. "--stream-window-mib 64"); BUDGET_MIB sets its
-# budget (default 512). BIN_DIR holds receiver, sender and bench (cargo build --release -p tensorwire-examples
-# -p tensorwire-bench). DEVICE: cuda:0 (default) or host. Prints one line per measurement.
+# budget (default 512). BIN_DIR holds receiver, sender and bench (cargo build --release -p
+# tensorwire-examples -p tensorwire-bench). DEVICE: cuda:0 (default) or host. Prints one line
+# per measurement: the rate, each side's CPU seconds per GiB, how busy the machine was, and
+# UDP datagrams the kernel dropped for want of socket buffer; then raw quinn's rate and CPU.
 set -euo pipefail
 bin=$(cd "$1" && pwd)
 senders=${2:-8}
@@ -20,30 +22,50 @@ trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 for i in $(seq "$senders"); do
   head -c $((mib << 20)) /dev/urandom > "$work/t$i.bin"
 done
-"$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device "$device" --endpoints "$endpoints" \
-  --budget-mib "$budget_mib" --count "$senders" ${RECEIVER_FLAGS:-} > "$work/receiver.log" 2>&1 &
+# CPU seconds of each process (bash's `time`), the whole machine's busy share (/proc/stat),
+# and UDP datagrams the kernel dropped for want of socket buffer (/proc/net/snmp).
+TIMEFORMAT='%R %U %S'
+busy() { awk '/^cpu /{print $2+$3+$4+$7+$8, $5+$6}' /proc/stat 2>/dev/null; }
+udp_drops() { awk '/^Udp:/ && $2 ~ /^[0-9]/ {print $6}' /proc/net/snmp 2>/dev/null; }
+( time "$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device "$device" \
+  --endpoints "$endpoints" --budget-mib "$budget_mib" --count "$senders" ${RECEIVER_FLAGS:-} \
+  > "$work/receiver.log" 2>&1 ) 2> "$work/receiver.time" &
 receiver=$!
 for _ in $(seq 100); do grep -q "listening on" "$work/receiver.log" && break; sleep 0.1; done
 addr=$(sed -n 's/^listening on //p' "$work/receiver.log")
 [ -n "$addr" ] || { cat "$work/receiver.log"; exit 1; }
+read -r busy0 idle0 < <(busy) || true
+drops0=$(udp_drops)
 start=$(date +%s.%N)
 pids=()
 for i in $(seq "$senders"); do
-  "$bin/sender" --connect "$addr" --mtu 6000 --quiet --dtype U8 --shape $((mib << 20)) \
-    "$work/t$i.bin" > "$work/sender-$i.log" 2>&1 &
+  ( time "$bin/sender" --connect "$addr" --mtu 6000 --quiet --dtype U8 \
+    --shape $((mib << 20)) "$work/t$i.bin" > "$work/sender-$i.log" 2>&1 ) 2> "$work/sender-$i.time" &
   pids+=($!)
 done
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
 end=$(date +%s.%N)
+read -r busy1 idle1 < <(busy) || true
+drops1=$(udp_drops)
 wait "$receiver" || failed=$((failed + 1))
 total=$((senders * mib))
 gbit=$(awk -v b="$total" -v s="$start" -v e="$end" 'BEGIN { print b * 1048576 * 8 / (e - s) / 1e9 }')
 printf 'programs: 1 receiver (%s, endpoints %s) <- %d senders x %d MiB: %.1f Gbit/s, %d failed\n' \
   "$device" "$(sed -n 's/ endpoints.*//p' "$work/receiver.log")" "$senders" "$mib" "$gbit" "$failed"
+gib=$(awk -v m="$total" 'BEGIN { print m / 1024 }')
+awk -v g="$gib" '{ printf "CPU: receiver %.2f s (%.2f per GiB)\n", $2 + $3, ($2 + $3) / g }' "$work/receiver.time"
+cat "$work"/sender-*.time | awk -v g="$gib" '{ c += $2 + $3 } END { printf "CPU: senders %.2f s (%.2f per GiB)\n", c, c / g }'
+if [ -n "${busy0:-}" ] && [ -n "${busy1:-}" ]; then
+  awk -v b="$((busy1 - busy0))" -v i="$((idle1 - idle0))" -v n="$(nproc)" \
+    'BEGIN { printf "machine busy while sending: %.0f%% of %d cores\n", 100 * b / (b + i), n }'
+fi
+[ -n "$drops0" ] && echo "UDP datagrams dropped for want of socket buffer: $((drops1 - drops0))"
 grep -h "failed:" "$work"/sender-*.log || true
 grep -o "peak credit held.*" "$work/receiver.log" || true
 grep -E "tensors land|Error|error" "$work/receiver.log" | head -5 || true
-"$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" 2>&1 \
-  | grep -iE "raw.quinn|gbit" | head -5
+( time "$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
+  > "$work/bench.log" 2>&1 ) 2> "$work/bench.time"
+grep -iE "^ *raw quinn +[0-9]" "$work/bench.log" | head -1
+awk -v g="$gib" '{ printf "CPU: raw quinn, both sides in one process %.2f s (%.2f per GiB, setup included)\n", $2 + $3, ($2 + $3) / g }' "$work/bench.time"
 [ "$failed" -eq 0 ]
