@@ -151,6 +151,31 @@ impl TransportSettings {
         let _turn = CLAIMING
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // With port 0 the port is ours to choose: if another process takes the claimed port
+        // in the gap before the group binds it, claim another.
+        let attempts = if reuse && addr.port() == 0 { 8 } else { 1 };
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.bind_group(addr, count, &server) {
+                Err(TransportError::Io(e))
+                    if e.kind() == std::io::ErrorKind::AddrInUse && attempt < attempts =>
+                {
+                    tracing::debug!(attempt, "claimed port taken before the group bound it");
+                }
+                bound => return bound,
+            }
+        }
+    }
+
+    /// One try of [`reuse_port_endpoints`](Self::reuse_port_endpoints).
+    fn bind_group(
+        &self,
+        addr: SocketAddr,
+        count: usize,
+        server: &quinn::ServerConfig,
+    ) -> Result<Vec<quinn::Endpoint>, TransportError> {
+        let reuse = count > 1;
         let addr = if reuse {
             // Claim the address alone first. A socket with SO_REUSEPORT may be given, or bind
             // to, a port that another reuse-port socket of the same user holds, and the two
