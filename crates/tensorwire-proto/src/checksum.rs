@@ -17,7 +17,55 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
     digest.finalize() as u32
 }
 
-/// CRC-32C of `A ‖ B` from `crc(A)`, `crc(B)` and `len(B)`.
+/// CRC-32C of `A ‖ B` from `crc(A)`, `crc(B)` and `len(B)`, in time logarithmic in `len(B)`.
+///
+/// crc-fast's combine costs about as much as checksumming `len(B)` bytes again (profiled: 7%
+/// of a sender's CPU, beside 11% for the checksum itself), so this is zlib's method:
+/// `crc(A ‖ B) = crc(A) · x^(8·len(B)) mod P  ⊕  crc(B)`, with the power built from a table
+/// of `x^(2^k) mod P`.
 pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
-    crc_fast::checksum_combine(Crc32Iscsi, u64::from(crc_a), u64::from(crc_b), len_b) as u32
+    multiply_mod_p(x_to_8n_mod_p(len_b), crc_a) ^ crc_b
+}
+
+/// The CRC-32C (Castagnoli) polynomial, bit-reflected.
+const POLY: u32 = 0x82F6_3B78;
+
+/// `a · b mod P` in the bit-reflected representation (the top bit is x^0).
+const fn multiply_mod_p(a: u32, mut b: u32) -> u32 {
+    let mut product = 0;
+    let mut bit = 1u32 << 31;
+    while bit != 0 {
+        if a & bit != 0 {
+            product ^= b;
+        }
+        bit >>= 1;
+        b = if b & 1 != 0 { (b >> 1) ^ POLY } else { b >> 1 };
+    }
+    product
+}
+
+/// `X_TO_2K[k]` is `x^(2^k) mod P`, for every `k` a 64-bit byte count needs (8·n < 2^67).
+const X_TO_2K: [u32; 67] = {
+    let mut table = [0u32; 67];
+    table[0] = 1 << 30; // x^1
+    let mut k = 1;
+    while k < 67 {
+        table[k] = multiply_mod_p(table[k - 1], table[k - 1]);
+        k += 1;
+    }
+    table
+};
+
+/// `x^(8·n) mod P`: the factor that shifts a CRC past `n` bytes.
+fn x_to_8n_mod_p(mut n: u64) -> u32 {
+    let mut power = 1u32 << 31; // x^0
+    let mut k = 3; // 8·n = n·2^3
+    while n != 0 {
+        if n & 1 != 0 {
+            power = multiply_mod_p(X_TO_2K[k], power);
+        }
+        n >>= 1;
+        k += 1;
+    }
+    power
 }

@@ -17,6 +17,39 @@ fn crc32c_matches_the_standard_check_value() {
     );
 }
 
+proptest! {
+    /// Combining two CRCs gives the CRC of the concatenation, for any split.
+    #[test]
+    fn combine_equals_the_crc_of_the_concatenation(
+        data in proptest::collection::vec(any::<u8>(), 0..5000),
+        cut in any::<proptest::sample::Index>(),
+    ) {
+        let at = cut.index(data.len() + 1);
+        let (a, b) = data.split_at(at);
+        prop_assert_eq!(crc32c_combine(crc32c(a), crc32c(b), b.len() as u64), crc32c(&data));
+    }
+}
+
+/// Long second parts: 1 MiB of zeros against appending them, then 5 GiB (past 2^32 bytes)
+/// in one combine against 5,120 combines of the checked 1 MiB.
+#[test]
+fn combine_handles_long_second_parts() {
+    let head = crc32c(b"tensorwire");
+    let mib = vec![0u8; 1 << 20];
+    let mib_crc = crc32c(&mib);
+    let mib_len = mib.len() as u64;
+    assert_eq!(
+        crc32c_combine(head, mib_crc, mib_len),
+        crc32c_append(head, &mib)
+    );
+    let (mut step_by_step, mut zeros_alone) = (head, 0);
+    for _ in 0..5 * 1024 {
+        step_by_step = crc32c_combine(step_by_step, mib_crc, mib_len);
+        zeros_alone = crc32c_combine(zeros_alone, mib_crc, mib_len);
+    }
+    assert_eq!(crc32c_combine(head, zeros_alone, 5 << 30), step_by_step);
+}
+
 fn chunks(len: usize, cuts: &[usize]) -> Vec<(usize, usize)> {
     let mut points: Vec<usize> = cuts.iter().map(|c| c % len).chain([0, len]).collect();
     points.sort_unstable();
