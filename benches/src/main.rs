@@ -582,6 +582,56 @@ async fn quinn_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Result<Hi
     Ok(h)
 }
 
+/// tensorwire's exchange on bare quinn, for what its two round trips cost by themselves: on a
+/// fresh stream a 64-byte header, a 1-byte answer, then `size` bytes and FIN, then a 1-byte
+/// answer (METADATA → ACCEPT, DATA + END → COMPLETE, without framing, credit or a sink).
+async fn quinn_two_trips_latency(
+    samples: u64,
+    size: usize,
+    mtu: u16,
+) -> anyhow::Result<Histogram<u64>> {
+    let (server, cert) = quinn_server(mtu)?;
+    let addr: SocketAddr = server.local_addr()?;
+    let server_task = tokio::spawn(async move {
+        let conn = server
+            .accept()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("no connection"))?
+            .await?;
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            tokio::spawn(async move {
+                let mut header = [0u8; 64];
+                recv.read_exact(&mut header).await?;
+                send.write_all(&[1]).await?;
+                let _ = recv.read_to_end(usize::MAX).await?;
+                send.write_all(&[2]).await?;
+                send.finish()?;
+                anyhow::Ok(())
+            });
+        }
+        anyhow::Ok(())
+    });
+    let (client, config) = quinn_client(mtu, &cert)?;
+    let conn = client.connect_with(config, addr, "localhost")?.await?;
+    let data = payload(size);
+    let mut h = histogram();
+    let mut answer = [0u8; 1];
+    for _ in 0..samples {
+        let started = Instant::now();
+        let (mut send, mut recv) = conn.open_bi().await?;
+        send.write_all(&[0u8; 64]).await?;
+        recv.read_exact(&mut answer).await?;
+        send.write_chunk(data.clone()).await?;
+        send.finish()?;
+        let _ = recv.read_to_end(16).await?;
+        h.saturating_record(started.elapsed().as_micros() as u64);
+    }
+    conn.close(0u32.into(), b"done");
+    client.wait_idle().await;
+    server_task.abort();
+    Ok(h)
+}
+
 fn latency_row(transport: &'static str, size: usize, h: &Histogram<u64>) -> Latency {
     Latency {
         transport,
@@ -798,6 +848,11 @@ async fn main() -> anyhow::Result<()> {
             size,
             &quinn_latency(samples, size, args.mtu).await?,
         ),
+        latency_row(
+            "raw quinn, 2 round trips",
+            size,
+            &quinn_two_trips_latency(samples, size, args.mtu).await?,
+        ),
     ];
 
     println!(
@@ -820,7 +875,7 @@ async fn main() -> anyhow::Result<()> {
     println!("latency, one {size}-byte message at a time ({samples} samples):");
     for l in &latency {
         println!(
-            "  {:<12} p50 {:>6} µs   p99 {:>6} µs",
+            "  {:<25} p50 {:>6} µs   p99 {:>6} µs",
             l.transport, l.p50_us, l.p99_us
         );
     }
