@@ -28,7 +28,14 @@ impl MappedRegion {
     /// Maps up to `len` bytes of `file` from `offset` (fewer where the file ends sooner; the
     /// sender then reports how far the source got).
     pub(crate) fn map(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<Self> {
-        let available = file.metadata()?.len().saturating_sub(offset);
+        let info = file.metadata()?;
+        if !info.is_file() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a regular file (send pipes and devices as Source::Stream)",
+            ));
+        }
+        let available = info.len().saturating_sub(offset);
         let len = usize::try_from(len.min(available)).map_err(std::io::Error::other)?;
         let region = if len == 0 {
             Bytes::new()

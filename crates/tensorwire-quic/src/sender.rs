@@ -31,7 +31,7 @@ use crate::stream::FrameStream;
 pub enum Source {
     /// Bytes in memory, sent without copying.
     Bytes(Bytes),
-    /// A region of a file starting at `offset`, as long as the tensor. It is mapped and sent
+    /// A region of a regular file starting at `offset`, as long as the tensor. It is mapped and sent
     /// from the page cache without a copy; the file must not be truncated while it is sent
     /// (the process would get SIGBUS, as with any mapped file), and bytes changed meanwhile
     /// fail the receiver's checksum.
@@ -74,10 +74,11 @@ impl SourceReader {
             Source::Bytes(bytes) => SourceReader::Bytes(bytes),
             Source::File { path, offset } => {
                 let region = tokio::task::spawn_blocking(move || {
-                    let file = std::fs::File::open(&path).map_err(|e| {
+                    let named = |e: std::io::Error| {
                         std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
-                    })?;
-                    MappedRegion::map(&file, offset, len)
+                    };
+                    let file = std::fs::File::open(&path).map_err(named)?;
+                    MappedRegion::map(&file, offset, len).map_err(named)
                 })
                 .await
                 .map_err(std::io::Error::other)??;

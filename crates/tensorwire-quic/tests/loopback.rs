@@ -262,10 +262,10 @@ async fn a_source_shorter_than_its_metadata_cancels_the_tensor() {
     );
 }
 
-/// A file that cannot be opened fails its tensor with an error naming the file, before
-/// anything is sent; the connection goes on.
+/// A file that cannot be opened, or is no regular file, fails its tensor with an error naming
+/// the file, before anything is sent; the connection goes on.
 #[tokio::test]
-async fn a_missing_file_is_named() {
+async fn a_file_that_cannot_be_mapped_is_named() {
     let (mut rx, addr) = receiver(receiver_config()).await;
     let server = tokio::spawn(async move { receive_host(&mut rx).await });
     let tx = sender(addr).await;
@@ -284,6 +284,24 @@ async fn a_missing_file_is_named() {
     assert!(
         err.to_string().contains(&path.display().to_string()),
         "{err}"
+    );
+    // Pipes and devices cannot be mapped: a path that is not a regular file says so.
+    let dir = std::env::temp_dir();
+    let err = tx
+        .send(
+            u8_meta("directory", 1000),
+            tensorwire_quic::Source::File {
+                path: dir.clone(),
+                offset: 0,
+            },
+        )
+        .finished()
+        .await
+        .unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains("not a regular file") && message.contains(&dir.display().to_string()),
+        "{message}"
     );
     tx.send(u8_meta("next", 10), vec![3u8; 10])
         .finished()
