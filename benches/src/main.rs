@@ -545,50 +545,23 @@ async fn tensorwire_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Resu
     Ok(h)
 }
 
-/// A request/response on a fresh stream per message: `size` bytes there, 1 byte back.
-async fn quinn_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Result<Histogram<u64>> {
-    let (server, cert) = quinn_server(mtu)?;
-    let addr: SocketAddr = server.local_addr()?;
-    let server_task = tokio::spawn(async move {
-        let conn = server
-            .accept()
-            .await
-            .ok_or_else(|| anyhow::anyhow!("no connection"))?
-            .await?;
-        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-            tokio::spawn(async move {
-                let _ = recv.read_to_end(usize::MAX).await;
-                let _ = send.write_all(&[1]).await;
-                let _ = send.finish();
-            });
-        }
-        anyhow::Ok(())
-    });
-    let (client, config) = quinn_client(mtu, &cert)?;
-    let conn = client.connect_with(config, addr, "localhost")?.await?;
-    let data = payload(size);
-    let mut h = histogram();
-    for _ in 0..samples {
-        let started = Instant::now();
-        let (mut send, mut recv) = conn.open_bi().await?;
-        send.write_chunk(data.clone()).await?;
-        send.finish()?;
-        let _ = recv.read_to_end(16).await?;
-        h.saturating_record(started.elapsed().as_micros() as u64);
-    }
-    conn.close(0u32.into(), b"done");
-    client.wait_idle().await;
-    server_task.abort();
-    Ok(h)
+/// What the raw quinn latency anchor exchanges on each fresh stream.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Exchange {
+    /// `size` bytes and FIN, a 1-byte answer: a plain request/response.
+    OneRoundTrip,
+    /// tensorwire's two round trips on bare quinn: a 64-byte header and a 1-byte answer, then
+    /// `size` bytes and FIN and a 1-byte answer (METADATA → ACCEPT, DATA + END → COMPLETE,
+    /// without framing, credit or a sink).
+    TwoRoundTrips,
 }
 
-/// tensorwire's exchange on bare quinn, for what its two round trips cost by themselves: on a
-/// fresh stream a 64-byte header, a 1-byte answer, then `size` bytes and FIN, then a 1-byte
-/// answer (METADATA → ACCEPT, DATA + END → COMPLETE, without framing, credit or a sink).
-async fn quinn_two_trips_latency(
+/// One message at a time over raw quinn, each on a fresh stream, as `exchange` says.
+async fn quinn_latency(
     samples: u64,
     size: usize,
     mtu: u16,
+    exchange: Exchange,
 ) -> anyhow::Result<Histogram<u64>> {
     let (server, cert) = quinn_server(mtu)?;
     let addr: SocketAddr = server.local_addr()?;
@@ -600,9 +573,11 @@ async fn quinn_two_trips_latency(
             .await?;
         while let Ok((mut send, mut recv)) = conn.accept_bi().await {
             tokio::spawn(async move {
-                let mut header = [0u8; 64];
-                recv.read_exact(&mut header).await?;
-                send.write_all(&[1]).await?;
+                if exchange == Exchange::TwoRoundTrips {
+                    let mut header = [0u8; 64];
+                    recv.read_exact(&mut header).await?;
+                    send.write_all(&[1]).await?;
+                }
                 let _ = recv.read_to_end(usize::MAX).await?;
                 send.write_all(&[2]).await?;
                 send.finish()?;
@@ -619,8 +594,10 @@ async fn quinn_two_trips_latency(
     for _ in 0..samples {
         let started = Instant::now();
         let (mut send, mut recv) = conn.open_bi().await?;
-        send.write_all(&[0u8; 64]).await?;
-        recv.read_exact(&mut answer).await?;
+        if exchange == Exchange::TwoRoundTrips {
+            send.write_all(&[0u8; 64]).await?;
+            recv.read_exact(&mut answer).await?;
+        }
         send.write_chunk(data.clone()).await?;
         send.finish()?;
         let _ = recv.read_to_end(16).await?;
@@ -846,12 +823,12 @@ async fn main() -> anyhow::Result<()> {
         latency_row(
             "raw quinn",
             size,
-            &quinn_latency(samples, size, args.mtu).await?,
+            &quinn_latency(samples, size, args.mtu, Exchange::OneRoundTrip).await?,
         ),
         latency_row(
             "raw quinn, 2 round trips",
             size,
-            &quinn_two_trips_latency(samples, size, args.mtu).await?,
+            &quinn_latency(samples, size, args.mtu, Exchange::TwoRoundTrips).await?,
         ),
     ];
 

@@ -277,38 +277,31 @@ async fn a_file_that_cannot_be_mapped_is_named() {
         }
     });
     let tx = sender(addr).await;
-    let path = std::env::temp_dir().join(format!("tensorwire-missing-{}.bin", std::process::id()));
-    let err = tx
-        .send(
-            u8_meta("missing", 1000),
-            tensorwire_quic::Source::File {
-                path: path.clone(),
-                offset: 0,
-            },
-        )
-        .finished()
-        .await
-        .unwrap_err();
+    // The error of sending 1000 bytes from the file at `path`.
+    let failure = async |path: &std::path::Path| {
+        let source = tensorwire_quic::Source::File {
+            path: path.to_path_buf(),
+            offset: 0,
+        };
+        let sent = tx
+            .send(u8_meta("unmappable", 1000), source)
+            .finished()
+            .await;
+        sent.unwrap_err().to_string()
+    };
+    let missing =
+        std::env::temp_dir().join(format!("tensorwire-missing-{}.bin", std::process::id()));
+    let message = failure(&missing).await;
     assert!(
-        err.to_string().contains(&path.display().to_string()),
-        "{err}"
+        message.contains(&missing.display().to_string()),
+        "{message}"
     );
     // Pipes and devices cannot be mapped: a path that is not a regular file says so.
-    let dir = std::env::temp_dir();
-    let err = tx
-        .send(
-            u8_meta("directory", 1000),
-            tensorwire_quic::Source::File {
-                path: dir.clone(),
-                offset: 0,
-            },
-        )
-        .finished()
-        .await
-        .unwrap_err();
-    let message = err.to_string();
+    let directory = std::env::temp_dir();
+    let message = failure(&directory).await;
     assert!(
-        message.contains("not a regular file") && message.contains(&dir.display().to_string()),
+        message.contains("not a regular file")
+            && message.contains(&directory.display().to_string()),
         "{message}"
     );
     tx.send(u8_meta("next", 10), vec![3u8; 10])
