@@ -143,17 +143,15 @@ impl TransportSettings {
         count: usize,
         server: quinn::ServerConfig,
     ) -> Result<Vec<quinn::Endpoint>, TransportError> {
-        let reuse = count > 1;
         // Between the claim and the group's binds the port is free: receivers of this
-        // process take turns, so none claims it in that gap (another process would have to
-        // pick the same port in the same microseconds).
+        // process take turns, so none claims it in that gap.
         static CLAIMING: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let _turn = CLAIMING
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // With port 0 the port is ours to choose: if another process takes the claimed port
-        // in the gap before the group binds it, claim another.
-        let attempts = if reuse && addr.port() == 0 { 8 } else { 1 };
+        // Another process may take the claimed port in that gap (seen once on a busy host).
+        // With port 0 the port is ours to choose, so claim another.
+        let attempts = if count > 1 && addr.port() == 0 { 8 } else { 1 };
         let mut attempt = 0;
         loop {
             attempt += 1;

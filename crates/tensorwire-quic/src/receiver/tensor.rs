@@ -206,15 +206,7 @@ impl Accepted {
         let config = &shared.config;
         // Bytes of this tensor the sink holds and has not yet made durable.
         let pending = Arc::new(AtomicU64::new(0));
-        {
-            // ACCEPT and the first CREDIT leave in one write: the sender then has its credit
-            // with the decision, not a wake-up later.
-            let mut session = self.connection.session();
-            session.accept(self.id)?;
-            shared
-                .budget
-                .with_tracker(|credit| session.grant(self.id, credit));
-        }
+        self.connection.session().accept(self.id)?;
         self.flush().await?;
         loop {
             // Armed before asking, so a release between the two is not missed.
