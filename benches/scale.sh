@@ -5,7 +5,8 @@
 #   benches/scale.sh BIN_DIR [SENDERS] [MIB_PER_SENDER] [DEVICE] [ENDPOINTS]
 #
 # RECEIVER_FLAGS adds receiver flags (e.g. "--stream-window-mib 64"); BUDGET_MIB sets its
-# budget (default 512). BIN_DIR holds receiver, sender and bench (cargo build --release -p
+# budget (default 512). RECEIVER_ENV and SENDER_ENV set environment variables for each side
+# (e.g. SENDER_ENV="TOKIO_WORKER_THREADS=2"). BIN_DIR holds receiver, sender and bench (cargo build --release -p
 # tensorwire-examples -p tensorwire-bench). DEVICE: cuda:0 (default) or host. Prints one line
 # per measurement: the rate, each side's CPU seconds per GiB, how busy the machine was, and
 # UDP datagrams the kernel dropped for want of socket buffer; then raw quinn's rate and CPU.
@@ -27,7 +28,7 @@ done
 TIMEFORMAT='%R %U %S'
 busy() { awk '/^cpu /{print $2+$3+$4+$7+$8, $5+$6}' /proc/stat 2>/dev/null; }
 udp_drops() { awk '/^Udp:/ && $2 ~ /^[0-9]/ {print $6}' /proc/net/snmp 2>/dev/null; }
-( time "$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device "$device" \
+( time env ${RECEIVER_ENV:-} "$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device "$device" \
   --endpoints "$endpoints" --budget-mib "$budget_mib" --count "$senders" ${RECEIVER_FLAGS:-} \
   > "$work/receiver.log" 2>&1 ) 2> "$work/receiver.time" &
 receiver=$!
@@ -39,7 +40,7 @@ drops0=$(udp_drops)
 start=$(date +%s.%N)
 pids=()
 for i in $(seq "$senders"); do
-  ( time "$bin/sender" --connect "$addr" --mtu 6000 --quiet --dtype U8 \
+  ( time env ${SENDER_ENV:-} "$bin/sender" --connect "$addr" --mtu 6000 --quiet --dtype U8 \
     --shape $((mib << 20)) "$work/t$i.bin" > "$work/sender-$i.log" 2>&1 ) 2> "$work/sender-$i.time" &
   pids+=($!)
 done

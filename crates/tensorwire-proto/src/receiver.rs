@@ -3,11 +3,41 @@
 use std::collections::VecDeque;
 
 use crate::ChecksumAlgorithm;
+use crate::checksum::crc32c_combine;
 use crate::error::{ErrorCode, ProtocolError};
 use crate::frame::{Accept, Cancel, Complete, Credit, Data, Frame, Reject};
 use crate::limits::Limits;
 use crate::meta::TensorMeta;
 use crate::ranges::ReceivedRanges;
+
+/// A frame from the sender with its DATA payload's CRC-32C computed, so that a driver can make
+/// the pass over the bytes before it takes the locks the session sits behind (spec §7.3).
+#[derive(Debug)]
+pub struct CheckedFrame {
+    frame: Frame,
+    payload_crc: Option<u32>,
+}
+
+impl CheckedFrame {
+    /// Checksums `frame`'s payload if it is DATA; any other frame is kept as it is.
+    pub fn new(frame: Frame) -> Self {
+        let payload_crc = match &frame {
+            Frame::Data(data) => Some(data.payload.crc32c()),
+            _ => None,
+        };
+        Self { frame, payload_crc }
+    }
+
+    /// The frame.
+    pub fn frame(&self) -> &Frame {
+        &self.frame
+    }
+
+    /// The frame, its checksum dropped.
+    pub fn into_frame(self) -> Frame {
+        self.frame
+    }
+}
 
 /// Where a receiving stream stands (spec §7.2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -188,6 +218,11 @@ impl TensorReceiver {
 
     /// Feeds one frame from the sender.
     pub fn handle_frame(&mut self, frame: Frame) -> Result<ReceiverEvent, ProtocolError> {
+        self.handle_checked(CheckedFrame::new(frame))
+    }
+
+    /// Feeds one frame from the sender whose DATA checksum was computed beforehand.
+    pub fn handle_checked(&mut self, frame: CheckedFrame) -> Result<ReceiverEvent, ProtocolError> {
         if let Some(err) = self.closed_error() {
             return Err(err);
         }
@@ -198,7 +233,8 @@ impl TensorReceiver {
         result
     }
 
-    fn dispatch(&mut self, frame: Frame) -> Result<ReceiverEvent, ProtocolError> {
+    fn dispatch(&mut self, checked: CheckedFrame) -> Result<ReceiverEvent, ProtocolError> {
+        let CheckedFrame { frame, payload_crc } = checked;
         let input = match &frame {
             Frame::Metadata(_) => ReceiverInput::RecvMetadata,
             Frame::Data(_) => ReceiverInput::RecvData,
@@ -214,7 +250,10 @@ impl TensorReceiver {
         })?;
         let event = match frame {
             Frame::Metadata(m) => self.on_metadata(m.meta)?,
-            Frame::Data(data) => self.on_data(data)?,
+            Frame::Data(data) => {
+                let crc = payload_crc.unwrap_or_else(|| data.payload.crc32c());
+                self.on_data(data, crc)?
+            }
             Frame::End(end) => self.on_end(end.checksum)?,
             Frame::Cancel(cancel) => {
                 return Err(ProtocolError::Remote {
@@ -245,7 +284,7 @@ impl TensorReceiver {
     }
 
     /// Spec §7.3: credit first, then bounds, then overlap and gap count.
-    fn on_data(&mut self, data: Data) -> Result<ReceiverEvent, ProtocolError> {
+    fn on_data(&mut self, data: Data, payload_crc: u32) -> Result<ReceiverEvent, ProtocolError> {
         let byte_len = self.meta.as_ref().map_or(0, TensorMeta::byte_len);
         let len = data.payload.len() as u64;
         if len > self.granted - self.received {
@@ -266,10 +305,11 @@ impl TensorReceiver {
                 ),
             )
         })?;
-        let payload = &data.payload;
-        self.ranges.insert_with(data.offset, end, |continued| {
-            payload.crc32c_append(continued.unwrap_or(0))
-        })?;
+        self.ranges
+            .insert_with(data.offset, end, |continued| match continued {
+                Some(before) => crc32c_combine(before, payload_crc, len),
+                None => payload_crc,
+            })?;
         self.received += len;
         Ok(ReceiverEvent::Data(data))
     }

@@ -11,7 +11,7 @@ use crate::flood::{FloodBudget, FloodExceeded};
 use crate::frame::{Data, Frame};
 use crate::limits::Limits;
 use crate::meta::TensorMeta;
-use crate::receiver::{ReceiverEvent, ReceiverState, TensorReceiver};
+use crate::receiver::{CheckedFrame, ReceiverEvent, ReceiverState, TensorReceiver};
 use crate::sender::{CheckedChunk, SenderEvent, SenderState, TensorSender};
 
 /// One tensor of the connection, in the direction its stream runs.
@@ -196,12 +196,23 @@ impl Session {
         frame: Frame,
         credit: &mut CreditTracker,
     ) -> Result<SessionEvent, ProtocolError> {
+        self.handle_checked(id, CheckedFrame::new(frame), credit)
+    }
+
+    /// As [`handle_frame`](Self::handle_frame), for a frame whose DATA checksum the driver
+    /// computed before it locked the session and the tracker.
+    pub fn handle_checked(
+        &mut self,
+        id: StreamId,
+        frame: CheckedFrame,
+        credit: &mut CreditTracker,
+    ) -> Result<SessionEvent, ProtocolError> {
         let tensor = match self.tensors.get_mut(&id) {
             Some(Tensor::Incoming(tensor)) => tensor,
-            Some(Tensor::Outgoing(_)) => return self.handle_reply(id, frame),
+            Some(Tensor::Outgoing(_)) => return self.handle_reply(id, frame.into_frame()),
             None => return Err(ProtocolError::Misuse("no such stream in the session")),
         };
-        match tensor.handle_frame(frame)? {
+        match tensor.handle_checked(frame)? {
             ReceiverEvent::Metadata => tensor
                 .meta()
                 .cloned()
@@ -274,7 +285,9 @@ impl Session {
     }
 
     /// Spec §7.1: what a tensor may be granted by its needs, the grant unit and its window
-    /// of granted-but-unarrived bytes.
+    /// of granted-but-unarrived bytes. Grants are whole units (only a tensor's last grant may
+    /// be smaller): a window with less than a unit free waits for more bytes to arrive, so
+    /// CREDIT goes out once per unit, not once per DATA.
     fn stream_wants(&self, id: StreamId) -> u64 {
         let Some(Tensor::Incoming(tensor)) = self.tensors.get(&id) else {
             return 0;
@@ -282,14 +295,16 @@ impl Session {
         if tensor.state() != ReceiverState::Receiving {
             return 0;
         }
+        let unit = self
+            .config
+            .grant_unit
+            .min(self.config.stream_window)
+            .min(tensor.ungranted());
         let stream_left = self
             .config
             .stream_window
             .saturating_sub(tensor.revocable_credit());
-        tensor
-            .ungranted()
-            .min(self.config.grant_unit)
-            .min(stream_left)
+        if stream_left < unit { 0 } else { unit }
     }
 
     /// Grants the tensor on `id` what the tracker allows of what it wants; queues CREDIT.

@@ -211,20 +211,51 @@ fn grants_come_in_units_up_to_the_stream_window() {
     assert!(!session.wants_credit(7), "no credit before ACCEPT");
     assert_eq!(session.grant(7, &mut credit), 0);
     session.accept(7).unwrap();
-    let grants: Vec<u64> = (0..4).map(|_| session.grant(7, &mut credit)).collect();
+    let grants: Vec<u64> = (0..3).map(|_| session.grant(7, &mut credit)).collect();
     assert_eq!(
         grants,
-        [4 << 20, 4 << 20, 2 << 20, 0],
-        "units, then the window's rest"
+        [4 << 20, 4 << 20, 0],
+        "whole units only: the window's last 2 MiB is not granted"
     );
     assert!(!session.wants_credit(7));
-    assert_eq!(credit.in_flight(), 10 << 20);
+    assert_eq!(credit.in_flight(), 8 << 20);
+    // DATA smaller than a unit brings no CREDIT (spec §7.1: grants are large and few) ...
+    let mut offset = 0;
+    let mut arrive = |session: &mut Session, credit: &mut CreditTracker, len: usize| {
+        let data = tensorwire_proto::frame::Data {
+            offset,
+            payload: Bytes::from(vec![7u8; len]).into(),
+        };
+        offset += len as u64;
+        let event = session.handle_frame(7, Frame::Data(data), credit).unwrap();
+        assert!(matches!(event, SessionEvent::Data(_)));
+    };
+    for _ in 0..15 {
+        arrive(&mut session, &mut credit, 100 << 10);
+        assert!(!session.wants_credit(7), "a grant after {offset} bytes");
+        assert_eq!(session.grant(7, &mut credit), 0);
+    }
+    // ... until a whole unit fits the window again.
+    arrive(&mut session, &mut credit, 548 << 10);
+    assert!(session.wants_credit(7));
+    assert_eq!(session.grant(7, &mut credit), 4 << 20);
+    let mut credits = 0;
+    while let Some(frame) = session.poll_frame(7) {
+        credits += u32::from(matches!(frame, Frame::Credit(_)));
+    }
+    assert_eq!(credits, 3, "one CREDIT per unit, none per DATA");
+    assert_eq!(credit.held(), 2 << 20);
     // Closing returns every unreceived byte to the receiver-wide budget.
     assert_eq!(
         session.close_stream(7, &mut credit, epoch()),
         StreamClosed::Failed
     );
-    assert_eq!(credit.outstanding(), 0);
+    assert_eq!(
+        credit.outstanding(),
+        2 << 20,
+        "held bytes wait for the sink"
+    );
+    credit.release(2 << 20).unwrap();
 }
 
 /// Three connections, four tensors each, one 3 MiB budget that pauses at 2 MiB and resumes

@@ -78,6 +78,10 @@ impl CreditRelease for Budget {
     fn release(&self, n: u64) {
         let result = self.lock().release(n);
         debug_assert!(result.is_ok(), "released more than held");
-        self.released.notify_waiters();
+        // Streams wait on the tracker only while it is paused (below the high watermark a
+        // grant always finds credit), so only a release that ends the pause wakes them.
+        if matches!(result, Ok(true)) {
+            self.released.notify_waiters();
+        }
     }
 }

@@ -56,6 +56,11 @@ pub struct Receiver {
 
 impl Shared {
     fn new(config: ReceiverConfig) -> Result<Arc<Self>, TransportError> {
+        if config.grant_unit == 0 || config.stream_window == 0 {
+            return Err(TransportError::Config(
+                "grant_unit and stream_window must be at least one byte".into(),
+            ));
+        }
         let budget = Budget::new(config.budget, config.high_watermark, config.low_watermark)
             .map_err(|e| TransportError::Config(format!("budget and watermarks: {e}")))?;
         let host_memory = MemoryBudget::new("host", config.host_memory_budget);

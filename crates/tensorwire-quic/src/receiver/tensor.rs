@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use tensorwire_proto::{ErrorCode, Frame, ProtocolError, SessionEvent, StreamClosed, StreamId};
+use tensorwire_proto::{
+    CheckedFrame, ErrorCode, Frame, ProtocolError, SessionEvent, StreamClosed, StreamId,
+};
 use tensorwire_sink::{CreditPermit, Sink, SinkError};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -65,12 +67,14 @@ pub(super) async fn serve_stream(
 impl Accepted {
     /// Hands one frame from the peer to the session (which moves its credit).
     fn handle(&self, frame: Frame) -> Result<SessionEvent, ProtocolError> {
+        // The pass over DATA's bytes, before the connection's and the receiver-wide locks.
+        let frame = CheckedFrame::new(frame);
         let mut session = self.connection.session();
         let window_was_full = session.connection_window_left() == 0;
         let event = self
             .shared
             .budget
-            .with_tracker(|credit| session.handle_frame(self.id, frame, credit));
+            .with_tracker(|credit| session.handle_checked(self.id, frame, credit));
         if window_was_full && session.connection_window_left() > 0 {
             // DATA reopened the connection's window: its streams waiting on it may grant.
             self.connection.window_opened.notify_waiters();
@@ -214,9 +218,15 @@ impl Accepted {
             let window_opened = connection.window_opened.notified();
             let (granted, wants_more) = {
                 let mut session = self.connection.session();
-                let granted = shared
-                    .budget
-                    .with_tracker(|credit| session.grant(self.id, credit));
+                // The receiver-wide tracker is locked only when a grant is due (once per
+                // grant unit), not for every DATA.
+                let granted = if session.wants_credit(self.id) {
+                    shared
+                        .budget
+                        .with_tracker(|credit| session.grant(self.id, credit))
+                } else {
+                    0
+                };
                 (granted, session.wants_credit(self.id))
             };
             if granted > 0 {
