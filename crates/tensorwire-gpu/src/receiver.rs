@@ -107,6 +107,8 @@ impl GpuTensorReceiver {
             grant_unit: u64::MAX,
             stream_window: u64::MAX,
             connection_window: u64::MAX,
+            // One tensor fed in memory: no control stream, no early data.
+            early_credit: 0,
             ..SessionConfig::default()
         };
         let mut session = Session::new(config, std::time::Instant::now());

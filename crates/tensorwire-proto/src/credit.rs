@@ -18,6 +18,8 @@ pub struct CreditTracker {
     high: u64,
     low: u64,
     in_flight: u64,
+    /// Of `in_flight`, early credit offered to peers and not yet claimed by a tensor.
+    early: u64,
     held: u64,
     paused: bool,
 }
@@ -37,6 +39,7 @@ impl CreditTracker {
             high,
             low,
             in_flight: 0,
+            early: 0,
             held: 0,
             paused: false,
         })
@@ -54,6 +57,53 @@ impl CreditTracker {
             self.paused = true;
         }
         granted
+    }
+
+    /// Grants up to `want` bytes of early credit (spec §7.6): only while outstanding stays at
+    /// or below the low watermark, so early credit that peers leave unused can never keep
+    /// granting paused. Returns how many were granted.
+    #[must_use = "granted bytes must be sent to the peer as EARLY_CREDIT or revoked"]
+    pub fn grant_early(&mut self, want: u64) -> u64 {
+        if self.paused {
+            return 0;
+        }
+        let granted = want.min(self.low.saturating_sub(self.outstanding()));
+        self.in_flight += granted;
+        self.early += granted;
+        if self.outstanding() >= self.high {
+            self.paused = true;
+        }
+        granted
+    }
+
+    /// A tensor sent early claims `n` bytes of the early credit offered: they stay in flight,
+    /// now as that tensor's credit.
+    pub fn claim_early(&mut self, n: u64) -> Result<(), ProtocolError> {
+        if n > self.early {
+            return Err(ProtocolError::Misuse(
+                "claimed more early credit than was offered",
+            ));
+        }
+        self.early -= n;
+        Ok(())
+    }
+
+    /// Takes back `n` bytes of early credit offered and never claimed (the connection ended,
+    /// or the peer refused the offers). Returns `true` when this ended a pause.
+    #[must_use = "on true, granting resumes: hand out credit again"]
+    pub fn revoke_early(&mut self, n: u64) -> Result<bool, ProtocolError> {
+        if n > self.early {
+            return Err(ProtocolError::Misuse(
+                "revoked more early credit than was offered",
+            ));
+        }
+        self.early -= n;
+        self.revoke(n)
+    }
+
+    /// Early credit offered to peers and not yet claimed (part of [`in_flight`](Self::in_flight)).
+    pub fn early_offered(&self) -> u64 {
+        self.early
     }
 
     /// Records `n` granted bytes as arrived; more than is in flight is a CREDIT_VIOLATION.

@@ -144,8 +144,10 @@ pub fn session_ops(data: &[u8]) {
         connection_window: 6144,
         max_failed_streams: 8,
         failure_window: Duration::from_secs(1),
+        early_credit: 2048,
     };
     let connection_window = config.connection_window;
+    let early_credit = config.early_credit;
     let budget = 16 << 10;
     let Ok(mut credit) = CreditTracker::new(budget, budget / 4 * 3, budget / 4) else {
         return;
@@ -156,6 +158,7 @@ pub fn session_ops(data: &[u8]) {
     #[allow(clippy::disallowed_methods)] // The fake clock's origin; ops move it.
     let mut now = Instant::now();
     let mut session = Session::new(config, now);
+    let _ = session.offer_early_credit(&mut credit);
     let mut decoder = FrameDecoder::new(limits);
     decoder.push(Bytes::copy_from_slice(frames));
     let receiving = |slot: usize| (slot as u64) < SESSION_STREAMS / 2;
@@ -180,10 +183,19 @@ pub fn session_ops(data: &[u8]) {
         let id = ids[slot];
         match (k % 8, receiving(slot)) {
             (0..=2, _) => {
-                if let Ok(Some(frame)) = decoder.next_frame()
-                    && let Ok(SessionEvent::Data(d)) = session.handle_frame(id, frame, &mut credit)
-                {
-                    held[slot] += d.payload.len() as u64;
+                match decoder.next_frame() {
+                    // The peer's control stream: early credit for the tensors we send.
+                    Ok(Some(frame @ crate::Frame::EarlyCredit(_))) => {
+                        let _ = session.handle_control_frame(frame);
+                    }
+                    Ok(Some(frame)) => {
+                        if let Ok(SessionEvent::Data(d)) =
+                            session.handle_frame(id, frame, &mut credit)
+                        {
+                            held[slot] += d.payload.len() as u64;
+                        }
+                    }
+                    _ => {}
                 }
             }
             (3, true) => drop(session.accept(id)),
@@ -222,11 +234,12 @@ pub fn session_ops(data: &[u8]) {
         );
         assert!(credit.outstanding() <= budget);
         assert_eq!(
-            session.outstanding_credit(),
+            session.outstanding_credit() + session.early_credit_offered(),
             credit.in_flight(),
             "the session's unarrived credit disagrees with the tracker's"
         );
-        assert!(session.outstanding_credit() <= connection_window);
+        assert!(session.outstanding_credit() <= connection_window + early_credit);
+        while session.poll_control_frame().is_some() {}
         assert!(session.sent(id) <= SENT_TENSOR_LEN);
         while session.poll_frame(id).is_some() {}
     }
@@ -234,6 +247,7 @@ pub fn session_ops(data: &[u8]) {
         let _ = credit.release(std::mem::take(&mut held[slot]));
         let _ = session.close_stream(id, &mut credit, now);
     }
+    session.withdraw_early_credit(&mut credit);
     assert_eq!(credit.outstanding(), 0, "credit not counted back");
     assert_eq!(session.outstanding_credit(), 0);
     assert_eq!(session.open_streams(), 0);

@@ -44,8 +44,15 @@ impl CheckedFrame {
 pub enum ReceiverState {
     /// Nothing received yet.
     AwaitingMetadata,
+    /// EARLY received: the tensor is sent early, its METADATA comes next (spec §7.6).
+    AwaitingEarlyMetadata,
     /// METADATA received; the application must accept or reject.
     AwaitingDecision,
+    /// An early tensor's METADATA received: DATA arrives while the application decides.
+    ReceivingEarly,
+    /// Every byte of an early tensor arrived and matched END's checksum; the application
+    /// has not decided yet.
+    EndedEarly,
     /// Accepted: DATA arrives against granted credit.
     Receiving,
     /// END verified every byte and the checksum; waiting for the sink to make them durable.
@@ -59,6 +66,8 @@ pub enum ReceiverState {
 /// What can happen to a receiving stream (spec §7.2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReceiverInput {
+    /// An EARLY frame arrived.
+    RecvEarly,
     /// A METADATA frame arrived.
     RecvMetadata,
     /// A DATA frame arrived.
@@ -83,7 +92,10 @@ impl ReceiverState {
     /// Every state, in table order.
     pub const ALL: &'static [ReceiverState] = &[
         Self::AwaitingMetadata,
+        Self::AwaitingEarlyMetadata,
         Self::AwaitingDecision,
+        Self::ReceivingEarly,
+        Self::EndedEarly,
         Self::Receiving,
         Self::AwaitingResidency,
         Self::Complete,
@@ -97,8 +109,13 @@ impl ReceiverState {
         match (self, input) {
             (S::Complete | S::Closed, _) => None,
             (S::AwaitingMetadata, I::RecvMetadata) => Some(S::AwaitingDecision),
-            (S::AwaitingDecision, I::Accept) => Some(S::Receiving),
-            (S::AwaitingDecision, I::Reject) => Some(S::Closed),
+            (S::AwaitingMetadata, I::RecvEarly) => Some(S::AwaitingEarlyMetadata),
+            (S::AwaitingEarlyMetadata, I::RecvMetadata) => Some(S::ReceivingEarly),
+            (S::AwaitingDecision | S::ReceivingEarly, I::Accept) => Some(S::Receiving),
+            (S::AwaitingDecision | S::ReceivingEarly | S::EndedEarly, I::Reject) => Some(S::Closed),
+            (S::ReceivingEarly, I::RecvData) => Some(S::ReceivingEarly),
+            (S::ReceivingEarly, I::RecvEnd) => Some(S::EndedEarly),
+            (S::EndedEarly, I::Accept) => Some(S::AwaitingResidency),
             (S::Receiving, I::RecvData) => Some(S::Receiving),
             (S::Receiving, I::RecvEnd) => Some(S::AwaitingResidency),
             (S::AwaitingResidency, I::Resident) => Some(S::Complete),
@@ -111,6 +128,7 @@ impl ReceiverState {
 impl ReceiverInput {
     /// Every input, in table order.
     pub const ALL: &'static [ReceiverInput] = &[
+        Self::RecvEarly,
         Self::RecvMetadata,
         Self::RecvData,
         Self::RecvEnd,
@@ -127,7 +145,10 @@ impl ReceiverInput {
 #[derive(Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ReceiverEvent {
-    /// METADATA arrived: read [`TensorReceiver::meta`], then accept or reject.
+    /// EARLY arrived: METADATA follows, then the tensor's bytes, before the decision.
+    Early,
+    /// METADATA arrived: read [`TensorReceiver::meta`], then accept or reject (for an early
+    /// tensor, once [`TensorReceiver::grant_early`] gave it its whole length).
     Metadata,
     /// Verified DATA: give it to the sink, release its credit once durable.
     Data(Data),
@@ -236,6 +257,7 @@ impl TensorReceiver {
     fn dispatch(&mut self, checked: CheckedFrame) -> Result<ReceiverEvent, ProtocolError> {
         let CheckedFrame { frame, payload_crc } = checked;
         let input = match &frame {
+            Frame::Early(_) => ReceiverInput::RecvEarly,
             Frame::Metadata(_) => ReceiverInput::RecvMetadata,
             Frame::Data(_) => ReceiverInput::RecvData,
             Frame::End(_) => ReceiverInput::RecvEnd,
@@ -249,6 +271,7 @@ impl TensorReceiver {
             )
         })?;
         let event = match frame {
+            Frame::Early(_) => ReceiverEvent::Early,
             Frame::Metadata(m) => self.on_metadata(m.meta)?,
             Frame::Data(data) => {
                 let crc = payload_crc.unwrap_or_else(|| data.payload.crc32c());
@@ -374,6 +397,28 @@ impl TensorReceiver {
         granted
     }
 
+    /// Gives an early tensor its whole length as credit, taken from the connection's early
+    /// allowance (spec §7.6); the session checked the allowance. Returns the bytes granted.
+    pub fn grant_early(&mut self) -> Result<u64, ProtocolError> {
+        if self.state != ReceiverState::ReceivingEarly || self.granted != 0 {
+            return Err(ProtocolError::Misuse(
+                "grant_early outside an early tensor's first step",
+            ));
+        }
+        self.granted = self.ungranted();
+        Ok(self.granted)
+    }
+
+    /// Whether the tensor was sent early and its decision is still pending.
+    pub fn is_early_undecided(&self) -> bool {
+        matches!(
+            self.state,
+            ReceiverState::AwaitingEarlyMetadata
+                | ReceiverState::ReceivingEarly
+                | ReceiverState::EndedEarly
+        )
+    }
+
     /// The sink made every byte durable: queues COMPLETE (spec §6.8).
     pub fn mark_resident(&mut self) -> Result<(), ProtocolError> {
         self.local(ReceiverInput::Resident)?;
@@ -399,6 +444,11 @@ impl TensorReceiver {
         Ok(())
     }
 
+    /// Closes on `err`, a rule the session found broken, and tells the sender why.
+    pub(crate) fn fail(&mut self, err: ProtocolError) {
+        self.abort(err);
+    }
+
     /// Closes on `err` and tells the sender why, unless the sender ended it first.
     fn abort(&mut self, err: ProtocolError) {
         if self.state.transition(ReceiverInput::Abort).is_none() {
@@ -407,9 +457,11 @@ impl TensorReceiver {
         if !matches!(err, ProtocolError::Remote { .. }) {
             let reason = err.wire_reason();
             let frame = match self.state {
-                ReceiverState::AwaitingMetadata | ReceiverState::AwaitingDecision => {
-                    Frame::Reject(Reject::new(err.code(), reason))
-                }
+                ReceiverState::AwaitingMetadata
+                | ReceiverState::AwaitingEarlyMetadata
+                | ReceiverState::AwaitingDecision
+                | ReceiverState::ReceivingEarly
+                | ReceiverState::EndedEarly => Frame::Reject(Reject::new(err.code(), reason)),
                 _ => Frame::Cancel(Cancel::new(err.code(), reason)),
             };
             self.outgoing.push_back(frame);

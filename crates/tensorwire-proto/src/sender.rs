@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use bytes::Bytes;
 
 use crate::error::{ErrorCode, ProtocolError};
-use crate::frame::{Cancel, Data, End, Frame, Metadata};
+use crate::frame::{Cancel, Data, Early, End, Frame, Metadata};
 use crate::meta::TensorMeta;
 
 /// Where a sending stream stands (spec §7.2).
@@ -13,6 +13,11 @@ use crate::meta::TensorMeta;
 pub enum SenderState {
     /// METADATA queued; waiting for ACCEPT or REJECT.
     AwaitingDecision,
+    /// EARLY and METADATA queued: DATA goes out before the decision, from the connection's
+    /// early allowance (spec §7.6).
+    SendingEarly,
+    /// An early tensor's END queued; waiting for ACCEPT or REJECT.
+    FinishedEarly,
     /// Accepted: DATA may be sent within credit.
     Sending,
     /// END queued; waiting for COMPLETE.
@@ -50,6 +55,8 @@ impl SenderState {
     /// Every state, in table order.
     pub const ALL: &'static [SenderState] = &[
         Self::AwaitingDecision,
+        Self::SendingEarly,
+        Self::FinishedEarly,
         Self::Sending,
         Self::AwaitingComplete,
         Self::Complete,
@@ -62,8 +69,13 @@ impl SenderState {
         use SenderState as S;
         match (self, input) {
             (S::Complete | S::Closed, _) => None,
-            (S::AwaitingDecision, I::RecvAccept) => Some(S::Sending),
-            (S::AwaitingDecision, I::RecvReject) => Some(S::Closed),
+            (S::AwaitingDecision | S::SendingEarly, I::RecvAccept) => Some(S::Sending),
+            (S::AwaitingDecision | S::SendingEarly | S::FinishedEarly, I::RecvReject) => {
+                Some(S::Closed)
+            }
+            (S::SendingEarly, I::SendData) => Some(S::SendingEarly),
+            (S::SendingEarly, I::Finish) => Some(S::FinishedEarly),
+            (S::FinishedEarly, I::RecvAccept) => Some(S::AwaitingComplete),
             (S::Sending, I::RecvCredit | I::SendData) => Some(S::Sending),
             (S::Sending, I::Finish) => Some(S::AwaitingComplete),
             (S::AwaitingComplete, I::RecvComplete) => Some(S::Complete),
@@ -165,10 +177,34 @@ impl TensorSender {
 
     /// The longest DATA payload that may be sent now: 0 when out of credit.
     pub fn next_chunk_len(&self) -> u64 {
-        if self.state != SenderState::Sending {
+        if !self.may_send() {
             return 0;
         }
         self.credit().min(self.max_data_payload)
+    }
+
+    /// Whether DATA may be sent (within credit): accepted, or sent early.
+    pub fn may_send(&self) -> bool {
+        matches!(self.state, SenderState::Sending | SenderState::SendingEarly)
+    }
+
+    /// Sends the tensor early (spec §7.6): queues EARLY before METADATA and takes the whole
+    /// length as credit, DATA payloads at most `max_data_payload` (from EARLY_CREDIT). Only
+    /// before anything was sent; the caller took `byte_len` from the early allowance.
+    pub fn send_early(&mut self, max_data_payload: u32) -> Result<(), ProtocolError> {
+        let untouched = self.state == SenderState::AwaitingDecision
+            && matches!(self.outgoing.front(), Some(Frame::Metadata(_)))
+            && self.outgoing.len() == 1;
+        if !untouched || max_data_payload == 0 {
+            return Err(ProtocolError::Misuse(
+                "send_early after the first frame went out, or with a 0-byte payload limit",
+            ));
+        }
+        self.outgoing.push_front(Frame::Early(Early));
+        self.state = SenderState::SendingEarly;
+        self.granted = self.meta.byte_len();
+        self.max_data_payload = max_data_payload.into();
+        Ok(())
     }
 
     /// The next frame to send to the receiver.

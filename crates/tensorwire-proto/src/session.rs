@@ -2,13 +2,13 @@
 //! the credit the peer's tensors are granted against the receiver-wide [`CreditTracker`],
 //! the connection's credit window, and its abuse budgets (spec §7, §10).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::credit::CreditTracker;
 use crate::error::{ErrorCode, ProtocolError};
 use crate::flood::{FloodBudget, FloodExceeded};
-use crate::frame::{Data, Frame};
+use crate::frame::{Data, EarlyCredit, Frame};
 use crate::limits::Limits;
 use crate::meta::TensorMeta;
 use crate::receiver::{CheckedFrame, ReceiverEvent, ReceiverState, TensorReceiver};
@@ -44,11 +44,14 @@ pub struct SessionConfig {
     pub max_failed_streams: u32,
     /// ... refilled at `max_failed_streams` per this window.
     pub failure_window: Duration,
+    /// Early credit the peer is offered on this connection (spec §7.6): tensors up to this
+    /// size go in one round trip. 0 offers none.
+    pub early_credit: u64,
 }
 
 impl Default for SessionConfig {
     /// The reference implementation's policy: 4 MiB grants, a 16 MiB window per tensor and
-    /// 128 MiB per connection, 1000 failed streams per 10 s.
+    /// 128 MiB per connection, 1000 failed streams per 10 s, 1 MiB of early credit.
     fn default() -> Self {
         Self {
             limits: Limits::default(),
@@ -57,6 +60,7 @@ impl Default for SessionConfig {
             connection_window: 128 << 20,
             max_failed_streams: 1000,
             failure_window: Duration::from_secs(10),
+            early_credit: 1 << 20,
         }
     }
 }
@@ -65,7 +69,12 @@ impl Default for SessionConfig {
 #[derive(Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SessionEvent {
+    /// EARLY arrived (spec §7.6): METADATA follows, then the tensor's DATA and END may
+    /// arrive before it is decided. Keep reading.
+    Early,
     /// METADATA arrived: admit with [`Session::accept`] or refuse with [`Session::reject`].
+    /// For an early tensor, DATA and END events may come before the decision: keep them for
+    /// the sink, and drop them (returning their credit) if it is refused.
     Metadata(TensorMeta),
     /// Verified DATA, its bytes counted as held in the credit tracker: hand it to the sink,
     /// and release the bytes to the tracker once the sink made them durable.
@@ -125,6 +134,23 @@ pub struct Session {
     failures: FloodBudget,
     /// When the last stream closed, while none is open (the idle timeout counts from it).
     idle_since: Option<Instant>,
+    /// Early credit offered to the peer (EARLY_CREDIT) and not yet claimed by an early
+    /// tensor: granted in the tracker, so it comes back when the connection ends.
+    early_offered: u64,
+    /// Whether the driver has a control stream to offer early credit on (it called
+    /// `offer_early_credit`): only then do closing streams top the offer up.
+    offering_early: bool,
+    /// Frames for our control stream (spec §4.1): EARLY_CREDIT.
+    control: VecDeque<Frame>,
+    /// What the peer's EARLY_CREDIT allows our tensors, once one arrived.
+    peer_early: Option<PeerEarly>,
+}
+
+/// The early allowance the peer gave our tensors (spec §7.6).
+#[derive(Clone, Copy, Debug)]
+struct PeerEarly {
+    allowance: u64,
+    max_data_payload: u32,
 }
 
 impl Session {
@@ -137,6 +163,10 @@ impl Session {
             outstanding: 0,
             failures,
             idle_since: Some(now),
+            early_offered: 0,
+            offering_early: false,
+            control: VecDeque::new(),
+            peer_early: None,
         }
     }
 
@@ -147,12 +177,97 @@ impl Session {
     }
 
     /// We opened stream `id` to send `tensor` on it; its METADATA is queued.
+    ///
+    /// A tensor that fits the early allowance the peer gave (spec §7.6) is sent early: EARLY
+    /// goes before METADATA and its bytes follow without waiting for ACCEPT.
     pub fn start_sending(
         &mut self,
         id: StreamId,
-        tensor: TensorSender,
+        mut tensor: TensorSender,
     ) -> Result<(), ProtocolError> {
+        if let Some(early) = &mut self.peer_early {
+            let len = tensor.meta().byte_len();
+            if len <= early.allowance {
+                tensor.send_early(early.max_data_payload)?;
+                early.allowance -= len;
+            }
+        }
         self.open(id, Tensor::Outgoing(tensor))
+    }
+
+    /// Feeds one frame from the peer's control stream (spec §4.1). An error is the
+    /// connection's: close it with the error's code.
+    pub fn handle_control_frame(&mut self, frame: Frame) -> Result<(), ProtocolError> {
+        let Frame::EarlyCredit(credit) = frame else {
+            return Err(ProtocolError::violation(
+                ErrorCode::UNEXPECTED_FRAME,
+                format!("{} on the control stream", frame.frame_type()),
+            ));
+        };
+        if credit.max_data_payload == 0 {
+            return Err(ProtocolError::violation(
+                ErrorCode::CHUNK_SIZE,
+                "EARLY_CREDIT allows DATA payloads of 0 bytes",
+            ));
+        }
+        let allowance = self.peer_early.map_or(0, |e| e.allowance);
+        let allowance = allowance.checked_add(credit.bytes).ok_or_else(|| {
+            ProtocolError::violation(
+                ErrorCode::CREDIT_VIOLATION,
+                "EARLY_CREDIT overflows the early allowance",
+            )
+        })?;
+        self.peer_early = Some(PeerEarly {
+            allowance,
+            max_data_payload: credit.max_data_payload,
+        });
+        Ok(())
+    }
+
+    /// What the peer's EARLY_CREDIT still allows our tensors to send early; `None` before
+    /// the first one arrived.
+    pub fn early_allowance(&self) -> Option<u64> {
+        self.peer_early.map(|e| e.allowance)
+    }
+
+    /// Offers the peer early credit up to the configured amount (spec §7.6), as the tracker
+    /// allows without reaching its low watermark; queues EARLY_CREDIT on the control stream.
+    /// Call when the connection starts; [`close_stream`](Self::close_stream) tops it up as
+    /// early tensors use it. Returns the bytes offered.
+    pub fn offer_early_credit(&mut self, credit: &mut CreditTracker) -> u64 {
+        self.offering_early = true;
+        let want = self.config.early_credit.saturating_sub(self.early_offered);
+        // Top up in halves of the target, not once per small tensor.
+        if want == 0 || want < self.config.early_credit.div_ceil(2) && self.early_offered > 0 {
+            return 0;
+        }
+        let granted = credit.grant_early(want);
+        if granted > 0 {
+            self.early_offered += granted;
+            self.control.push_back(Frame::EarlyCredit(EarlyCredit {
+                bytes: granted,
+                max_data_payload: self.config.limits.max_data_payload,
+            }));
+        }
+        granted
+    }
+
+    /// The next frame for our control stream.
+    pub fn poll_control_frame(&mut self) -> Option<Frame> {
+        self.control.pop_front()
+    }
+
+    /// Early credit offered to the peer and not yet used.
+    pub fn early_credit_offered(&self) -> u64 {
+        self.early_offered
+    }
+
+    /// The connection ended: early credit the peer did not use returns to `credit` (each
+    /// stream still open returns its own through [`close_stream`](Self::close_stream)).
+    pub fn withdraw_early_credit(&mut self, credit: &mut CreditTracker) {
+        let _ = credit.revoke_early(std::mem::take(&mut self.early_offered));
+        self.offering_early = false;
+        self.control.clear();
     }
 
     fn open(&mut self, id: StreamId, tensor: Tensor) -> Result<(), ProtocolError> {
@@ -213,11 +328,33 @@ impl Session {
             None => return Err(ProtocolError::Misuse("no such stream in the session")),
         };
         match tensor.handle_checked(frame)? {
-            ReceiverEvent::Metadata => tensor
-                .meta()
-                .cloned()
-                .map(SessionEvent::Metadata)
-                .ok_or(ProtocolError::Misuse("METADATA without meta")),
+            ReceiverEvent::Early => Ok(SessionEvent::Early),
+            ReceiverEvent::Metadata => {
+                if tensor.state() == ReceiverState::ReceivingEarly {
+                    // Spec §7.6: the whole tensor comes out of the early credit offered.
+                    let len = tensor.ungranted();
+                    if len > self.early_offered {
+                        let e = ProtocolError::violation(
+                            ErrorCode::CREDIT_VIOLATION,
+                            format!(
+                                "a {len} byte tensor sent early with {} bytes of early credit",
+                                self.early_offered
+                            ),
+                        );
+                        tensor.fail(e.clone());
+                        return Err(e);
+                    }
+                    let granted = tensor.grant_early()?;
+                    credit.claim_early(granted)?;
+                    self.early_offered -= granted;
+                    self.outstanding += granted;
+                }
+                tensor
+                    .meta()
+                    .cloned()
+                    .map(SessionEvent::Metadata)
+                    .ok_or(ProtocolError::Misuse("METADATA without meta"))
+            }
             ReceiverEvent::Data(data) => {
                 let len = data.payload.len() as u64;
                 if let Err(e) = credit.consume(len) {
@@ -360,7 +497,7 @@ impl Session {
 
     /// Whether our tensor on `id` was accepted and has bytes left to send.
     pub fn is_sending(&self, id: StreamId) -> bool {
-        matches!(self.tensors.get(&id), Some(Tensor::Outgoing(t)) if t.state() == SenderState::Sending)
+        matches!(self.tensors.get(&id), Some(Tensor::Outgoing(t)) if t.may_send())
     }
 
     /// The next frame to send on stream `id`.
@@ -434,6 +571,10 @@ impl Session {
         let unarrived = tensor.revocable_credit();
         let _ = credit.revoke(unarrived);
         self.outstanding = self.outstanding.saturating_sub(unarrived);
+        // Early credit that tensors used is offered again (in halves of the target).
+        if self.offering_early {
+            let _ = self.offer_early_credit(credit);
+        }
         if tensor.state() == ReceiverState::Complete {
             return StreamClosed::Completed;
         }

@@ -455,7 +455,9 @@ impl Peer {
     /// A frame from the peer on stream `id`, through the codec.
     fn deliver(&mut self, id: StreamId, frame: Frame) {
         let frame = Frame::decode_one(&frame.to_bytes());
-        if matches!(frame, Frame::Metadata(_)) {
+        let first = matches!(frame, Frame::Early(_))
+            || matches!(frame, Frame::Metadata(_)) && !self.landed.contains_key(&id);
+        if first {
             self.session.open_stream(id).unwrap();
             self.landed.insert(id, Vec::new());
         }
@@ -582,4 +584,183 @@ fn a_connection_holds_at_most_its_window_of_credit() {
     credit.release(512 << 10).unwrap();
     assert_eq!(credit.outstanding(), 0);
     assert_eq!(session.outstanding_credit(), 0);
+}
+
+/// Spec §7.6: with early credit offered, a small tensor goes as EARLY, METADATA, DATA and END
+/// in one flight and is answered by ACCEPT and COMPLETE: one round trip. A tensor larger than
+/// the allowance goes the usual way. All credit, early credit included, comes back.
+#[test]
+fn a_small_tensor_goes_in_one_round_trip_with_early_credit() {
+    let config = SessionConfig {
+        early_credit: 64 << 10,
+        ..SessionConfig::default()
+    };
+    let mut sender = Peer::new(&config);
+    let mut receiver = Peer::new(&config);
+    assert_eq!(
+        receiver.session.offer_early_credit(&mut receiver.credit),
+        64 << 10
+    );
+    let control = receiver.session.poll_control_frame().unwrap();
+    assert_eq!(
+        control,
+        Frame::EarlyCredit(tensorwire_proto::frame::EarlyCredit {
+            bytes: 64 << 10,
+            max_data_payload: config.limits.max_data_payload,
+        })
+    );
+    sender
+        .session
+        .handle_control_frame(Frame::decode_one(&control.to_bytes()))
+        .unwrap();
+    assert_eq!(sender.session.early_allowance(), Some(64 << 10));
+
+    sender.send(0, "small", pattern(4096, 1).into());
+    sender.send(4, "large", pattern(100 << 10, 2).into());
+    assert_eq!(sender.session.early_allowance(), Some(60 << 10));
+    // One flight from the sender: the small tensor is whole at the receiver, the large one
+    // only announced.
+    sender.flush_to(&mut receiver);
+    assert_eq!(receiver.landed[&0][..], pattern(4096, 1)[..]);
+    assert!(receiver.landed[&4].is_empty());
+    let replies: Vec<Frame> = std::iter::from_fn(|| receiver.session.poll_frame(0)).collect();
+    assert!(
+        matches!(replies[..], [Frame::Accept(_), Frame::Complete(_)]),
+        "{replies:?}"
+    );
+    for frame in replies {
+        sender.deliver(0, frame);
+    }
+    assert_eq!(sender.completed, [0], "complete after one round trip");
+    for _ in 0..100 {
+        if !(sender.flush_to(&mut receiver) | receiver.flush_to(&mut sender)) {
+            break;
+        }
+    }
+    assert_eq!(sender.completed, [0, 4]);
+    assert_eq!(receiver.landed[&4][..], pattern(100 << 10, 2)[..]);
+    for id in [0, 4] {
+        assert_eq!(
+            receiver
+                .session
+                .close_stream(id, &mut receiver.credit, epoch()),
+            StreamClosed::Completed
+        );
+    }
+    assert_eq!(
+        receiver.credit.outstanding(),
+        receiver.session.early_credit_offered(),
+        "only the standing offer is outstanding"
+    );
+    receiver.session.withdraw_early_credit(&mut receiver.credit);
+    assert_eq!(receiver.credit.outstanding(), 0, "credit counted back");
+}
+
+/// Spec §7.6: a REJECT discards the early bytes (they return to the budget); the allowance
+/// is spent all the same, and the offer is topped up once half of it was used.
+#[test]
+fn a_rejected_early_tensor_returns_its_bytes_and_the_offer_is_topped_up() {
+    let config = SessionConfig {
+        early_credit: 64 << 10,
+        ..SessionConfig::default()
+    };
+    let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
+    let mut session = Session::new(config, epoch());
+    assert_eq!(session.offer_early_credit(&mut credit), 64 << 10);
+    assert!(session.poll_control_frame().is_some());
+    let mut sender = TensorSender::new(meta("t", 40 << 10)).unwrap();
+    sender.send_early(16 << 10).unwrap();
+    sender.send_data(pattern(16 << 10, 3).into()).unwrap();
+    session.open_stream(0).unwrap();
+    let mut held = 0;
+    while let Some(frame) = sender.poll_frame() {
+        if let SessionEvent::Data(d) = session.handle_frame(0, frame, &mut credit).unwrap() {
+            held += d.payload.len() as u64;
+        }
+    }
+    assert_eq!(held, 16 << 10);
+    assert_eq!(session.early_credit_offered(), 24 << 10, "40 KiB claimed");
+    session
+        .reject(0, ErrorCode::REJECTED, "not this one")
+        .unwrap();
+    assert!(matches!(session.poll_frame(0), Some(Frame::Reject(_))));
+    credit.release(held).unwrap(); // the driver drops what it held
+    assert_eq!(
+        session.close_stream(0, &mut credit, epoch()),
+        StreamClosed::Failed
+    );
+    // 40 of 64 KiB used: more than half, so the offer is topped up to 64 KiB again.
+    assert_eq!(session.early_credit_offered(), 64 << 10);
+    let top_up = session.poll_control_frame();
+    assert!(
+        matches!(top_up, Some(Frame::EarlyCredit(c)) if c.bytes == 40 << 10),
+        "{top_up:?}"
+    );
+    assert_eq!(credit.outstanding(), 64 << 10);
+    session.withdraw_early_credit(&mut credit);
+    assert_eq!(credit.outstanding(), 0);
+}
+
+/// Spec §7.6: early credit is offered only up to the low watermark, so offers peers leave
+/// unused never keep granting paused; a tensor sent early past the offer is refused.
+#[test]
+fn early_credit_stays_under_the_low_watermark_and_bounds_early_tensors() {
+    let config = SessionConfig {
+        early_credit: 1 << 20,
+        ..SessionConfig::default()
+    };
+    let mut credit = CreditTracker::new(4 << 20, 2 << 20, 512 << 10).unwrap();
+    let mut session = Session::new(config.clone(), epoch());
+    assert_eq!(session.offer_early_credit(&mut credit), 512 << 10);
+    let mut other = Session::new(config, epoch());
+    assert_eq!(
+        other.offer_early_credit(&mut credit),
+        0,
+        "at the low watermark"
+    );
+    assert!(!credit.should_pause());
+
+    let mut sender = TensorSender::new(meta("big", 600 << 10)).unwrap();
+    sender.send_early(1 << 20).unwrap();
+    session.open_stream(0).unwrap();
+    let early = sender.poll_frame().unwrap();
+    assert!(matches!(
+        session.handle_frame(0, early, &mut credit),
+        Ok(SessionEvent::Early)
+    ));
+    let err = session
+        .handle_frame(0, sender.poll_frame().unwrap(), &mut credit)
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::CREDIT_VIOLATION);
+    assert!(matches!(session.poll_frame(0), Some(Frame::Reject(_))));
+    assert_eq!(
+        session.close_stream(0, &mut credit, epoch()),
+        StreamClosed::Failed
+    );
+    session.withdraw_early_credit(&mut credit);
+    assert_eq!(credit.outstanding(), 0);
+}
+
+/// Spec §4.1: the control stream carries EARLY_CREDIT only, with a non-zero payload limit.
+#[test]
+fn the_control_stream_takes_only_valid_early_credit() {
+    let mut session = Session::new(SessionConfig::default(), epoch());
+    assert_eq!(session.early_allowance(), None);
+    let credit = Frame::Credit(tensorwire_proto::frame::Credit { bytes: 1 });
+    assert_eq!(
+        session.handle_control_frame(credit).unwrap_err().code(),
+        ErrorCode::UNEXPECTED_FRAME
+    );
+    let zero = tensorwire_proto::frame::EarlyCredit {
+        bytes: 1,
+        max_data_payload: 0,
+    };
+    assert_eq!(
+        session
+            .handle_control_frame(zero.into())
+            .unwrap_err()
+            .code(),
+        ErrorCode::CHUNK_SIZE
+    );
+    assert_eq!(session.early_allowance(), None);
 }

@@ -8,7 +8,8 @@ mod common;
 use bytes::{Bytes, BytesMut};
 use common::vectors::{self, Manifest, vectors_dir};
 use tensorwire_proto::{
-    ErrorCode, Frame, FrameDecoder, Limits, ProtocolError, ReceiverEvent, TensorReceiver,
+    CreditTracker, ErrorCode, Frame, FrameDecoder, FrameType, Limits, ProtocolError, ReceiverEvent,
+    Session, SessionConfig, SessionEvent, StreamClosed, TensorReceiver,
 };
 
 fn read(file: &str) -> Bytes {
@@ -96,7 +97,7 @@ fn every_valid_frame_round_trips_byte_for_byte() {
             vector.file
         );
     }
-    assert_eq!(types_seen.len(), 8, "a valid vector for every frame type");
+    assert_eq!(types_seen.len(), 10, "a valid vector for every frame type");
 }
 
 #[test]
@@ -149,6 +150,9 @@ fn every_invalid_frame_fails_with_its_documented_code() {
 
 /// Runs a sequence vector against a receiver as the manifest describes.
 fn run_sequence(bytes: Bytes, credit: u64) -> Result<(), ProtocolError> {
+    if bytes.first() == Some(&FrameType::EARLY.0) {
+        return run_early_sequence(bytes, credit);
+    }
     let mut receiver = TensorReceiver::new(Limits::default());
     let mut decoder = FrameDecoder::new(Limits::default());
     decoder.push(bytes);
@@ -167,6 +171,51 @@ fn run_sequence(bytes: Bytes, credit: u64) -> Result<(), ProtocolError> {
         tensorwire_proto::ReceiverState::Complete => Ok(()),
         other => panic!("sequence ended in state {other:?}"),
     }
+}
+
+/// Spec §7.6: a connection's session that offered `early_credit` bytes, accepting after END.
+fn run_early_sequence(bytes: Bytes, early_credit: u64) -> Result<(), ProtocolError> {
+    let config = SessionConfig {
+        early_credit,
+        ..SessionConfig::default()
+    };
+    let mut credit = CreditTracker::new(1 << 30, 1 << 30, 1 << 29)?;
+    #[allow(clippy::disallowed_methods)] // No timeouts are exercised: any instant will do.
+    let now = std::time::Instant::now();
+    let mut session = Session::new(config, now);
+    assert_eq!(session.offer_early_credit(&mut credit), early_credit);
+    assert!(matches!(
+        session.poll_control_frame(),
+        Some(Frame::EarlyCredit(_))
+    ));
+    session.open_stream(0)?;
+    let mut decoder = FrameDecoder::new(Limits::default());
+    decoder.push(bytes);
+    let mut held = 0;
+    while let Some(frame) = decoder.next_frame()? {
+        match session.handle_frame(0, frame, &mut credit)? {
+            SessionEvent::Data(data) => held += data.payload.len() as u64,
+            SessionEvent::End => {
+                session.accept(0)?;
+                credit.release(std::mem::take(&mut held))?;
+                session.mark_resident(0)?;
+            }
+            _ => {}
+        }
+    }
+    decoder.finish()?;
+    let frames: Vec<Frame> = std::iter::from_fn(|| session.poll_frame(0)).collect();
+    assert!(
+        matches!(frames[..], [Frame::Accept(_), Frame::Complete(_)]),
+        "ACCEPT and COMPLETE together, no CREDIT: {frames:?}"
+    );
+    assert_eq!(
+        session.close_stream(0, &mut credit, now),
+        StreamClosed::Completed
+    );
+    session.withdraw_early_credit(&mut credit);
+    assert_eq!(credit.outstanding(), 0, "credit counted back");
+    Ok(())
 }
 
 #[test]

@@ -21,8 +21,11 @@ pub(crate) struct Budget {
 pub struct BudgetSnapshot {
     /// The whole budget.
     pub budget: u64,
-    /// Granted, not yet arrived.
+    /// Granted, not yet arrived (early credit offered included).
     pub in_flight: u64,
+    /// Of `in_flight`, early credit offered to peers and not yet used by a tensor (spec
+    /// §7.6): it stays out while their connections last.
+    pub early_offered: u64,
     /// Arrived, not yet durable in a sink.
     pub held: u64,
     /// The most that was ever outstanding (in flight plus held) at once.
@@ -68,6 +71,7 @@ impl Budget {
         BudgetSnapshot {
             budget: tracker.budget(),
             in_flight: tracker.in_flight(),
+            early_offered: tracker.early_offered(),
             held: tracker.held(),
             peak_outstanding: self.peak_outstanding.load(Ordering::Relaxed),
         }

@@ -383,6 +383,11 @@ pub struct ReceiverConfig {
     /// A connection with no tensor stream open for this long is closed with
     /// PROGRESS_TIMEOUT, even if its peer keeps it alive (spec §10).
     pub connection_idle_timeout: Duration,
+    /// Early credit offered to each connection (spec §7.6): a tensor up to this size goes
+    /// in one round trip (EARLY, METADATA, DATA and END at once; ACCEPT and COMPLETE back).
+    /// It comes out of [`Self::budget`], only while outstanding bytes stay at or below the
+    /// low watermark. 0 offers none. Default: 1 MiB.
+    pub early_credit: u64,
 }
 
 impl ReceiverConfig {
@@ -411,6 +416,7 @@ impl ReceiverConfig {
             memory_share_percent: 50,
             max_pending_per_connection: 64,
             connection_idle_timeout: Duration::from_secs(60),
+            early_credit: 1 << 20,
         }
     }
 

@@ -13,6 +13,7 @@
 
 mod budget;
 mod config;
+mod control;
 mod dev_trust;
 mod error;
 mod file;

@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span};
 
 use crate::config::{ReceiverConfig, SenderConfig};
+use crate::control::read_control_stream;
 use crate::error::TransportError;
 use crate::file::MappedRegion;
 use crate::metrics::{Metrics, MetricsSnapshot};
@@ -170,10 +171,11 @@ impl Sender {
         let connection = endpoint
             .connect_with(client, addr, &config.server_name)?
             .await?;
-        tokio::spawn(stop_unidirectional_streams(connection.clone()));
         // Its receiving policy is set once `receive` is called; until then the peer's streams
         // wait unread.
         let session = ConnectionSession::new(SessionConfig::default());
+        // Spec §4.1: the receiver's EARLY_CREDIT lets small tensors go in one round trip.
+        tokio::spawn(read_control_stream(connection.clone(), session.clone()));
         let mut sender = ConnectionSender::new(connection, session, &config);
         sender.metrics = metrics;
         Ok(Self { endpoint, sender })
@@ -198,6 +200,13 @@ impl Sender {
     /// Tensor and byte counters of this connection's sends.
     pub fn metrics(&self) -> MetricsSnapshot {
         self.sender.metrics()
+    }
+
+    /// Bytes of tensors the receiver's early credit still lets go in one round trip (spec
+    /// §7.6); `None` until its first EARLY_CREDIT arrived (or if it offers none). A tensor
+    /// whose whole length fits is sent early.
+    pub fn early_allowance(&self) -> Option<u64> {
+        self.sender.early_allowance()
     }
 
     /// The QUIC connection's own statistics (packets, losses, path MTU, RTT).
@@ -259,6 +268,12 @@ impl ConnectionSender {
     /// Tensor and byte counters of the tensors sent through this handle (and its clones).
     pub fn metrics(&self) -> MetricsSnapshot {
         self.metrics.snapshot()
+    }
+
+    /// Bytes of tensors the peer's early credit still lets go in one round trip (spec §7.6);
+    /// `None` until its first EARLY_CREDIT arrived.
+    pub fn early_allowance(&self) -> Option<u64> {
+        self.session.lock().early_allowance()
     }
 
     /// The peer's address.
@@ -328,13 +343,6 @@ impl SendProgress {
     /// The tensor's length.
     pub fn total_bytes(&self) -> u64 {
         self.total
-    }
-}
-
-/// Spec §3: unidirectional streams are unused; stop each with UNEXPECTED_FRAME.
-async fn stop_unidirectional_streams(connection: quinn::Connection) {
-    while let Ok(mut recv) = connection.accept_uni().await {
-        let _ = recv.stop(VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0));
     }
 }
 
@@ -465,7 +473,14 @@ impl OutgoingTensor {
                 // connection, both directions) is locked.
                 let chunk = CheckedChunk::new(chunk);
                 let len = chunk.len() as u64;
-                self.session.lock().send_checked(id, chunk)?;
+                {
+                    let mut session = self.session.lock();
+                    session.send_checked(id, chunk)?;
+                    if done + len == total {
+                        // END goes out with the last DATA, in one write.
+                        session.finish(id)?;
+                    }
+                }
                 tokio::select! {
                     written = self.flush() => written?,
                     _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),

@@ -130,11 +130,21 @@ async fn one_peer_holding_many_undecided_tensors_does_not_starve_another() {
     drop(held);
 }
 
-/// Spec §3: a unidirectional stream is stopped with UNEXPECTED_FRAME.
+/// Spec §3, §4.1: the first unidirectional stream is the peer's control stream; a second one
+/// is stopped with UNEXPECTED_FRAME.
 #[tokio::test]
-async fn a_unidirectional_stream_is_stopped_with_unexpected_frame() {
+async fn a_second_unidirectional_stream_is_stopped_with_unexpected_frame() {
     let (_rx, addr) = receiver(receiver_config()).await;
     let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    let mut control = raw.open_uni().await.unwrap();
+    let offer = tensorwire_proto::frame::EarlyCredit {
+        bytes: 4096,
+        max_data_payload: 4096,
+    };
+    control
+        .write_all(&Frame::from(offer).to_bytes())
+        .await
+        .unwrap();
     let mut uni = raw.open_uni().await.unwrap();
     let _ = uni
         .write_all(&Frame::from(u8_meta("uni", 10)).to_bytes())
@@ -147,6 +157,59 @@ async fn a_unidirectional_stream_is_stopped_with_unexpected_frame() {
         stopped,
         Some(VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0))
     );
+}
+
+/// Spec §4.1: a control stream that carries anything but EARLY_CREDIT closes the connection
+/// with UNEXPECTED_FRAME.
+#[tokio::test]
+async fn a_control_stream_with_another_frame_closes_the_connection() {
+    let (_rx, addr) = receiver(receiver_config()).await;
+    let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    let mut control = raw.open_uni().await.unwrap();
+    let _ = control
+        .write_all(&Frame::from(u8_meta("uni", 10)).to_bytes())
+        .await;
+    let closed = tokio::time::timeout(Duration::from_secs(10), raw.closed())
+        .await
+        .expect("the receiver closed the connection");
+    assert!(
+        matches!(&closed, quinn::ConnectionError::ApplicationClosed(c)
+            if c.error_code == VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0)),
+        "{closed:?}"
+    );
+}
+
+/// Spec §4.1, §7.6: the receiver offers early credit on its control stream; a peer that stops
+/// it (as a version 1.0 or 1.1 peer does) refuses the offer, and the credit returns to the
+/// budget while the connection lives.
+#[tokio::test]
+async fn a_refused_early_credit_offer_returns_to_the_budget() {
+    let (rx, addr) = receiver(receiver_config()).await;
+    let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
+    let mut control = tokio::time::timeout(Duration::from_secs(10), raw.accept_uni())
+        .await
+        .expect("the receiver opened its control stream")
+        .unwrap();
+    let offer = control.read_chunk(usize::MAX, true).await.unwrap().unwrap();
+    let mut decoder = tensorwire_proto::FrameDecoder::new(Default::default());
+    decoder.push(offer.bytes);
+    let Some(Frame::EarlyCredit(offer)) = decoder.next_frame().unwrap() else {
+        panic!("the control stream starts with EARLY_CREDIT");
+    };
+    assert_eq!(offer.bytes, receiver_config().early_credit);
+    assert_eq!(rx.budget().early_offered, offer.bytes);
+    control
+        .stop(VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0))
+        .unwrap();
+    for _ in 0..500 {
+        let budget = rx.budget();
+        if budget.early_offered == 0 && budget.in_flight == 0 {
+            assert_eq!(raw.close_reason(), None, "the connection lives on");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the refused offer stayed out: {:?}", rx.budget());
 }
 
 /// Spec §10: a connection that opens no tensor stream ends, even if its peer keeps it alive.

@@ -87,7 +87,10 @@ impl Suite {
         good.close().await;
         for _ in 0..500 {
             let (budget, _, _) = self.snapshot().await;
-            if budget.in_flight == 0 && budget.held == 0 && self.host().reserved == 0 {
+            if budget.in_flight == budget.early_offered
+                && budget.held == 0
+                && self.host().reserved == 0
+            {
                 self.assert_rss(phase);
                 return;
             }

@@ -8,6 +8,8 @@ mod cancel;
 mod complete;
 mod credit;
 mod data;
+mod early;
+mod early_credit;
 mod end;
 mod metadata;
 mod reject;
@@ -18,6 +20,8 @@ pub use cancel::Cancel;
 pub use complete::Complete;
 pub use credit::Credit;
 pub use data::Data;
+pub use early::Early;
+pub use early_credit::EarlyCredit;
 pub use end::End;
 pub use metadata::Metadata;
 pub use reject::Reject;
@@ -45,6 +49,8 @@ impl FrameType {
     pub const END: FrameType = FrameType(0x03);
     /// Either direction: abandon the tensor, with a code and reason.
     pub const CANCEL: FrameType = FrameType(0x04);
+    /// Sender → receiver: the tensor's bytes follow without waiting for ACCEPT (version 1.2).
+    pub const EARLY: FrameType = FrameType(0x05);
     /// Receiver → sender: the tensor is admitted.
     pub const ACCEPT: FrameType = FrameType(0x10);
     /// Receiver → sender: the tensor is refused.
@@ -53,6 +59,8 @@ impl FrameType {
     pub const CREDIT: FrameType = FrameType(0x12);
     /// Receiver → sender: every byte is verified and resident.
     pub const COMPLETE: FrameType = FrameType(0x13);
+    /// Receiver → sender, on the control stream: tensors may be sent early (version 1.2).
+    pub const EARLY_CREDIT: FrameType = FrameType(0x14);
 
     /// The registered name of this type, if it has one.
     pub fn name(self) -> Option<&'static str> {
@@ -65,6 +73,8 @@ impl FrameType {
             Self::REJECT => "REJECT",
             Self::CREDIT => "CREDIT",
             Self::COMPLETE => "COMPLETE",
+            Self::EARLY => "EARLY",
+            Self::EARLY_CREDIT => "EARLY_CREDIT",
             _ => return None,
         })
     }
@@ -104,6 +114,10 @@ pub enum Frame {
     Credit(Credit),
     /// COMPLETE (spec §6.8).
     Complete(Complete),
+    /// EARLY (spec §6.9).
+    Early(Early),
+    /// EARLY_CREDIT (spec §6.10).
+    EarlyCredit(EarlyCredit),
 }
 
 impl Frame {
@@ -118,6 +132,8 @@ impl Frame {
             Frame::Reject(_) => FrameType::REJECT,
             Frame::Credit(_) => FrameType::CREDIT,
             Frame::Complete(_) => FrameType::COMPLETE,
+            Frame::Early(_) => FrameType::EARLY,
+            Frame::EarlyCredit(_) => FrameType::EARLY_CREDIT,
         }
     }
 
@@ -132,6 +148,8 @@ impl Frame {
             Frame::Reject(f) => f.body_len(),
             Frame::Credit(_) => Credit::BODY_LEN,
             Frame::Complete(_) => Complete::BODY_LEN,
+            Frame::Early(_) => Early::BODY_LEN,
+            Frame::EarlyCredit(_) => EarlyCredit::BODY_LEN,
         }
     }
 
@@ -154,7 +172,8 @@ impl Frame {
             Frame::Accept(f) => f.encode_body(dst),
             Frame::Reject(f) => f.encode_body(dst),
             Frame::Credit(f) => f.encode_body(dst),
-            Frame::Complete(_) => {}
+            Frame::EarlyCredit(f) => f.encode_body(dst),
+            Frame::Complete(_) | Frame::Early(_) => {}
         }
     }
 
@@ -197,6 +216,8 @@ pub(crate) fn check_header(ty: FrameType, len: u32, limits: &Limits) -> Result<(
         FrameType::ACCEPT => wire::exact_len(ty, len, Accept::BODY_LEN),
         FrameType::CREDIT => wire::exact_len(ty, len, Credit::BODY_LEN),
         FrameType::COMPLETE => wire::exact_len(ty, len, Complete::BODY_LEN),
+        FrameType::EARLY => wire::exact_len(ty, len, Early::BODY_LEN),
+        FrameType::EARLY_CREDIT => wire::exact_len(ty, len, EarlyCredit::BODY_LEN),
         FrameType::CANCEL | FrameType::REJECT => wire::check_reason_len(ty, len, limits),
         _ => Err(ProtocolError::malformed(
             ErrorCode::UNKNOWN_FRAME_TYPE,
@@ -220,6 +241,8 @@ pub(crate) fn decode_body(
         FrameType::REJECT => Frame::Reject(Reject::decode(&body.contiguous())?),
         FrameType::CREDIT => Frame::Credit(Credit::decode(&body.contiguous())?),
         FrameType::COMPLETE => Frame::Complete(Complete),
+        FrameType::EARLY => Frame::Early(Early),
+        FrameType::EARLY_CREDIT => Frame::EarlyCredit(EarlyCredit::decode(&body.contiguous())?),
         _ => {
             return Err(ProtocolError::malformed(
                 ErrorCode::UNKNOWN_FRAME_TYPE,

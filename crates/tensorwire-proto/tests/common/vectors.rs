@@ -7,7 +7,9 @@ use std::path::PathBuf;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
-use tensorwire_proto::frame::{Accept, Cancel, Complete, Credit, Data, End, Reject};
+use tensorwire_proto::frame::{
+    Accept, Cancel, Complete, Credit, Data, Early, EarlyCredit, End, Reject,
+};
 use tensorwire_proto::{DType, Device, ErrorCode, Frame, TensorMeta};
 
 /// `spec/vectors`, from this crate's directory.
@@ -34,7 +36,8 @@ pub struct FrameVector {
 
 /// Frames a sender sends on one stream. The receiver (default limits) accepts after
 /// METADATA, grants `credit` bytes at once, marks the tensor resident after END, and must
-/// end with `outcome`: `COMPLETE` or an error code name.
+/// end with `outcome`: `COMPLETE` or an error code name. For a sequence that starts with
+/// EARLY, `credit` is the early credit the receiver offered, and it accepts after END.
 #[derive(Serialize, Deserialize, Debug, PartialEq, Clone)]
 pub struct SequenceVector {
     pub file: String,
@@ -250,6 +253,15 @@ pub fn frame_vectors() -> Vec<Built<FrameVector>> {
         ),
         valid("credit", "CREDIT: 4 MiB", Credit { bytes: 4 << 20 }),
         valid("complete", "COMPLETE", Complete),
+        valid("early", "EARLY (version 1.2)", Early),
+        valid(
+            "early_credit",
+            "EARLY_CREDIT: 1 MiB, DATA payloads up to 16 MiB (version 1.2)",
+            EarlyCredit {
+                bytes: 1 << 20,
+                max_data_payload: 16 << 20,
+            },
+        ),
         invalid(
             "unknown_type",
             "frame type 0x7f",
@@ -410,6 +422,18 @@ pub fn frame_vectors() -> Vec<Built<FrameVector>> {
             raw(0x10, 0, &[]),
         ),
         invalid(
+            "early_with_body",
+            "EARLY with a 1-byte body",
+            ErrorCode::FRAME_MALFORMED,
+            raw(0x05, 1, &[0]),
+        ),
+        invalid(
+            "early_credit_wrong_length",
+            "EARLY_CREDIT with an 8-byte body (the u32 is missing)",
+            ErrorCode::FRAME_MALFORMED,
+            raw(0x14, 8, &[0; 8]),
+        ),
+        invalid(
             "complete_with_body",
             "COMPLETE with a 1-byte body",
             ErrorCode::FRAME_MALFORMED,
@@ -495,6 +519,41 @@ pub fn sequence_vectors() -> Vec<Built<SequenceVector>> {
         .unwrap()
         .with_checksum(tensorwire_proto::ChecksumAlgorithm(9));
     vec![
+        sequence(
+            "early",
+            "a tensor sent early: EARLY, METADATA, two DATA and END before the decision \
+             (the receiver offered 64 bytes of early credit and accepts after END)",
+            64,
+            "COMPLETE",
+            &[
+                Early.into(),
+                meta_u8(64),
+                data(0, &t[..40]),
+                data(40, &t[40..]),
+                end_of(&t),
+            ],
+        ),
+        sequence(
+            "early_too_large",
+            "a 64-byte tensor sent early with 32 bytes of early credit offered",
+            32,
+            "CREDIT_VIOLATION",
+            &[Early.into(), meta_u8(64), data(0, &t[..32])],
+        ),
+        sequence(
+            "early_twice",
+            "EARLY twice",
+            64,
+            "UNEXPECTED_FRAME",
+            &[Early.into(), Early.into(), meta_u8(64)],
+        ),
+        sequence(
+            "early_after_metadata",
+            "EARLY after METADATA",
+            64,
+            "UNEXPECTED_FRAME",
+            &[meta_u8(64), Early.into()],
+        ),
         sequence(
             "in_order",
             "64 bytes in two DATA frames, in order",

@@ -15,6 +15,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use super::Shared;
 use super::incoming::IncomingTensor;
 use super::tensor::serve_stream;
+use crate::control::{ControlEnd, read_control_stream, write_control_stream};
 use crate::metrics::Metrics;
 use crate::session::ConnectionSession;
 use crate::stream::FrameStream;
@@ -32,6 +33,8 @@ pub(super) struct ConnectionState {
     pub(super) pending: Semaphore,
     /// Woken when DATA reopens the connection's credit window after it was full.
     pub(super) window_opened: Notify,
+    /// Woken when the session may have queued EARLY_CREDIT for our control stream.
+    pub(super) control_queued: Notify,
     /// This connection's shares of the receiver's memory budgets.
     pub(super) memory_shares: MemoryShares,
 }
@@ -111,7 +114,10 @@ pub(super) async fn serve_streams(
         connection_window: config.connection_window,
         max_failed_streams: config.max_failed_streams,
         failure_window: config.failure_window,
+        early_credit: config.early_credit,
     };
+    // A `Sender`'s connection already reads the peer's control stream (spec §4.1).
+    let reads_control = session.is_none();
     let session = match session {
         Some(session) => {
             session.lock().set_config(policy);
@@ -119,6 +125,9 @@ pub(super) async fn serve_streams(
         }
         None => ConnectionSession::new(policy),
     };
+    if reads_control {
+        tokio::spawn(read_control_stream(connection.clone(), session.clone()));
+    }
     let state = Arc::new(ConnectionState {
         remote: connection.remote_address(),
         endpoint,
@@ -127,6 +136,7 @@ pub(super) async fn serve_streams(
         session,
         pending: Semaphore::new(config.max_pending_per_connection),
         window_opened: Notify::new(),
+        control_queued: Notify::new(),
         memory_shares: MemoryShares::new(
             format!("the connection from {}", connection.remote_address()),
             config.memory_share_percent,
@@ -134,19 +144,21 @@ pub(super) async fn serve_streams(
     });
     shared.connections.insert(id, state.clone());
     info!("connection established");
+    if config.early_credit > 0 {
+        let offered = {
+            let mut session = state.session();
+            shared
+                .budget
+                .with_tracker(|credit| session.offer_early_credit(credit))
+        };
+        debug!(offered, "early credit");
+        tokio::spawn(offer_early_credit(shared.clone(), state.clone()));
+    }
     let idle_check = config.connection_idle_timeout.min(Duration::from_secs(1));
     loop {
         let accepted = tokio::select! {
             _ = shared.shutdown.cancelled() => break,
             accepted = connection.accept_bi() => accepted,
-            uni = connection.accept_uni() => {
-                // Spec §3: unidirectional streams are not used; stop each at once.
-                if let Ok(mut recv) = uni {
-                    debug!("stopping a unidirectional stream");
-                    let _ = recv.stop(VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0));
-                }
-                continue;
-            }
             () = tokio::time::sleep(idle_check) => {
                 if state.session().idle_for(Instant::now()) >= config.connection_idle_timeout {
                     info!(idle = ?config.connection_idle_timeout, "closing a connection with no tensor streams");
@@ -180,4 +192,26 @@ pub(super) async fn serve_streams(
         }
     }
     shared.connections.remove(&id);
+    withdraw_early_credit(&shared, &state);
+}
+
+/// Writes our EARLY_CREDIT offers on the control stream (spec §4.1, §7.6); a peer that stops
+/// the stream refuses them, and they go back to the budget.
+async fn offer_early_credit(shared: Arc<Shared>, state: Arc<ConnectionState>) {
+    let end = write_control_stream(&state.connection, &state.session, &state.control_queued).await;
+    if let ControlEnd::Refused = end {
+        debug!("the peer refused early credit (a version 1.0 or 1.1 peer)");
+        withdraw_early_credit(&shared, &state);
+    }
+}
+
+/// Returns the early credit the peer did not use to the budget and stops offering more.
+fn withdraw_early_credit(shared: &Shared, state: &ConnectionState) {
+    {
+        let mut session = state.session();
+        shared
+            .budget
+            .with_tracker(|credit| session.withdraw_early_credit(credit));
+    }
+    shared.budget.wake();
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use tensorwire_proto::frame::Data;
 use tensorwire_proto::{
     CheckedFrame, ErrorCode, Frame, ProtocolError, SessionEvent, StreamClosed, StreamId,
 };
@@ -31,6 +32,13 @@ pub(super) struct Accepted {
     /// Frames on their way from the session to the stream (see `ConnectionSession::flush`).
     outbox: Vec<Frame>,
     started: Instant,
+    /// Bytes of this tensor held and not yet made durable (by the sink, or here).
+    pending: Arc<AtomicU64>,
+    /// DATA of a tensor sent early that arrived before the decision, with its credit: handed
+    /// to the sink on ACCEPT, dropped (the credit returning) otherwise (spec §7.6).
+    early: Vec<(Data, CreditPermit)>,
+    /// Whether the early tensor's END arrived (and was verified) before the decision.
+    early_ended: bool,
 }
 
 pub(super) async fn serve_stream(
@@ -48,6 +56,9 @@ pub(super) async fn serve_stream(
         stream,
         outbox: Vec::new(),
         started: Instant::now(),
+        pending: Arc::new(AtomicU64::new(0)),
+        early: Vec::new(),
+        early_ended: false,
     };
     st.shared.metrics.started();
     st.connection.metrics.started();
@@ -93,11 +104,16 @@ impl Accepted {
     ) -> Result<Option<Run>, TransportError> {
         let shared = self.shared.clone();
         let config = &shared.config;
-        let frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame())
-            .await
-            .map_err(|_| TransportError::timed_out("METADATA", config.progress_timeout))??;
-        let SessionEvent::Metadata(meta) = self.handle(frame)? else {
-            return Err(ProtocolError::Misuse("first event was not METADATA").into());
+        let meta = loop {
+            let frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame())
+                .await
+                .map_err(|_| TransportError::timed_out("METADATA", config.progress_timeout))??;
+            match self.handle(frame)? {
+                SessionEvent::Metadata(meta) => break meta,
+                // Spec §7.6: EARLY comes first; METADATA follows.
+                SessionEvent::Early => continue,
+                _ => return Err(ProtocolError::Misuse("first event was not METADATA").into()),
+            }
         };
         debug!(name = meta.name(), bytes = meta.byte_len(), dtype = %meta.dtype(), "metadata");
         let connection = self.connection.clone();
@@ -167,17 +183,41 @@ impl Accepted {
         }
     }
 
-    /// Awaits `wait` while reading the stream: before ACCEPT any frame (a CANCEL, DATA
+    /// Awaits `wait` while reading the stream. Before ACCEPT, a tensor sent early keeps its
+    /// DATA (with its credit) and notes its END (spec §7.6); any other frame (a CANCEL, DATA
     /// without credit), a reset or a FIN ends the tensor with the matching error.
     async fn while_reading<T>(
         &mut self,
         wait: impl Future<Output = T>,
     ) -> Result<T, TransportError> {
-        tokio::select! {
-            out = wait => Ok(out),
-            frame = self.stream.next_frame() => {
-                self.handle(frame?)?;
-                Err(ProtocolError::Misuse("a frame was accepted before ACCEPT").into())
+        tokio::pin!(wait);
+        loop {
+            // After END only a CANCEL, a reset or the sender's FIN can come (spec §4).
+            let frame = tokio::select! {
+                out = &mut wait => return Ok(out),
+                frame = self.stream.next_frame_or_fin() => frame?,
+            };
+            let Some(frame) = frame else {
+                if self.early_ended {
+                    return Ok(wait.await);
+                }
+                return Err(ProtocolError::Remote {
+                    code: ErrorCode::TRUNCATED_FRAME,
+                    reason: "peer ended the stream before its last frame".into(),
+                }
+                .into());
+            };
+            match self.handle(frame)? {
+                SessionEvent::Data(data) => {
+                    let n = data.payload.len() as u64;
+                    let permit =
+                        CreditPermit::new(n, self.shared.budget.clone(), self.pending.clone());
+                    self.early.push((data, permit));
+                }
+                SessionEvent::End => self.early_ended = true,
+                _ => {
+                    return Err(ProtocolError::Misuse("a frame was accepted before ACCEPT").into());
+                }
             }
         }
     }
@@ -208,10 +248,22 @@ impl Accepted {
         let shared = self.shared.clone();
         let connection = self.connection.clone();
         let config = &shared.config;
-        // Bytes of this tensor the sink holds and has not yet made durable.
-        let pending = Arc::new(AtomicU64::new(0));
+        let pending = self.pending.clone();
         self.connection.session().accept(self.id)?;
-        self.flush().await?;
+        if !self.early_ended {
+            // A tensor whose every byte arrived early sends ACCEPT with COMPLETE, in one write.
+            self.flush().await?;
+        }
+        for (data, permit) in std::mem::take(&mut self.early) {
+            let n = data.payload.len() as u64;
+            sink.write(data.offset, data.payload, permit).await?;
+            progress.fetch_add(n, Ordering::Relaxed);
+            shared.metrics.add_bytes(n);
+            self.connection.metrics.add_bytes(n);
+        }
+        if self.early_ended {
+            return self.complete(sink, &pending).await;
+        }
         loop {
             // Armed before asking, so a release between the two is not missed.
             let returned = shared.budget.credit_returned();
@@ -248,22 +300,31 @@ impl Accepted {
                             shared.metrics.add_bytes(n);
                             self.connection.metrics.add_bytes(n);
                         }
-                        SessionEvent::End => {
-                            let output = self.finish_watching(sink.finish()).await??;
-                            let left = pending.load(Ordering::Acquire);
-                            if left != 0 {
-                                return Err(SinkError::failed(format!("sink finished with {left} bytes not durable")).into());
-                            }
-                            // Spec §6.8: COMPLETE only now, with every byte verified and durable.
-                            self.connection.session().mark_resident(self.id)?;
-                            self.flush().await?;
-                            return Ok(output);
-                        }
+                        SessionEvent::End => return self.complete(sink, &pending).await,
                         _ => return Err(ProtocolError::Misuse("second METADATA event").into()),
                     }
                 }
             }
         }
+    }
+
+    /// Every byte arrived and matched END's checksum: finishes the sink, then sends COMPLETE.
+    async fn complete<S: Sink>(
+        &mut self,
+        sink: S,
+        pending: &AtomicU64,
+    ) -> Result<S::Output, TransportError> {
+        let output = self.finish_watching(sink.finish()).await??;
+        let left = pending.load(Ordering::Acquire);
+        if left != 0 {
+            return Err(
+                SinkError::failed(format!("sink finished with {left} bytes not durable")).into(),
+            );
+        }
+        // Spec §6.8: COMPLETE only now, with every byte verified and durable.
+        self.connection.session().mark_resident(self.id)?;
+        self.flush().await?;
+        Ok(output)
     }
 
     /// Awaits the sink after END while the sender may still CANCEL or reset; its FIN right
@@ -308,6 +369,8 @@ impl Accepted {
             warn!(error = %e, "tensor failed");
         }
         let _ = self.flush().await;
+        // Early DATA never handed to a sink: its credit returns now, not after the linger.
+        self.early.clear();
         self.stream
             .close(error.map(|e| e.code().unwrap_or(ErrorCode::INTERNAL)));
         let closed = {

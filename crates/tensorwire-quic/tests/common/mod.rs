@@ -91,10 +91,12 @@ pub fn remote_code(err: &TransportError) -> Option<ErrorCode> {
     }
 }
 
+/// Every credit byte is back, but the early credit (spec §7.6) offered to connections still
+/// open.
 pub async fn assert_budget_returned(rx: &Receiver) {
     for _ in 0..100 {
         let b = rx.budget();
-        if b.in_flight == 0 && b.held == 0 {
+        if b.in_flight == b.early_offered && b.held == 0 {
             return;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
