@@ -505,7 +505,8 @@ fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000, 3).expect("constant bounds")
 }
 
-/// One tensor at a time, METADATA → COMPLETE, on one connection.
+/// One tensor at a time, METADATA → COMPLETE, on one connection: in one round trip once the
+/// receiver's early credit (spec §7.6) has arrived, which is awaited first.
 async fn tensorwire_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Result<Histogram<u64>> {
     let mut config = ReceiverConfig::new(
         "127.0.0.1:0".parse()?,
@@ -534,6 +535,18 @@ async fn tensorwire_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Resu
     .await?;
     let data = payload(size);
     let meta = TensorMeta::new([size as u64], DType::U8)?.with_name("small");
+    for _ in 0..1000 {
+        if sender.early_allowance().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    match sender.early_allowance() {
+        Some(bytes) if bytes >= size as u64 => {
+            println!("tensorwire latency: {size}-byte tensors go early, in one round trip");
+        }
+        other => println!("tensorwire latency: no early credit for {size} bytes ({other:?})"),
+    }
     let mut h = histogram();
     for _ in 0..samples {
         let started = Instant::now();

@@ -51,6 +51,10 @@ struct Args {
     /// Bytes per CREDIT frame, in MiB.
     #[arg(long = "grant-mib", default_value = "4", value_parser = mebibytes)]
     grant_unit: u64,
+    /// Early credit offered to each connection, in KiB: tensors up to this size arrive in one
+    /// round trip (spec §7.6). 0 offers none.
+    #[arg(long = "early-credit-kib", default_value_t = 1024)]
+    early_credit_kib: u64,
     /// Largest tensor accepted, in MiB.
     #[arg(long = "max-tensor-mib", default_value = "65536", value_parser = mebibytes)]
     max_tensor: u64,
@@ -134,6 +138,7 @@ async fn main() -> anyhow::Result<()> {
     config.limits.max_tensor_len = args.max_tensor;
     config.stream_window = args.stream_window;
     config.grant_unit = args.grant_unit;
+    config.early_credit = args.early_credit_kib.saturating_mul(1024);
     if let Some(host_memory) = args.host_memory {
         config.host_memory_budget = host_memory;
     }
