@@ -14,8 +14,14 @@ use crate::error::TransportError;
 /// batch exceeds 64 KiB and the send fails silently, stalling the connection (seen at 8000).
 pub const MAX_MTU_WITH_GSO: u16 = 6500;
 
-/// Unidirectional streams a peer may have open at once; each is stopped on arrival.
-const UNI_STREAMS_TO_STOP: u32 = 4;
+/// Unidirectional streams a peer may have open at once: its control stream (spec §4.1) and a
+/// few more, each stopped on arrival.
+const UNI_STREAMS: u32 = 4;
+
+/// The most a clean close waits for its endpoint to go idle. CONNECTION_CLOSE goes out at
+/// once; the wait is QUIC's draining period (three probe timeouts), which after a fast
+/// transfer that filled socket buffers measured over a second, at the end of every run.
+pub(crate) const CLOSE_DRAIN: Duration = Duration::from_millis(100);
 
 /// QUIC transport settings shared by senders and receivers.
 #[derive(Clone, Debug)]
@@ -263,9 +269,9 @@ impl TransportSettings {
         let idle = IdleTimeout::try_from(self.idle_timeout)
             .map_err(|_| TransportError::Config("idle timeout too large".into()))?;
         t.max_concurrent_bidi_streams(VarInt::from_u32(self.max_concurrent_streams))
-            // Spec §3: unidirectional streams are unused, but a peer's must be stopped with
-            // UNEXPECTED_FRAME, which needs a few to be allowed.
-            .max_concurrent_uni_streams(VarInt::from_u32(UNI_STREAMS_TO_STOP))
+            // Spec §3, §4.1: the peer's control stream, and a few more to stop with
+            // UNEXPECTED_FRAME (stopping one needs it to be allowed).
+            .max_concurrent_uni_streams(VarInt::from_u32(UNI_STREAMS))
             .stream_receive_window(VarInt::from_u32(self.stream_receive_window))
             .receive_window(VarInt::from_u32(self.connection_receive_window))
             .send_window(self.send_window)

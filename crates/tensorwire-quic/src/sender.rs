@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span};
 
-use crate::config::{ReceiverConfig, SenderConfig};
+use crate::config::{CLOSE_DRAIN, ReceiverConfig, SenderConfig};
 use crate::control::read_control_stream;
 use crate::error::TransportError;
 use crate::file::MappedRegion;
@@ -214,10 +214,10 @@ impl Sender {
         self.sender.connection.stats()
     }
 
-    /// Closes the connection cleanly and waits for the endpoint to go idle.
+    /// Closes the connection cleanly and waits, briefly, for the endpoint to go idle.
     pub async fn close(self) {
         self.sender.connection.close(VarInt::from_u32(0), b"done");
-        self.endpoint.wait_idle().await;
+        let _ = tokio::time::timeout(CLOSE_DRAIN, self.endpoint.wait_idle()).await;
     }
 }
 

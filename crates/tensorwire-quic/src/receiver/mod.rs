@@ -27,7 +27,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::budget::{Budget, BudgetSnapshot};
-use crate::config::ReceiverConfig;
+use crate::config::{CLOSE_DRAIN, ReceiverConfig};
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::session::ConnectionSession;
@@ -234,7 +234,7 @@ impl Receiver {
     }
 
     /// Stops accepting, lets tensors in progress finish for up to [`CLOSE_GRACE`], then
-    /// closes every connection with SHUTDOWN and waits for the endpoint to go idle.
+    /// closes every connection with SHUTDOWN and waits, briefly, for the endpoints to go idle.
     pub async fn close(self) {
         self.shared.shutdown.cancel();
         self.shared.streams.close();
@@ -245,9 +245,12 @@ impl Receiver {
                 b"receiver shutting down",
             );
         }
-        for endpoint in &self.endpoints {
-            endpoint.wait_idle().await;
-        }
+        let idle = async {
+            for endpoint in &self.endpoints {
+                endpoint.wait_idle().await;
+            }
+        };
+        let _ = tokio::time::timeout(CLOSE_DRAIN, idle).await;
     }
 }
 
