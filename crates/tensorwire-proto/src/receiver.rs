@@ -28,11 +28,6 @@ impl CheckedFrame {
         Self { frame, payload_crc }
     }
 
-    /// The frame.
-    pub fn frame(&self) -> &Frame {
-        &self.frame
-    }
-
     /// The frame, its checksum dropped.
     pub fn into_frame(self) -> Frame {
         self.frame
@@ -407,16 +402,6 @@ impl TensorReceiver {
         }
         self.granted = self.ungranted();
         Ok(self.granted)
-    }
-
-    /// Whether the tensor was sent early and its decision is still pending.
-    pub fn is_early_undecided(&self) -> bool {
-        matches!(
-            self.state,
-            ReceiverState::AwaitingEarlyMetadata
-                | ReceiverState::ReceivingEarly
-                | ReceiverState::EndedEarly
-        )
     }
 
     /// The sink made every byte durable: queues COMPLETE (spec §6.8).
