@@ -516,12 +516,18 @@ async fn tensorwire_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Resu
     let mut receiver = Receiver::bind(config).await?;
     let addr = receiver.local_addr()?;
     let server = tokio::spawn(async move {
+        // Accepting starts the receive on the tensor's own task; the handles are checked
+        // after the run, so no task is spawned per tensor on the measured path.
+        let mut handles = Vec::with_capacity(samples as usize);
         for _ in 0..samples {
             let incoming = receiver
                 .next()
                 .await
                 .ok_or_else(|| anyhow::anyhow!("closed"))?;
-            tokio::spawn(incoming.accept(DiscardSink).finished());
+            handles.push(incoming.accept(DiscardSink));
+        }
+        for handle in handles {
+            handle.finished().await?;
         }
         anyhow::Ok(receiver)
     });
