@@ -456,3 +456,43 @@ async fn a_small_tensor_arrives_with_its_metadata_when_sent_early() {
     }
     panic!("early credit outlived its connection: {:?}", rx.budget());
 }
+
+/// Spec §7.6: the receiver tops its early credit offer up as tensors use it, so tensors sent
+/// one after another keep going early well past the first offer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn early_credit_is_topped_up_as_tensors_use_it() {
+    let mut config = receiver_config();
+    config.early_credit = 16 << 10;
+    let (mut rx, addr) = receiver(config).await;
+    let tx = sender(addr).await;
+    // 20 tensors of 4 KiB: five times the offer.
+    for i in 0..20 {
+        let mut allowance = None;
+        for _ in 0..500 {
+            allowance = tx.early_allowance();
+            if allowance.is_some_and(|a| a >= 4096) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            allowance.is_some_and(|a| a >= 4096),
+            "tensor {i}: early credit not topped up ({allowance:?})"
+        );
+        let send = tx.send(u8_meta("small", 4096), pattern(4096, i));
+        let incoming = rx.next().await.unwrap();
+        let mut held = 0;
+        for _ in 0..500 {
+            held = rx.budget().held;
+            if held == 4096 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(held, 4096, "tensor {i} was not sent early");
+        let (_, bytes) = land_host(incoming).await;
+        assert_eq!(bytes, pattern(4096, i));
+        send.finished().await.unwrap();
+    }
+    tx.close().await;
+}

@@ -380,6 +380,8 @@ impl Accepted {
                 .with_tracker(|credit| session.close_stream(self.id, credit, Instant::now()))
         };
         self.shared.budget.wake();
+        // Closing may have topped up the peer's early credit: the control stream sends it.
+        self.connection.control_queued.notify_one();
         let ok = closed == StreamClosed::Completed;
         let elapsed = self.started.elapsed();
         self.shared.metrics.finished(ok, elapsed);
