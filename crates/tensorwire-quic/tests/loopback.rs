@@ -422,14 +422,7 @@ async fn a_small_tensor_arrives_with_its_metadata_when_sent_early() {
         let send = tx.send(u8_meta(name, 4096), pattern(4096, 5));
         let incoming = rx.next().await.unwrap();
         // The bytes came with METADATA: held by the receiver, before any ACCEPT.
-        let mut held = 0;
-        for _ in 0..500 {
-            held = rx.budget().held;
-            if held == 4096 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let held = held_within_5s(&rx, 4096).await;
         assert_eq!(held, 4096, "{name}: the early bytes wait for the decision");
         if accept {
             let (meta, bytes) = land_host(incoming).await;
@@ -481,18 +474,23 @@ async fn early_credit_is_topped_up_as_tensors_use_it() {
         );
         let send = tx.send(u8_meta("small", 4096), pattern(4096, i));
         let incoming = rx.next().await.unwrap();
-        let mut held = 0;
-        for _ in 0..500 {
-            held = rx.budget().held;
-            if held == 4096 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let held = held_within_5s(&rx, 4096).await;
         assert_eq!(held, 4096, "tensor {i} was not sent early");
         let (_, bytes) = land_host(incoming).await;
         assert_eq!(bytes, pattern(4096, i));
         send.finished().await.unwrap();
     }
     tx.close().await;
+}
+
+/// The credit `rx` holds once it reaches `bytes`, or after 5 s, whichever comes first: bytes
+/// held before the application decided came early (spec §7.6).
+async fn held_within_5s(rx: &tensorwire_quic::Receiver, bytes: u64) -> u64 {
+    for _ in 0..500 {
+        if rx.budget().held == bytes {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    rx.budget().held
 }
