@@ -92,12 +92,7 @@ impl CreditTracker {
     /// or the peer refused the offers). Returns `true` when this ended a pause.
     #[must_use = "on true, granting resumes: hand out credit again"]
     pub fn revoke_early(&mut self, n: u64) -> Result<bool, ProtocolError> {
-        if n > self.early {
-            return Err(ProtocolError::Misuse(
-                "revoked more early credit than was offered",
-            ));
-        }
-        self.early -= n;
+        self.claim_early(n)?;
         self.revoke(n)
     }
 

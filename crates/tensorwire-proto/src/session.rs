@@ -495,7 +495,8 @@ impl Session {
         self.outgoing(id)?.finish()
     }
 
-    /// Whether our tensor on `id` was accepted and has bytes left to send.
+    /// Whether our tensor on `id` may send DATA (accepted, or sent early) and has not
+    /// finished.
     pub fn is_sending(&self, id: StreamId) -> bool {
         matches!(self.tensors.get(&id), Some(Tensor::Outgoing(t)) if t.may_send())
     }

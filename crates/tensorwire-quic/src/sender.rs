@@ -473,13 +473,11 @@ impl OutgoingTensor {
                 // connection, both directions) is locked.
                 let chunk = CheckedChunk::new(chunk);
                 let len = chunk.len() as u64;
-                {
-                    let mut session = self.session.lock();
-                    session.send_checked(id, chunk)?;
-                    if done + len == total {
-                        // END goes out with the last DATA, in one write.
-                        session.finish(id)?;
-                    }
+                self.session.lock().send_checked(id, chunk)?;
+                if done + len == total {
+                    // The last DATA goes out with END, in the write below.
+                    sent.store(total, Ordering::Relaxed);
+                    break;
                 }
                 tokio::select! {
                     written = self.flush() => written?,

@@ -268,18 +268,19 @@ impl Accepted {
             // Armed before asking, so a release between the two is not missed.
             let returned = shared.budget.credit_returned();
             let window_opened = connection.window_opened.notified();
+            // The receiver-wide tracker is locked only when a grant is due (once per grant
+            // unit), not for every DATA. Granting nothing leaves the want unchanged.
             let (granted, wants_more) = {
                 let mut session = self.connection.session();
-                // The receiver-wide tracker is locked only when a grant is due (once per
-                // grant unit), not for every DATA.
-                let granted = if session.wants_credit(self.id) {
+                let wants = session.wants_credit(self.id);
+                let granted = if wants {
                     shared
                         .budget
                         .with_tracker(|credit| session.grant(self.id, credit))
                 } else {
                     0
                 };
-                (granted, session.wants_credit(self.id))
+                (granted, wants)
             };
             if granted > 0 {
                 self.flush().await?;
