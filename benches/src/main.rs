@@ -505,9 +505,31 @@ fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000, 3).expect("constant bounds")
 }
 
+/// Runs a latency client on a runtime worker, as a server's tasks run, not on `main`'s own
+/// thread (which every wake-up would have to cross to).
+async fn on_worker(
+    run: impl Future<Output = anyhow::Result<Histogram<u64>>> + Send + 'static,
+) -> anyhow::Result<Histogram<u64>> {
+    tokio::spawn(run).await?
+}
+
+/// How the latency run's two ends hand tensors to the application.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Admission {
+    /// `Receiver::next` and `accept` on the application's task; `send` on a task of its own.
+    Queued,
+    /// `Receiver::admit_with` on each tensor's own task; `send_inline` on the caller's task.
+    Inline,
+}
+
 /// One tensor at a time, METADATA → COMPLETE, on one connection: in one round trip once the
 /// receiver's early credit (spec §7.6) has arrived, which is awaited first.
-async fn tensorwire_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Result<Histogram<u64>> {
+async fn tensorwire_latency(
+    samples: u64,
+    size: usize,
+    mtu: u16,
+    admission: Admission,
+) -> anyhow::Result<Histogram<u64>> {
     let mut config = ReceiverConfig::new(
         "127.0.0.1:0".parse()?,
         tensorwire::quic::ServerTls::Development,
@@ -515,19 +537,33 @@ async fn tensorwire_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Resu
     config.transport = transport(mtu);
     let mut receiver = Receiver::bind(config).await?;
     let addr = receiver.local_addr()?;
+    // Accepting starts the receive on the tensor's own task; the handles are checked after
+    // the run, so no task is spawned per tensor on the measured path.
+    let handles = Arc::new(std::sync::Mutex::new(Vec::with_capacity(samples as usize)));
+    if admission == Admission::Inline {
+        let handles = handles.clone();
+        receiver.admit_with(move |incoming| {
+            let handle = incoming.accept(DiscardSink);
+            handles
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(handle);
+        })?;
+    }
+    let queued = handles.clone();
     let server = tokio::spawn(async move {
-        // Accepting starts the receive on the tensor's own task; the handles are checked
-        // after the run, so no task is spawned per tensor on the measured path.
-        let mut handles = Vec::with_capacity(samples as usize);
-        for _ in 0..samples {
-            let incoming = receiver
-                .next()
-                .await
-                .ok_or_else(|| anyhow::anyhow!("closed"))?;
-            handles.push(incoming.accept(DiscardSink));
-        }
-        for handle in handles {
-            handle.finished().await?;
+        if admission == Admission::Queued {
+            for _ in 0..samples {
+                let incoming = receiver
+                    .next()
+                    .await
+                    .ok_or_else(|| anyhow::anyhow!("closed"))?;
+                let handle = incoming.accept(DiscardSink);
+                queued
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(handle);
+            }
         }
         anyhow::Ok(receiver)
     });
@@ -556,11 +592,25 @@ async fn tensorwire_latency(samples: u64, size: usize, mtu: u16) -> anyhow::Resu
     let mut h = histogram();
     for _ in 0..samples {
         let started = Instant::now();
-        sender.send(meta.clone(), data.clone()).finished().await?;
+        match admission {
+            Admission::Queued => sender.send(meta.clone(), data.clone()).finished().await?,
+            Admission::Inline => sender.send_inline(meta.clone(), data.clone()).await?,
+        };
         h.saturating_record(started.elapsed().as_micros() as u64);
     }
+    print_datagrams("tensorwire", &sender.connection_stats(), samples);
     sender.close().await;
-    server.await??.close().await;
+    let receiver = server.await??;
+    let handles = std::mem::take(&mut *handles.lock().unwrap_or_else(|e| e.into_inner()));
+    anyhow::ensure!(
+        handles.len() as u64 == samples,
+        "{} of {samples} tensors admitted",
+        handles.len()
+    );
+    for handle in handles {
+        handle.finished().await?;
+    }
+    receiver.close().await;
     Ok(h)
 }
 
@@ -622,10 +672,22 @@ async fn quinn_latency(
         let _ = recv.read_to_end(16).await?;
         h.saturating_record(started.elapsed().as_micros() as u64);
     }
+    print_datagrams("raw quinn", &conn.stats(), samples);
     conn.close(0u32.into(), b"done");
     client.wait_idle().await;
     server_task.abort();
     Ok(h)
+}
+
+/// UDP datagrams the client sent and received per message, handshake included: one each way
+/// is the floor for a request/response.
+fn print_datagrams(who: &str, stats: &quinn::ConnectionStats, samples: u64) {
+    let per = |n: u64| n as f64 / samples.max(1) as f64;
+    println!(
+        "{who} latency client: {:.2} datagrams sent, {:.2} received per message",
+        per(stats.udp_tx.datagrams),
+        per(stats.udp_rx.datagrams)
+    );
 }
 
 fn latency_row(transport: &'static str, size: usize, h: &Histogram<u64>) -> Latency {
@@ -833,21 +895,27 @@ async fn main() -> anyhow::Result<()> {
         (None, false) => 2000,
     };
     let size = 4096;
+    let mtu = args.mtu;
     let latency = vec![
         latency_row(
-            "tensorwire",
+            "tensorwire, queued",
             size,
-            &tensorwire_latency(samples, size, args.mtu).await?,
+            &on_worker(tensorwire_latency(samples, size, mtu, Admission::Queued)).await?,
+        ),
+        latency_row(
+            "tensorwire, inline",
+            size,
+            &on_worker(tensorwire_latency(samples, size, mtu, Admission::Inline)).await?,
         ),
         latency_row(
             "raw quinn",
             size,
-            &quinn_latency(samples, size, args.mtu, Exchange::OneRoundTrip).await?,
+            &on_worker(quinn_latency(samples, size, mtu, Exchange::OneRoundTrip)).await?,
         ),
         latency_row(
             "raw quinn, 2 round trips",
             size,
-            &quinn_latency(samples, size, args.mtu, Exchange::TwoRoundTrips).await?,
+            &on_worker(quinn_latency(samples, size, mtu, Exchange::TwoRoundTrips)).await?,
         ),
     ];
 

@@ -257,6 +257,11 @@ impl Session {
         self.control.pop_front()
     }
 
+    /// Whether frames wait for our control stream: its writer needs waking only then.
+    pub fn has_control_frames(&self) -> bool {
+        !self.control.is_empty()
+    }
+
     /// Early credit offered to the peer and not yet used.
     pub fn early_credit_offered(&self) -> u64 {
         self.early_offered

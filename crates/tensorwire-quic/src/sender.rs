@@ -186,6 +186,16 @@ impl Sender {
         self.sender.send(meta, source)
     }
 
+    /// Sends one tensor on the calling task, with no task spawned: see
+    /// [`ConnectionSender::send_inline`].
+    pub async fn send_inline(
+        &self,
+        meta: TensorMeta,
+        source: impl Into<Source>,
+    ) -> Result<SendReport, TransportError> {
+        self.sender.send_inline(meta, source).await
+    }
+
     /// Receives the tensors the receiver sends back on this connection (spec §3), under
     /// `config`'s budgets, limits and timeouts (its listening address, TLS, transport and
     /// endpoint count are not used). Until this is called, the receiver's streams wait.
@@ -263,6 +273,32 @@ impl ConnectionSender {
             total,
             cancel,
         }
+    }
+
+    /// Sends one tensor on the calling task and resolves on the peer's COMPLETE.
+    ///
+    /// [`send`](Self::send) runs each tensor on a task of its own, and its handle hears the
+    /// outcome from that task: two hand-offs between tasks (often between threads), a large
+    /// part of a small tensor's latency. This runs on the caller's task instead. Dropping the
+    /// future cancels the tensor: its stream is reset with CANCELLED.
+    pub async fn send_inline(
+        &self,
+        meta: TensorMeta,
+        source: impl Into<Source>,
+    ) -> Result<SendReport, TransportError> {
+        let span = info_span!("send", name = meta.name(), bytes = meta.byte_len());
+        send_tensor(
+            self.connection.clone(),
+            self.session.clone(),
+            meta,
+            source.into(),
+            Arc::default(),
+            CancellationToken::new(),
+            self.metrics.clone(),
+            self.options,
+        )
+        .instrument(span)
+        .await
     }
 
     /// Tensor and byte counters of the tensors sent through this handle (and its clones).
@@ -357,8 +393,8 @@ async fn send_tensor(
     metrics: Arc<Metrics>,
     options: SendOptions,
 ) -> Result<SendReport, TransportError> {
-    let started = Instant::now();
-    metrics.started();
+    let mut count = CountedSend::start(metrics);
+    let started = count.started;
     let total = meta.byte_len();
     let result = async {
         // Built before the stream is opened: building checks the metadata fits the wire.
@@ -371,6 +407,7 @@ async fn send_tensor(
             session: session.clone(),
             stream: FrameStream::new(send, recv, Limits::default()),
             outbox: Vec::new(),
+            settled: false,
         };
         let outcome = tensor
             .drive(&connection, source, total, &sent, &cancel, options)
@@ -398,22 +435,55 @@ async fn send_tensor(
             let _ = session.close_outgoing(id, Instant::now());
             bytes
         };
+        tensor.settled = true;
         tensor.stream.close(code);
         if code.is_some() {
             // Our CANCEL must reach the receiver before the application closes the connection,
             // which would discard it.
             tensor.stream.delivered(CANCEL_GRACE).await;
         }
-        metrics.add_bytes(bytes);
+        count.metrics.add_bytes(bytes);
         outcome.map(|()| bytes)
     }
     .await;
-    metrics.finished(result.is_ok(), started.elapsed());
+    count.finish(result.is_ok());
     debug!(ok = result.is_ok(), elapsed = ?started.elapsed(), "send finished");
     result.map(|bytes| SendReport {
         bytes,
         elapsed: started.elapsed(),
     })
+}
+
+/// One send in a sender's metrics: started when made, failed if dropped unfinished (a send
+/// future dropped midway).
+struct CountedSend {
+    metrics: Arc<Metrics>,
+    started: Instant,
+    finished: bool,
+}
+
+impl CountedSend {
+    fn start(metrics: Arc<Metrics>) -> Self {
+        metrics.started();
+        Self {
+            metrics,
+            started: Instant::now(),
+            finished: false,
+        }
+    }
+
+    fn finish(&mut self, ok: bool) {
+        self.metrics.finished(ok, self.started.elapsed());
+        self.finished = true;
+    }
+}
+
+impl Drop for CountedSend {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.metrics.finished(false, self.started.elapsed());
+        }
+    }
 }
 
 /// How long a failed tensor waits for its CANCEL to be acknowledged before giving up.
@@ -426,6 +496,23 @@ struct OutgoingTensor {
     stream: FrameStream,
     /// Frames on their way from the session to the stream (see `ConnectionSession::flush`).
     outbox: Vec<Frame>,
+    /// Whether the session let go of the stream; if not when dropped (a send future dropped
+    /// midway), the tensor is cancelled.
+    settled: bool,
+}
+
+impl Drop for OutgoingTensor {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        {
+            let mut session = self.session.lock();
+            session.cancel(self.id, ErrorCode::CANCELLED, "the sender dropped the send");
+            let _ = session.close_outgoing(self.id, Instant::now());
+        }
+        self.stream.abandon(ErrorCode::CANCELLED);
+    }
 }
 
 impl OutgoingTensor {
@@ -491,12 +578,15 @@ impl OutgoingTensor {
                     session.finish(id)?;
                 }
             }
+            // Our half stays open after END, so that a CANCEL can still follow it (spec §4).
             self.flush().await?;
             let frame = tokio::select! {
                 frame = next_frame_while_progressing(&mut self.stream, connection, progress_timeout) => frame?,
                 _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),
             };
             if self.session.lock().handle_reply(id, frame)? == SessionEvent::Complete {
+                // The receiver's FIN comes with COMPLETE.
+                self.stream.read_fin_if_arrived();
                 return Ok(());
             }
         }

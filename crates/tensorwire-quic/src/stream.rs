@@ -1,6 +1,8 @@
 //! Frames over one QUIC bidirectional stream: decode what arrives, write what a state
 //! machine queues (DATA payloads as their own `Bytes`, never copied).
 
+use std::future::Future;
+
 use bytes::{Bytes, BytesMut};
 use quinn::{ReadError, RecvStream, SendStream, VarInt, WriteError};
 use tensorwire_proto::{ErrorCode, Frame, FrameDecoder, Limits, ProtocolError};
@@ -14,6 +16,8 @@ pub(crate) struct FrameStream {
     decoder: FrameDecoder,
     /// Bytes of received frames, for counters.
     pub(crate) bytes_read: u64,
+    /// Whether our half is finished (FIN queued): a later failure resets it instead.
+    finished: bool,
 }
 
 impl FrameStream {
@@ -23,6 +27,7 @@ impl FrameStream {
             recv,
             decoder: FrameDecoder::new(limits),
             bytes_read: 0,
+            finished: false,
         }
     }
 
@@ -84,12 +89,48 @@ impl FrameStream {
             .map_err(write_error)
     }
 
-    /// Finishes the send half and, on failure, asks the peer to stop sending with `code`.
-    pub(crate) fn close(&mut self, code: Option<ErrorCode>) {
-        let _ = self.send.finish();
-        if let Some(code) = code {
-            let _ = self.recv.stop(VarInt::from_u32(code.0));
+    /// Reads the peer's FIN if it has already arrived, without waiting. quinn sends a
+    /// STOP_SENDING for a receive half dropped before its FIN was read, even one that has all
+    /// its data: one more frame, and often one more packet, per tensor.
+    pub(crate) fn read_fin_if_arrived(&mut self) {
+        let read = self.recv.read_chunk(usize::MAX, true);
+        let read = std::pin::pin!(read);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if let std::task::Poll::Ready(Ok(Some(chunk))) = read.poll(&mut cx) {
+            // Bytes after a stream's last frame: the decoder reports them if read again.
+            self.decoder.push(chunk.bytes);
         }
+    }
+
+    /// Finishes the send half after its last frame, so that the FIN leaves in the same
+    /// packet as that frame rather than in one of its own.
+    pub(crate) fn finish(&mut self) {
+        let _ = self.send.finish();
+        self.finished = true;
+    }
+
+    /// Finishes the send half and, on failure, asks the peer to stop sending with `code`; a
+    /// half already finished is reset with `code` instead, as its frame can no longer be sent
+    /// (spec §4).
+    pub(crate) fn close(&mut self, code: Option<ErrorCode>) {
+        match code {
+            None => self.finish(),
+            Some(code) => {
+                if self.finished {
+                    let _ = self.send.reset(VarInt::from_u32(code.0));
+                } else {
+                    self.finish();
+                }
+                let _ = self.recv.stop(VarInt::from_u32(code.0));
+            }
+        }
+    }
+
+    /// Gives the stream up from this side: resets the send half and stops the receive half,
+    /// both with `code`.
+    pub(crate) fn abandon(&mut self, code: ErrorCode) {
+        let _ = self.send.reset(VarInt::from_u32(code.0));
+        let _ = self.recv.stop(VarInt::from_u32(code.0));
     }
 
     /// Waits, at most `grace`, until the peer has acknowledged everything sent (or stopped

@@ -494,3 +494,95 @@ async fn held_within_5s(rx: &tensorwire_quic::Receiver, bytes: u64) -> u64 {
     }
     rx.budget().held
 }
+
+/// An admission policy decides each tensor on its stream's own task, as its METADATA
+/// arrives: accepted tensors land (small ones early, large ones under credit), refused ones
+/// reach the sender with the policy's code, and a receiver takes one policy only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_policy_decides_each_tensor_on_its_own_task() {
+    let (rx, addr) = receiver(receiver_config()).await;
+    let (handles, mut landed) = tokio::sync::mpsc::unbounded_channel();
+    rx.admit_with(move |incoming| {
+        if incoming.meta().name() == "refused" {
+            incoming.reject(ErrorCode::REJECTED, "policy says no");
+            return;
+        }
+        let len = incoming.meta().byte_len();
+        let sink = tensorwire_quic::HostSink::new(len).unwrap();
+        let _ = handles.send(incoming.accept(sink));
+    })
+    .unwrap();
+    let second = rx.admit_with(drop);
+    assert!(
+        matches!(second, Err(tensorwire_quic::TransportError::Config(_))),
+        "a second policy must be refused"
+    );
+    let tx = sender(addr).await;
+    for (name, len) in [("small", 4096), ("large", 24 << 20)] {
+        let report = tx
+            .send_inline(u8_meta(name, len), pattern(len, 9))
+            .await
+            .unwrap();
+        assert_eq!(report.bytes, len as u64);
+        let (meta, bytes) = landed.recv().await.unwrap().finished().await.unwrap();
+        assert_eq!((meta.name(), bytes), (name, pattern(len, 9)));
+    }
+    let err = tx
+        .send_inline(u8_meta("refused", 4096), pattern(4096, 1))
+        .await
+        .unwrap_err();
+    assert_eq!(common::remote_code(&err), Some(ErrorCode::REJECTED));
+    common::assert_budget_returned(&rx).await;
+    let metrics = tx.metrics();
+    assert_eq!(
+        (metrics.tensors_completed, metrics.tensors_failed),
+        (2, 1),
+        "{metrics:?}"
+    );
+    tx.close().await;
+}
+
+/// Dropping an inline send midway cancels its tensor: the receiver hears CANCELLED, the
+/// sender counts it failed, its credit comes back, and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_an_inline_send_cancels_its_tensor() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let tx = sender(addr).await;
+    let len = 32 << 20;
+    // The receiver does not decide yet: the send waits for ACCEPT, and is dropped there.
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(200),
+        tx.send_inline(u8_meta("dropped", len), pattern(len, 2)),
+    )
+    .await;
+    assert!(dropped.is_err(), "the send cannot finish undecided");
+    let incoming = rx.next().await.unwrap();
+    assert_eq!(incoming.meta().name(), "dropped");
+    let err = receive_err(incoming).await;
+    assert_eq!(
+        common::remote_code(&err),
+        Some(ErrorCode::CANCELLED),
+        "{err}"
+    );
+    let metrics = tx.metrics();
+    assert_eq!((metrics.tensors_started, metrics.tensors_failed), (1, 1));
+    // The connection and its session go on.
+    let send = tx.send_inline(u8_meta("next", 4096), pattern(4096, 3));
+    let (report, (meta, bytes)) =
+        tokio::join!(send, async { land_host(rx.next().await.unwrap()).await });
+    assert_eq!(report.unwrap().bytes, 4096);
+    assert_eq!((meta.name(), bytes), ("next", pattern(4096, 3)));
+    common::assert_budget_returned(&rx).await;
+    tx.close().await;
+}
+
+/// Accepts `incoming` into host memory and returns why it failed.
+async fn receive_err(incoming: tensorwire_quic::IncomingTensor) -> tensorwire_quic::TransportError {
+    incoming
+        .accept_host()
+        .await
+        .unwrap()
+        .finished()
+        .await
+        .unwrap_err()
+}

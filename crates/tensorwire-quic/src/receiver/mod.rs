@@ -15,7 +15,7 @@ mod tensor;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -72,6 +72,7 @@ impl Shared {
             connections: DashMap::new(),
             shutdown: CancellationToken::new(),
             streams: TaskTracker::new(),
+            admission: OnceLock::new(),
         }))
     }
 }
@@ -84,7 +85,12 @@ struct Shared {
     connections: DashMap<usize, Arc<ConnectionState>>,
     shutdown: CancellationToken,
     streams: TaskTracker,
+    /// Decides tensors on their own stream's task, once set ([`Receiver::admit_with`]).
+    admission: OnceLock<AdmissionPolicy>,
 }
+
+/// An application's decision on incoming tensors, called on each tensor's own task.
+type AdmissionPolicy = Box<dyn Fn(IncomingTensor) + Send + Sync>;
 
 /// Counters of one connection.
 #[derive(Clone, Debug)]
@@ -197,6 +203,27 @@ impl Receiver {
     /// The next incoming tensor, after its METADATA; `None` once the receiver is closed.
     pub async fn next(&mut self) -> Option<IncomingTensor> {
         self.incoming.recv().await
+    }
+
+    /// Decides each incoming tensor with `policy`, called on the tensor's own task as soon
+    /// as its METADATA arrives, instead of queueing it for [`next`](Self::next).
+    ///
+    /// Through [`next`](Self::next), a tensor crosses two hand-offs between tasks (often
+    /// between threads) before ACCEPT: to the application's task and back. For small
+    /// tensors they are a large part of the latency; here there are none. The policy should
+    /// decide at once ([`IncomingTensor::accept`] or [`reject`](IncomingTensor::reject)) and
+    /// keep or hand off the [`TensorHandle`]; it must not block. A policy may also move the
+    /// tensor to a task of its own and decide there, as [`next`](Self::next)'s caller would.
+    ///
+    /// Tensors already queued for [`next`](Self::next) stay there. A receiver takes one
+    /// policy: a second call is refused.
+    pub fn admit_with(
+        &self,
+        policy: impl Fn(IncomingTensor) + Send + Sync + 'static,
+    ) -> Result<(), TransportError> {
+        self.shared.admission.set(Box::new(policy)).map_err(|_| {
+            TransportError::Config("the receiver already has an admission policy".into())
+        })
     }
 
     /// Tensor and byte counters over all connections.

@@ -137,8 +137,14 @@ impl Accepted {
                 deadline,
                 admission_timeout: config.admission_timeout,
             };
-            if self.while_reading(tx.send(incoming)).await?.is_err() {
-                return Ok(None);
+            match shared.admission.get() {
+                // Decided here, on this task: no hand-off before ACCEPT.
+                Some(policy) => policy(incoming),
+                None => {
+                    if self.while_reading(tx.send(incoming)).await?.is_err() {
+                        return Ok(None);
+                    }
+                }
             }
             self.while_reading(&mut decided).await.map(|d| Some(d.ok()))
         })
@@ -325,6 +331,8 @@ impl Accepted {
         // Spec §6.8: COMPLETE only now, with every byte verified and durable.
         self.connection.session().mark_resident(self.id)?;
         self.flush().await?;
+        // COMPLETE is our half's last frame: its FIN goes in the same packet.
+        self.stream.finish();
         Ok(output)
     }
 
@@ -374,15 +382,19 @@ impl Accepted {
         self.early.clear();
         self.stream
             .close(error.map(|e| e.code().unwrap_or(ErrorCode::INTERNAL)));
-        let closed = {
+        let (closed, topped_up) = {
             let mut session = self.connection.session();
-            self.shared
+            let closed = self
+                .shared
                 .budget
-                .with_tracker(|credit| session.close_stream(self.id, credit, Instant::now()))
+                .with_tracker(|credit| session.close_stream(self.id, credit, Instant::now()));
+            (closed, session.has_control_frames())
         };
         self.shared.budget.wake();
-        // Closing may have topped up the peer's early credit: the control stream sends it.
-        self.connection.control_queued.notify_one();
+        if topped_up {
+            // Closing topped up the peer's early credit: the control stream sends it.
+            self.connection.control_queued.notify_one();
+        }
         let ok = closed == StreamClosed::Completed;
         let elapsed = self.started.elapsed();
         self.shared.metrics.finished(ok, elapsed);
@@ -404,5 +416,8 @@ impl Accepted {
     /// COMPLETE; credit and the outcome were settled by `end` already.
     async fn linger(&mut self) {
         self.stream.delivered(CLOSE_GRACE).await;
+        // The sender finishes its half on our last frame: reading its FIN spares a
+        // STOP_SENDING when the stream is dropped.
+        self.stream.read_fin_if_arrived();
     }
 }
