@@ -7,7 +7,8 @@
 # Generates a safetensors file of TENSORS × MIB_PER_TENSOR random U8 tensors (default
 # 16 × 256 MiB = 4 GiB), starts `receiver --device DEVICE` (default cuda:0; host for host
 # memory), sends the file with `sender --connections CONNECTIONS` (default 8), and prints
-# the rate beside raw quinn's and their ratio. Every tensor is checked end to end by its
+# the rate beside raw quinn's (both sides in one process, and as two processes like the
+# programs) and the ratios. Every tensor is checked end to end by its
 # CRC-32C before the receiver says COMPLETE. BIN_DIR holds receiver, sender and bench.
 set -euo pipefail
 bin=$(cd "$1" && pwd)
@@ -51,6 +52,22 @@ gbit=$(awk -v b="$total_mib" -v s="$start" -v e="$end" 'BEGIN { print b * 104857
 raw=$("$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
   --mib $((total_mib / connections)) 2>&1 | awk '/^ *raw quinn/ { print $4; exit }')
 raw=${raw:-0}
+# Raw quinn the way the programs run: a server process with one endpoint per connection, and
+# one client process opening them all.
+"$bin/bench" --raw-server "$work/raw.der" --connections "$connections" --mtu 6000 \
+  > "$work/raw-server.log" 2>&1 &
+raw_server=$!
+for _ in $(seq 100); do grep -q "listening on" "$work/raw-server.log" && break; sleep 0.1; done
+raw_addr=$(sed -n 's/^listening on //p' "$work/raw-server.log")
+[ -n "$raw_addr" ] || { cat "$work/raw-server.log"; exit 1; }
+raw_start=$(date +%s.%N)
+"$bin/bench" --raw-client "$raw_addr" --cert "$work/raw.der" --connections "$connections" \
+  --mtu 6000 --mib $((total_mib / connections)) > "$work/raw-client.log" 2>&1 || failed=1
+raw_end=$(date +%s.%N)
+wait "$raw_server" || failed=1
+raw_procs=$(awk -v b="$total_mib" -v s="$raw_start" -v e="$raw_end" 'BEGIN { print b * 1048576 * 8 / (e - s) / 1e9 }')
+printf 'raw quinn as processes (1 server, 1 client, %d connections): %.1f Gbit/s; ratio %.2f\n' \
+  "$connections" "$raw_procs" "$(awk -v g="$gbit" -v r="$raw_procs" 'BEGIN { print g / r }')"
 printf 'one sender, %d connections -> receiver (%s): %d x %d MiB in %.2f s: %.1f Gbit/s (%.2f GB/s); raw quinn %d connections: %s Gbit/s; ratio %s; %d failed\n' \
   "$connections" "$device" "$tensors" "$mib" "$(awk -v s="$start" -v e="$end" 'BEGIN{print e-s}')" \
   "$gbit" "$(awk -v g="$gbit" 'BEGIN{print g/8}')" "$connections" "$raw" \

@@ -65,6 +65,19 @@ struct Args {
     /// Repeat each throughput run this many times and keep the best.
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Serve raw quinn to client processes (`--raw-client`) instead of measuring: bind as
+    /// many endpoints on one port as the first `--connections`, write the certificate (DER)
+    /// to this file, print `listening on ADDR`, and exit once that many connections have
+    /// sent everything. Raw quinn the way the programs run: one process per side.
+    #[arg(long, value_name = "CERT_FILE", conflicts_with = "raw_client")]
+    raw_server: Option<std::path::PathBuf>,
+    /// Send `--mib` MiB over each of the first `--connections` raw quinn connections to a
+    /// `--raw-server` at this address, trusting the certificate in `--cert`.
+    #[arg(long, value_name = "ADDR", requires = "cert")]
+    raw_client: Option<SocketAddr>,
+    /// The `--raw-server`'s certificate file, for `--raw-client`.
+    #[arg(long)]
+    cert: Option<std::path::PathBuf>,
 }
 
 /// Write granularity for the raw transports, like tensorwire's DATA payloads.
@@ -131,6 +144,19 @@ fn payload(len: usize) -> Bytes {
 fn quinn_server(
     mtu: u16,
 ) -> anyhow::Result<(quinn::Endpoint, rustls::pki_types::CertificateDer<'static>)> {
+    let (config, cert) = quinn_server_config(mtu)?;
+    let endpoint = transport(mtu).endpoint("127.0.0.1:0".parse()?, Some(config))?;
+    Ok((endpoint, cert))
+}
+
+/// A server configuration with tensorwire's TLS and transport settings and a fresh
+/// self-signed certificate, which it returns too.
+fn quinn_server_config(
+    mtu: u16,
+) -> anyhow::Result<(
+    quinn::ServerConfig,
+    rustls::pki_types::CertificateDer<'static>,
+)> {
     let cert = tensorwire::quic::tls::DevCertificate::generate()?;
     let dir = std::env::temp_dir().join(format!("tensorwire-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -145,8 +171,107 @@ fn quinn_server(
     let (crypto, _) = tensorwire::quic::tls::server_crypto(&tls)?;
     let mut config = quinn::ServerConfig::with_crypto(crypto);
     config.transport_config(transport(mtu).transport_config()?);
-    let endpoint = transport(mtu).endpoint("127.0.0.1:0".parse()?, Some(config))?;
-    Ok((endpoint, cert.cert))
+    Ok((config, cert.cert))
+}
+
+/// Reads one raw quinn connection's stream to its end, answers with the byte count, and
+/// waits for the client to close.
+async fn raw_quinn_serve(conn: quinn::Connection) -> anyhow::Result<u64> {
+    let (mut send, mut recv) = conn.accept_bi().await?;
+    let mut got = 0u64;
+    while let Some(chunk) = recv.read_chunk(usize::MAX, true).await? {
+        got += chunk.bytes.len() as u64;
+    }
+    send.write_all(&got.to_le_bytes()).await?;
+    send.finish()?;
+    conn.closed().await;
+    Ok(got)
+}
+
+/// Sends `bytes` on one stream of `conn` in `CHUNK` writes of `data` (cached), finishes
+/// it, and checks the server's count.
+async fn raw_quinn_send(conn: &quinn::Connection, data: &Bytes, bytes: u64) -> anyhow::Result<()> {
+    let (mut send, mut recv) = conn.open_bi().await?;
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(CHUNK as u64) as usize;
+        send.write_chunk(data.slice(..n)).await?;
+        left -= n as u64;
+    }
+    send.finish()?;
+    let mut ack = [0u8; 8];
+    recv.read_exact(&mut ack).await?;
+    anyhow::ensure!(u64::from_le_bytes(ack) == bytes, "raw quinn lost bytes");
+    Ok(())
+}
+
+/// `--raw-server`: `count` connections over `count` endpoints sharing one port.
+async fn raw_quinn_server_process(
+    cert_file: &std::path::Path,
+    count: usize,
+    mtu: u16,
+) -> anyhow::Result<()> {
+    let (config, cert) = quinn_server_config(mtu)?;
+    std::fs::write(cert_file, cert.as_ref())?;
+    let endpoints =
+        transport(mtu).reuse_port_endpoints("127.0.0.1:0".parse()?, count.max(1), config)?;
+    println!("listening on {}", endpoints[0].local_addr()?);
+    let (done, mut finished) = tokio::sync::mpsc::unbounded_channel();
+    for endpoint in &endpoints {
+        let (endpoint, done) = (endpoint.clone(), done.clone());
+        tokio::spawn(async move {
+            while let Some(incoming) = endpoint.accept().await {
+                let done = done.clone();
+                tokio::spawn(async move {
+                    let served = async { raw_quinn_serve(incoming.await?).await }.await;
+                    let _ = done.send(served);
+                });
+            }
+        });
+    }
+    for _ in 0..count {
+        let got = finished
+            .recv()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("endpoints closed"))??;
+        eprintln!("raw quinn server: a connection sent {got} bytes");
+    }
+    Ok(())
+}
+
+/// `--raw-client`: `connections` connections to a `--raw-server`, each on an endpoint of its
+/// own (as `sender --connections` opens them), `bytes` on one stream of each.
+async fn raw_quinn_client_process(
+    addr: SocketAddr,
+    cert_file: &std::path::Path,
+    connections: usize,
+    bytes: u64,
+    mtu: u16,
+) -> anyhow::Result<()> {
+    let cert = rustls::pki_types::CertificateDer::from(std::fs::read(cert_file)?);
+    let data = payload(CHUNK);
+    let mut clients = Vec::new();
+    for _ in 0..connections.max(1) {
+        let (client, config) = quinn_client(mtu, &cert)?;
+        let conn = client.connect_with(config, addr, "localhost")?.await?;
+        clients.push((client, conn));
+    }
+    let mut sends = Vec::new();
+    for (_, conn) in &clients {
+        let (conn, data) = (conn.clone(), data.clone());
+        sends.push(tokio::spawn(async move {
+            raw_quinn_send(&conn, &data, bytes).await
+        }));
+    }
+    for send in sends {
+        send.await??;
+    }
+    for (client, conn) in &clients {
+        conn.close(0u32.into(), b"done");
+        // As long as `sender` waits after its close.
+        let _ = tokio::time::timeout(Duration::from_millis(100), client.wait_idle()).await;
+    }
+    Ok(())
 }
 
 fn quinn_client(
@@ -185,15 +310,7 @@ async fn raw_quinn(connections: usize, bytes_per_conn: u64, mtu: u16) -> anyhow:
                 .await
                 .ok_or_else(|| anyhow::anyhow!("no connection"))?
                 .await?;
-            let (mut send, mut recv) = conn.accept_bi().await?;
-            let mut got = 0u64;
-            while let Some(chunk) = recv.read_chunk(usize::MAX, true).await? {
-                got += chunk.bytes.len() as u64;
-            }
-            send.write_all(&got.to_le_bytes()).await?;
-            send.finish()?;
-            conn.closed().await;
-            anyhow::Ok(got)
+            raw_quinn_serve(conn).await
         });
         let conn = client.connect_with(config, addr, "localhost")?.await?;
         servers.push(server_task);
@@ -204,21 +321,11 @@ async fn raw_quinn(connections: usize, bytes_per_conn: u64, mtu: u16) -> anyhow:
     for (_, conn) in &clients {
         let (conn, data) = (conn.clone(), data.clone());
         senders.push(tokio::spawn(async move {
-            let (mut send, mut recv) = conn.open_bi().await?;
-            let mut left = bytes_per_conn;
-            while left > 0 {
-                let n = left.min(CHUNK as u64) as usize;
-                send.write_chunk(data.slice(..n)).await?;
-                left -= n as u64;
-            }
-            send.finish()?;
-            let mut ack = [0u8; 8];
-            recv.read_exact(&mut ack).await?;
-            anyhow::Ok(u64::from_le_bytes(ack))
+            raw_quinn_send(&conn, &data, bytes_per_conn).await
         }));
     }
     for s in senders {
-        anyhow::ensure!(s.await?? == bytes_per_conn, "raw quinn lost bytes");
+        s.await??;
     }
     let seconds = started.elapsed().as_secs_f64();
     for (client, conn) in clients {
@@ -836,6 +943,14 @@ async fn best_of(
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let mib = args.mib.unwrap_or(if args.quick { 512 } else { 2048 });
+    if let Some(cert) = &args.raw_server {
+        let count = args.connections.first().copied().unwrap_or(1);
+        return raw_quinn_server_process(cert, count, args.mtu).await;
+    }
+    if let (Some(addr), Some(cert)) = (args.raw_client, &args.cert) {
+        let connections = args.connections.first().copied().unwrap_or(1);
+        return raw_quinn_client_process(addr, cert, connections, mib << 20, args.mtu).await;
+    }
     let runs = if args.quick { 1 } else { args.runs };
     let bytes = mib << 20;
     let tensor_bytes = (args.tensor_mib << 20).min(bytes);
@@ -896,28 +1011,32 @@ async fn main() -> anyhow::Result<()> {
     };
     let size = 4096;
     let mtu = args.mtu;
-    let latency = vec![
-        latency_row(
-            "tensorwire, queued",
-            size,
-            &on_worker(tensorwire_latency(samples, size, mtu, Admission::Queued)).await?,
-        ),
-        latency_row(
-            "tensorwire, inline",
-            size,
-            &on_worker(tensorwire_latency(samples, size, mtu, Admission::Inline)).await?,
-        ),
-        latency_row(
-            "raw quinn",
-            size,
-            &on_worker(quinn_latency(samples, size, mtu, Exchange::OneRoundTrip)).await?,
-        ),
-        latency_row(
-            "raw quinn, 2 round trips",
-            size,
-            &on_worker(quinn_latency(samples, size, mtu, Exchange::TwoRoundTrips)).await?,
-        ),
-    ];
+    let latency = if samples == 0 {
+        Vec::new()
+    } else {
+        vec![
+            latency_row(
+                "tensorwire, queued",
+                size,
+                &on_worker(tensorwire_latency(samples, size, mtu, Admission::Queued)).await?,
+            ),
+            latency_row(
+                "tensorwire, inline",
+                size,
+                &on_worker(tensorwire_latency(samples, size, mtu, Admission::Inline)).await?,
+            ),
+            latency_row(
+                "raw quinn",
+                size,
+                &on_worker(quinn_latency(samples, size, mtu, Exchange::OneRoundTrip)).await?,
+            ),
+            latency_row(
+                "raw quinn, 2 round trips",
+                size,
+                &on_worker(quinn_latency(samples, size, mtu, Exchange::TwoRoundTrips)).await?,
+            ),
+        ]
+    };
 
     println!(
         "throughput, loopback, MTU {} ({mib} MiB per connection, best of {runs}):",
