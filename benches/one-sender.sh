@@ -61,7 +61,9 @@ for _ in $(seq 100); do grep -q "listening on" "$work/raw-server.log" && break; 
 raw_addr=$(sed -n 's/^listening on //p' "$work/raw-server.log")
 [ -n "$raw_addr" ] || { cat "$work/raw-server.log"; exit 1; }
 raw_start=$(date +%s.%N)
-"$bin/bench" --raw-client "$raw_addr" --cert "$work/raw.der" --connections "$connections" \
+# Two worker threads per connection, as `sender` runs.
+TOKIO_WORKER_THREADS=$(( 2 * connections < $(nproc) ? 2 * connections : $(nproc) )) \
+  "$bin/bench" --raw-client "$raw_addr" --cert "$work/raw.der" --connections "$connections" \
   --mtu 6000 --mib $((total_mib / connections)) > "$work/raw-client.log" 2>&1 || failed=1
 raw_end=$(date +%s.%N)
 wait "$raw_server" || failed=1

@@ -82,7 +82,9 @@ raw_addr=$(sed -n 's/^listening on //p' "$work/raw-server.log")
 start=$(date +%s.%N)
 pids=()
 for i in $(seq "$senders"); do
-  "$bin/bench" --raw-client "$raw_addr" --cert "$work/raw.der" --connections 1 --mtu 6000 --mib "$mib" \
+  # Two worker threads per connection, as `sender` runs.
+  TOKIO_WORKER_THREADS=2 "$bin/bench" --raw-client "$raw_addr" --cert "$work/raw.der" \
+    --connections 1 --mtu 6000 --mib "$mib" \
     > "$work/raw-client-$i.log" 2>&1 &
   pids+=($!)
 done
