@@ -11,6 +11,7 @@
 # programs) and the ratios. Every tensor is checked end to end by its
 # CRC-32C before the receiver says COMPLETE. BIN_DIR holds receiver, sender and bench.
 set -euo pipefail
+. "$(dirname "$0")/common.sh"
 bin=$(cd "$1" && pwd)
 connections=${2:-8}
 tensors=${3:-16}
@@ -36,9 +37,7 @@ for shift in 0 8 16 24 32 40 48 56; do le+=$(printf '\\x%02x' $(((len >> shift) 
 "$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device "$device" --count "$tensors" \
   > "$work/receiver.log" 2>&1 &
 receiver=$!
-for _ in $(seq 100); do grep -q "listening on" "$work/receiver.log" && break; sleep 0.1; done
-addr=$(sed -n 's/^listening on //p' "$work/receiver.log")
-[ -n "$addr" ] || { cat "$work/receiver.log"; exit 1; }
+addr=$(listening_address "$work/receiver.log")
 start=$(date +%s.%N)
 failed=0
 "$bin/sender" --connect "$addr" --mtu 6000 --quiet --connections "$connections" \
@@ -52,22 +51,8 @@ gbit=$(awk -v b="$total_mib" -v s="$start" -v e="$end" 'BEGIN { print b * 104857
 raw=$("$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
   --mib $((total_mib / connections)) 2>&1 | awk '/^ *raw quinn/ { print $4; exit }')
 raw=${raw:-0}
-# Raw quinn the way the programs run: a server process with one endpoint per connection, and
-# one client process opening them all.
-"$bin/bench" --raw-server "$work/raw.der" --connections "$connections" --mtu 6000 \
-  > "$work/raw-server.log" 2>&1 &
-raw_server=$!
-for _ in $(seq 100); do grep -q "listening on" "$work/raw-server.log" && break; sleep 0.1; done
-raw_addr=$(sed -n 's/^listening on //p' "$work/raw-server.log")
-[ -n "$raw_addr" ] || { cat "$work/raw-server.log"; exit 1; }
-raw_start=$(date +%s.%N)
-# Two worker threads per connection, as `sender` runs.
-TOKIO_WORKER_THREADS=$(( 2 * connections < $(nproc) ? 2 * connections : $(nproc) )) \
-  "$bin/bench" --raw-client "$raw_addr" --cert "$work/raw.der" --connections "$connections" \
-  --mtu 6000 --mib $((total_mib / connections)) > "$work/raw-client.log" 2>&1 || failed=1
-raw_end=$(date +%s.%N)
-wait "$raw_server" || failed=1
-raw_procs=$(awk -v b="$total_mib" -v s="$raw_start" -v e="$raw_end" 'BEGIN { print b * 1048576 * 8 / (e - s) / 1e9 }')
+# Raw quinn the way the programs run: one client process opening all the connections.
+raw_procs=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" $((total_mib / connections)))
 printf 'raw quinn as processes (1 server, 1 client, %d connections): %.1f Gbit/s; ratio %.2f\n' \
   "$connections" "$raw_procs" "$(awk -v g="$gbit" -v r="$raw_procs" 'BEGIN { print g / r }')"
 printf 'one sender, %d connections -> receiver (%s): %d x %d MiB in %.2f s: %.1f Gbit/s (%.2f GB/s); raw quinn %d connections: %s Gbit/s; ratio %s; %d failed\n' \

@@ -10,6 +10,7 @@
 # work if `perf report` runs where the unstripped ones are in its build-id cache). The
 # profiles stay in OUT_DIR (default: a new temporary directory) for `perf report -i`.
 set -euo pipefail
+. "$(dirname "$0")/common.sh"
 bin=$(cd "$1" && pwd)
 senders=${2:-8}
 mib=${3:-1024}
@@ -23,9 +24,7 @@ for i in $(seq "$senders"); do head -c $((mib << 20)) /dev/urandom > "$work/t$i.
 "$perf" record -F 499 -o "$out/receiver.data" -- "$bin/receiver" --listen 127.0.0.1:0 \
   --mtu 6000 --device "$device" --budget-mib 512 --count "$senders" > "$work/receiver.log" 2>&1 &
 receiver=$!
-for _ in $(seq 100); do grep -q "listening on" "$work/receiver.log" && break; sleep 0.1; done
-addr=$(sed -n 's/^listening on //p' "$work/receiver.log")
-[ -n "$addr" ] || { cat "$work/receiver.log"; exit 1; }
+addr=$(listening_address "$work/receiver.log")
 pids=()
 for i in $(seq "$senders"); do
   profile=()

@@ -12,6 +12,7 @@
 # UDP datagrams the kernel dropped for want of socket buffer; then raw quinn's rate and CPU,
 # both sides in one process (bench), and as processes like the programs'.
 set -euo pipefail
+. "$(dirname "$0")/common.sh"
 bin=$(cd "$1" && pwd)
 senders=${2:-8}
 mib=${3:-2048}
@@ -33,9 +34,7 @@ udp_drops() { awk '/^Udp:/ && $2 ~ /^[0-9]/ {print $6}' /proc/net/snmp 2>/dev/nu
   --endpoints "$endpoints" --budget-mib "$budget_mib" --count "$senders" ${RECEIVER_FLAGS:-} \
   > "$work/receiver.log" 2>&1 ) 2> "$work/receiver.time" &
 receiver=$!
-for _ in $(seq 100); do grep -q "listening on" "$work/receiver.log" && break; sleep 0.1; done
-addr=$(sed -n 's/^listening on //p' "$work/receiver.log")
-[ -n "$addr" ] || { cat "$work/receiver.log"; exit 1; }
+addr=$(listening_address "$work/receiver.log")
 read -r busy0 idle0 < <(busy) || true
 drops0=$(udp_drops)
 start=$(date +%s.%N)
@@ -71,27 +70,8 @@ grep -E "tensors land|Error|error" "$work/receiver.log" | head -5 || true
 grep -iE "^ *raw quinn +[0-9]" "$work/bench.log" | head -1
 awk -v g="$gib" '{ printf "CPU: raw quinn, both sides in one process %.2f s (%.2f per GiB, setup included)\n", $2 + $3, ($2 + $3) / g }' "$work/bench.time"
 
-# Raw quinn the way the programs run: one server process (one endpoint per sender, one port)
-# fed by one client process per sender, timed the same way.
-"$bin/bench" --raw-server "$work/raw.der" --connections "$senders" --mtu 6000 \
-  > "$work/raw-server.log" 2>&1 &
-raw_server=$!
-for _ in $(seq 100); do grep -q "listening on" "$work/raw-server.log" && break; sleep 0.1; done
-raw_addr=$(sed -n 's/^listening on //p' "$work/raw-server.log")
-[ -n "$raw_addr" ] || { cat "$work/raw-server.log"; exit 1; }
-start=$(date +%s.%N)
-pids=()
-for i in $(seq "$senders"); do
-  # Two worker threads per connection, as `sender` runs.
-  TOKIO_WORKER_THREADS=2 "$bin/bench" --raw-client "$raw_addr" --cert "$work/raw.der" \
-    --connections 1 --mtu 6000 --mib "$mib" \
-    > "$work/raw-client-$i.log" 2>&1 &
-  pids+=($!)
-done
-for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
-end=$(date +%s.%N)
-wait "$raw_server" || failed=$((failed + 1))
-raw_gbit=$(awk -v b="$total" -v s="$start" -v e="$end" 'BEGIN { print b * 1048576 * 8 / (e - s) / 1e9 }')
+# Raw quinn the way the programs run: one client process per sender, timed the same way.
+raw_gbit=$(raw_quinn_as_processes "$bin" "$work" "$senders" 1 "$mib")
 printf 'raw quinn as processes: 1 server (%d endpoints) <- %d clients x %d MiB: %.1f Gbit/s\n' \
   "$senders" "$senders" "$mib" "$raw_gbit"
 awk -v t="$gbit" -v r="$raw_gbit" 'BEGIN { printf "programs / raw quinn as processes: %.2f\n", t / r }'

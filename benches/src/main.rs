@@ -205,6 +205,25 @@ async fn raw_quinn_send(conn: &quinn::Connection, data: &Bytes, bytes: u64) -> a
     Ok(())
 }
 
+/// Sends `bytes` on every connection of `clients` at once, each on its own task.
+async fn raw_quinn_send_on_each(
+    clients: &[(quinn::Endpoint, quinn::Connection)],
+    data: &Bytes,
+    bytes: u64,
+) -> anyhow::Result<()> {
+    let mut sends = Vec::new();
+    for (_, conn) in clients {
+        let (conn, data) = (conn.clone(), data.clone());
+        sends.push(tokio::spawn(async move {
+            raw_quinn_send(&conn, &data, bytes).await
+        }));
+    }
+    for send in sends {
+        send.await??;
+    }
+    Ok(())
+}
+
 /// `--raw-server`: `count` connections over `count` endpoints sharing one port.
 async fn raw_quinn_server_process(
     cert_file: &std::path::Path,
@@ -256,16 +275,7 @@ async fn raw_quinn_client_process(
         let conn = client.connect_with(config, addr, "localhost")?.await?;
         clients.push((client, conn));
     }
-    let mut sends = Vec::new();
-    for (_, conn) in &clients {
-        let (conn, data) = (conn.clone(), data.clone());
-        sends.push(tokio::spawn(async move {
-            raw_quinn_send(&conn, &data, bytes).await
-        }));
-    }
-    for send in sends {
-        send.await??;
-    }
+    raw_quinn_send_on_each(&clients, &data, bytes).await?;
     for (client, conn) in &clients {
         conn.close(0u32.into(), b"done");
         // As long as `sender` waits after its close.
@@ -317,16 +327,7 @@ async fn raw_quinn(connections: usize, bytes_per_conn: u64, mtu: u16) -> anyhow:
         clients.push((client, conn));
     }
     let started = Instant::now();
-    let mut senders = Vec::new();
-    for (_, conn) in &clients {
-        let (conn, data) = (conn.clone(), data.clone());
-        senders.push(tokio::spawn(async move {
-            raw_quinn_send(&conn, &data, bytes_per_conn).await
-        }));
-    }
-    for s in senders {
-        s.await??;
-    }
+    raw_quinn_send_on_each(&clients, &data, bytes_per_conn).await?;
     let seconds = started.elapsed().as_secs_f64();
     for (client, conn) in clients {
         if std::env::var_os("BENCH_STATS").is_some() {

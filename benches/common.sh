@@ -1,0 +1,41 @@
+# Helpers sourced by the benchmark scripts in this folder.
+
+# Waits up to 10 s for `listening on ADDR` in LOG (written by a program starting in the
+# background) and prints ADDR; prints the log and fails if it never comes.
+listening_address() {
+  local log=$1 addr
+  for _ in $(seq 100); do grep -q "listening on" "$log" && break; sleep 0.1; done
+  addr=$(sed -n 's/^listening on //p' "$log" | head -1)
+  [ -n "$addr" ] || { cat "$log" >&2; return 1; }
+  echo "$addr"
+}
+
+# Raw quinn the way the programs run: one `bench --raw-server` process with one endpoint
+# per connection on one port, fed by PROCESSES `bench --raw-client` processes of
+# CONNECTIONS_EACH connections, MIB_EACH MiB per connection, each client on two tokio
+# workers per connection as `sender` runs. Prints the rate in Gbit/s, from the first
+# client's start to the last one's exit.
+#
+#   raw_quinn_as_processes BIN_DIR WORK_DIR PROCESSES CONNECTIONS_EACH MIB_EACH
+raw_quinn_as_processes() {
+  local bin=$1 work=$2 processes=$3 each=$4 mib=$5
+  local connections=$((processes * each)) workers=$((2 * each)) server addr start end
+  [ "$workers" -le "$(nproc)" ] || workers=$(nproc)
+  "$bin/bench" --raw-server "$work/raw.der" --connections "$connections" --mtu 6000 \
+    > "$work/raw-server.log" 2>&1 &
+  server=$!
+  addr=$(listening_address "$work/raw-server.log")
+  start=$(date +%s.%N)
+  local pids=() failed=0
+  for i in $(seq "$processes"); do
+    TOKIO_WORKER_THREADS=$workers "$bin/bench" --raw-client "$addr" --cert "$work/raw.der" \
+      --connections "$each" --mtu 6000 --mib "$mib" > "$work/raw-client-$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  end=$(date +%s.%N)
+  wait "$server" || failed=1
+  [ "$failed" -eq 0 ] || { cat "$work"/raw-*.log >&2; return 1; }
+  awk -v b="$((connections * mib))" -v s="$start" -v e="$end" \
+    'BEGIN { printf "%.1f\n", b * 1048576 * 8 / (e - s) / 1e9 }'
+}
