@@ -16,7 +16,8 @@ pub(crate) struct Metrics {
     latency_us: Mutex<Histogram<u64>>,
 }
 
-/// A point-in-time copy of a sender's or receiver's counters. Latency is METADATA sent (or received) → COMPLETE.
+/// A point-in-time copy of a sender's or receiver's counters. Latency is METADATA sent (or
+/// received) → COMPLETE.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MetricsSnapshot {
     /// Tensors begun.

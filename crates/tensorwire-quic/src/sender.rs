@@ -429,13 +429,7 @@ async fn send_tensor(
             session.lock().cancel(id, code, reason);
             let _ = tensor.flush().await;
         }
-        let bytes = {
-            let mut session = session.lock();
-            let bytes = session.sent(id);
-            let _ = session.close_outgoing(id, Instant::now());
-            bytes
-        };
-        tensor.settled = true;
+        let bytes = tensor.settle();
         tensor.stream.close(code);
         if code.is_some() {
             // Our CANCEL must reach the receiver before the application closes the connection,
@@ -506,16 +500,24 @@ impl Drop for OutgoingTensor {
         if self.settled {
             return;
         }
-        {
-            let mut session = self.session.lock();
-            session.cancel(self.id, ErrorCode::CANCELLED, "the sender dropped the send");
-            let _ = session.close_outgoing(self.id, Instant::now());
-        }
+        self.session
+            .lock()
+            .cancel(self.id, ErrorCode::CANCELLED, "the sender dropped the send");
+        self.settle();
         self.stream.abandon(ErrorCode::CANCELLED);
     }
 }
 
 impl OutgoingTensor {
+    /// Has the session let go of the stream; returns the payload bytes sent on it.
+    fn settle(&mut self) -> u64 {
+        let mut session = self.session.lock();
+        let bytes = session.sent(self.id);
+        let _ = session.close_outgoing(self.id, Instant::now());
+        self.settled = true;
+        bytes
+    }
+
     /// Sends METADATA, then DATA as credit allows, then END; returns on COMPLETE.
     ///
     /// The progress timeout counts time without progress, not silence: while the receiver has

@@ -16,8 +16,6 @@ pub(crate) struct FrameStream {
     decoder: FrameDecoder,
     /// Bytes of received frames, for counters.
     pub(crate) bytes_read: u64,
-    /// Whether our half is finished (FIN queued): a later failure resets it instead.
-    finished: bool,
 }
 
 impl FrameStream {
@@ -27,7 +25,6 @@ impl FrameStream {
             recv,
             decoder: FrameDecoder::new(limits),
             bytes_read: 0,
-            finished: false,
         }
     }
 
@@ -106,23 +103,14 @@ impl FrameStream {
     /// packet as that frame rather than in one of its own.
     pub(crate) fn finish(&mut self) {
         let _ = self.send.finish();
-        self.finished = true;
     }
 
-    /// Finishes the send half and, on failure, asks the peer to stop sending with `code`; a
-    /// half already finished is reset with `code` instead, as its frame can no longer be sent
-    /// (spec §4).
+    /// Finishes the send half (if not already) and, on failure, asks the peer to stop
+    /// sending with `code`.
     pub(crate) fn close(&mut self, code: Option<ErrorCode>) {
-        match code {
-            None => self.finish(),
-            Some(code) => {
-                if self.finished {
-                    let _ = self.send.reset(VarInt::from_u32(code.0));
-                } else {
-                    self.finish();
-                }
-                let _ = self.recv.stop(VarInt::from_u32(code.0));
-            }
+        self.finish();
+        if let Some(code) = code {
+            let _ = self.recv.stop(VarInt::from_u32(code.0));
         }
     }
 

@@ -212,8 +212,9 @@ impl Receiver {
     /// between threads) before ACCEPT: to the application's task and back. For small
     /// tensors they are a large part of the latency; here there are none. The policy should
     /// decide at once ([`IncomingTensor::accept`] or [`reject`](IncomingTensor::reject)) and
-    /// keep or hand off the [`TensorHandle`]; it must not block or panic. A policy may also move the
-    /// tensor to a task of its own and decide there, as [`next`](Self::next)'s caller would.
+    /// keep or hand off the [`TensorHandle`]; it must not block or panic. A policy may also
+    /// move the tensor to a task of its own and decide there, as [`next`](Self::next)'s
+    /// caller would.
     ///
     /// Tensors already queued for [`next`](Self::next) stay there. A receiver takes one
     /// policy: a second call is refused.

@@ -333,10 +333,6 @@ impl Accepted {
         self.flush().await?;
         // COMPLETE is our half's last frame: its FIN goes in the same packet.
         self.stream.finish();
-        // The write woke the connection's driver into this worker's next slot, where it waits
-        // until this task yields: yield now, so COMPLETE leaves before the bookkeeping below
-        // (and no other worker needs waking to send it).
-        tokio::task::yield_now().await;
         Ok(output)
     }
 
