@@ -14,7 +14,8 @@ listening_address() {
 # per connection on one port, fed by PROCESSES `bench --raw-client` processes of
 # CONNECTIONS_EACH connections, MIB_EACH MiB per connection, each client on two tokio
 # workers per connection as `sender` runs. Prints the rate in Gbit/s, from the first
-# client's start to the last one's exit.
+# client's start to the last one's exit. RAW_SERVER_FLAGS adds server flags (e.g.
+# "--steering address").
 #
 #   raw_quinn_as_processes BIN_DIR WORK_DIR PROCESSES CONNECTIONS_EACH MIB_EACH
 raw_quinn_as_processes() {
@@ -22,7 +23,7 @@ raw_quinn_as_processes() {
   local connections=$((processes * each)) workers=$((2 * each)) server addr start end
   [ "$workers" -le "$(nproc)" ] || workers=$(nproc)
   "$bin/bench" --raw-server "$work/raw.der" --connections "$connections" --mtu 6000 \
-    > "$work/raw-server.log" 2>&1 &
+    ${RAW_SERVER_FLAGS:-} > "$work/raw-server.log" 2>&1 &
   server=$!
   addr=$(listening_address "$work/raw-server.log")
   start=$(date +%s.%N)

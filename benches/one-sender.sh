@@ -10,6 +10,8 @@
 # the rate beside raw quinn's (both sides in one process, and as two processes like the
 # programs) and the ratios. Every tensor is checked end to end by its
 # CRC-32C before the receiver says COMPLETE. BIN_DIR holds receiver, sender and bench.
+# RECEIVER_FLAGS adds receiver flags (e.g. "--steering address"), RAW_SERVER_FLAGS the raw
+# quinn server's.
 set -euo pipefail
 . "$(dirname "$0")/common.sh"
 bin=$(cd "$1" && pwd)
@@ -35,7 +37,7 @@ for shift in 0 8 16 24 32 40 48 56; do le+=$(printf '\\x%02x' $(((len >> shift) 
 { printf "$le"; printf '%s' "$header"; head -c $((tensors * bytes)) /dev/urandom; } > "$work/model.safetensors"
 
 "$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device "$device" --count "$tensors" \
-  > "$work/receiver.log" 2>&1 &
+  ${RECEIVER_FLAGS:-} > "$work/receiver.log" 2>&1 &
 receiver=$!
 addr=$(listening_address "$work/receiver.log")
 start=$(date +%s.%N)

@@ -78,6 +78,10 @@ struct Args {
     /// The `--raw-server`'s certificate file, for `--raw-client`.
     #[arg(long)]
     cert: Option<std::path::PathBuf>,
+    /// How the `--raw-server`'s endpoints share connections: connection-id (evenly, as a
+    /// `receiver` does by default) or address (the kernel's hash).
+    #[arg(long, default_value = "connection-id", requires = "raw_server")]
+    steering: tensorwire::quic::Steering,
 }
 
 /// Write granularity for the raw transports, like tensorwire's DATA payloads.
@@ -229,20 +233,26 @@ async fn raw_quinn_server_process(
     cert_file: &std::path::Path,
     count: usize,
     mtu: u16,
+    steering: tensorwire::quic::Steering,
 ) -> anyhow::Result<()> {
     let (config, cert) = quinn_server_config(mtu)?;
     std::fs::write(cert_file, cert.as_ref())?;
-    let endpoints =
-        transport(mtu).reuse_port_endpoints("127.0.0.1:0".parse()?, count.max(1), config)?;
-    println!("listening on {}", endpoints[0].local_addr()?);
+    let endpoints = transport(mtu).reuse_port_endpoints(
+        "127.0.0.1:0".parse()?,
+        count.max(1),
+        config,
+        steering,
+    )?;
+    println!("listening on {}", endpoints[0].endpoint().local_addr()?);
     let (done, mut finished) = tokio::sync::mpsc::unbounded_channel();
     for endpoint in &endpoints {
         let (endpoint, done) = (endpoint.clone(), done.clone());
         tokio::spawn(async move {
-            while let Some(incoming) = endpoint.accept().await {
+            while let Some((incoming, slot)) = endpoint.accept().await {
                 let done = done.clone();
                 tokio::spawn(async move {
                     let served = async { raw_quinn_serve(incoming.await?).await }.await;
+                    drop(slot);
                     let _ = done.send(served);
                 });
             }
@@ -949,7 +959,7 @@ async fn main() -> anyhow::Result<()> {
     let mib = args.mib.unwrap_or(if args.quick { 512 } else { 2048 });
     if let Some(cert) = &args.raw_server {
         let count = args.connections.first().copied().unwrap_or(1);
-        return raw_quinn_server_process(cert, count, args.mtu).await;
+        return raw_quinn_server_process(cert, count, args.mtu, args.steering).await;
     }
     if let (Some(addr), Some(cert)) = (args.raw_client, &args.cert) {
         let connections = args.connections.first().copied().unwrap_or(1);

@@ -9,6 +9,9 @@ use quinn::{IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
 use tensorwire_proto::Limits;
 
 use crate::error::TransportError;
+use crate::steering::{
+    Balance, MAX_STEERED_ENDPOINTS, ServerEndpoint, Steering, attach_steering, steered_ids,
+};
 
 /// Largest MTU allowed with segmentation offload on: above about 6500 bytes a 10-packet GSO
 /// batch exceeds 64 KiB and the send fails silently, stalling the connection (seen at 8000).
@@ -136,19 +139,20 @@ impl TransportSettings {
         addr: SocketAddr,
         server: Option<quinn::ServerConfig>,
     ) -> Result<quinn::Endpoint, TransportError> {
-        self.endpoint_on(self.socket(addr, PortSharing::Alone)?, server)
+        self.endpoint_on(self.socket(addr, PortSharing::Alone)?, server, None)
     }
 
     /// `count` server endpoints on one address, each its own UDP socket bound with
-    /// SO_REUSEPORT: the kernel spreads connections over the sockets by their addresses, and
-    /// each socket's receive path runs on its own task (spec §3: no migration across them).
-    /// With port 0, the first socket picks the port and the others join it.
+    /// SO_REUSEPORT, each socket's receive path on its own task; `steering` decides which
+    /// endpoint serves a connection (spec §3). With port 0, the first socket picks the port
+    /// and the others join it.
     pub fn reuse_port_endpoints(
         &self,
         addr: SocketAddr,
         count: usize,
         server: quinn::ServerConfig,
-    ) -> Result<Vec<quinn::Endpoint>, TransportError> {
+        steering: Steering,
+    ) -> Result<Vec<ServerEndpoint>, TransportError> {
         // Between the claim and the group's binds the port is free: receivers of this
         // process take turns, so none claims it in that gap.
         static CLAIMING: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -159,26 +163,38 @@ impl TransportSettings {
         // With port 0 the port is ours to choose, so claim another.
         let attempts = if count > 1 && addr.port() == 0 { 8 } else { 1 };
         let mut attempt = 0;
-        loop {
+        let sockets = loop {
             attempt += 1;
-            match self.bind_group(addr, count, &server) {
+            match self.bind_group(addr, count) {
                 Err(TransportError::Io(e))
                     if e.kind() == std::io::ErrorKind::AddrInUse && attempt < attempts =>
                 {
                     tracing::debug!(attempt, "claimed port taken before the group bound it");
                 }
-                bound => return bound,
+                bound => break bound?,
             }
-        }
+        };
+        let balance = (count > 1 && steering == Steering::ConnectionId)
+            .then(|| steer(&sockets))
+            .flatten();
+        sockets
+            .into_iter()
+            .enumerate()
+            .map(|(index, socket)| {
+                // `steer` refuses groups whose index does not fit the ID's first byte.
+                let ids = balance.as_ref().and_then(|_| u8::try_from(index).ok());
+                let endpoint = self.endpoint_on(socket, Some(server.clone()), ids)?;
+                Ok(ServerEndpoint::new(endpoint, index, balance.clone()))
+            })
+            .collect()
     }
 
-    /// One try of [`reuse_port_endpoints`](Self::reuse_port_endpoints).
+    /// One try of [`reuse_port_endpoints`](Self::reuse_port_endpoints)'s binds.
     fn bind_group(
         &self,
         addr: SocketAddr,
         count: usize,
-        server: &quinn::ServerConfig,
-    ) -> Result<Vec<quinn::Endpoint>, TransportError> {
+    ) -> Result<Vec<socket2::Socket>, TransportError> {
         let reuse = count > 1;
         let addr = if reuse {
             // Claim the address alone first. A socket with SO_REUSEPORT may be given, or bind
@@ -193,16 +209,14 @@ impl TransportSettings {
         } else {
             addr
         };
-        (0..count)
-            .map(|_| {
-                let sharing = if reuse {
-                    PortSharing::ReusePort
-                } else {
-                    PortSharing::Alone
-                };
-                self.endpoint_on(self.socket(addr, sharing)?, Some(server.clone()))
-            })
-            .collect()
+        let sharing = if reuse {
+            PortSharing::ReusePort
+        } else {
+            PortSharing::Alone
+        };
+        // The kernel numbers a group's sockets in the order they bind: the index that
+        // steering names.
+        (0..count).map(|_| self.socket(addr, sharing)).collect()
     }
 
     /// A UDP socket bound on `addr`, with these settings' buffer sizes.
@@ -229,13 +243,18 @@ impl TransportSettings {
         Ok(socket)
     }
 
-    /// A quinn endpoint on a bound `socket`.
+    /// A quinn endpoint on a bound `socket`; `steered_index`, for an endpoint of a steered
+    /// group, starts each of its connection IDs.
     fn endpoint_on(
         &self,
         socket: socket2::Socket,
         server: Option<quinn::ServerConfig>,
+        steered_index: Option<u8>,
     ) -> Result<quinn::Endpoint, TransportError> {
         let mut endpoint = quinn::EndpointConfig::default();
+        if let Some(index) = steered_index {
+            endpoint.cid_generator(steered_ids(index));
+        }
         endpoint
             .max_udp_payload_size(self.mtu.max(1200))
             .map_err(|e| TransportError::Config(format!("MTU {}: {e}", self.mtu)))?;
@@ -321,6 +340,30 @@ pub enum ClientTls {
     },
 }
 
+/// Attaches connection-ID steering to a bound reuse-port group; `None`, logged, where the
+/// kernel refuses it or the group is too large, and the kernel's address hash decides.
+fn steer(sockets: &[socket2::Socket]) -> Option<Arc<Balance>> {
+    if sockets.len() > MAX_STEERED_ENDPOINTS {
+        tracing::warn!(
+            endpoints = sockets.len(),
+            "more endpoints than connection-ID steering can name ({MAX_STEERED_ENDPOINTS}): \
+             connections spread by address hash"
+        );
+        return None;
+    }
+    match attach_steering(&sockets[0], sockets.len()) {
+        Ok(()) => Some(Arc::new(Balance::new(sockets.len()))),
+        Err(e) => {
+            tracing::warn!(
+                error = %e,
+                "the kernel refused connection-ID steering: connections spread by address \
+                 hash, unevenly, and a client that changes address loses its connection"
+            );
+            None
+        }
+    }
+}
+
 /// Whether a socket shares its port with the other endpoints of one receiver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum PortSharing {
@@ -340,6 +383,8 @@ pub struct ReceiverConfig {
     /// them share this receiver's budgets and admission queue. Default: one per core, at
     /// most [`MAX_DEFAULT_ENDPOINTS`].
     pub endpoints: usize,
+    /// Which endpoint serves a connection (spec §3). Default: by connection ID, evenly.
+    pub steering: Steering,
     /// Certificates.
     pub tls: ServerTls,
     /// QUIC settings.
@@ -405,6 +450,7 @@ impl ReceiverConfig {
         Self {
             listen,
             endpoints: default_endpoints(),
+            steering: Steering::default(),
             tls,
             transport: TransportSettings::default(),
             limits: Limits::default(),

@@ -22,6 +22,7 @@ mod pool;
 mod receiver;
 mod sender;
 mod session;
+mod steering;
 mod stream;
 pub mod tls;
 
@@ -36,6 +37,7 @@ pub use metrics::MetricsSnapshot;
 pub use pool::SenderPool;
 pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
 pub use sender::{ConnectionSender, SendHandle, SendProgress, SendReport, Sender, Source};
+pub use steering::{ConnectionSlot, ServerEndpoint, Steering};
 pub use tensorwire_proto as proto;
 pub use tensorwire_sink::{
     CreditPermit, HostSink, MemoryBudget, MemoryReservation, MemoryShares, MemorySnapshot, Sink,

@@ -5,7 +5,16 @@
 
 mod common;
 
-use common::{assert_budget_returned, pattern, receiver, receiver_config, sender, u8_meta};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::{
+    assert_budget_returned, cancel_code, land_host, pattern, raw_endpoint_connection, receiver,
+    receiver_config, sender, u8_meta,
+};
+use tensorwire_quic::proto::{ErrorCode, Frame, FrameDecoder, Limits};
+use tensorwire_quic::{Sender, Steering};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_connections_over_several_endpoints_share_one_budget() {
@@ -175,4 +184,152 @@ async fn a_sender_pool_spreads_tensors_over_its_connections_largest_first() {
     assert_budget_returned(&rx).await;
     pool.close().await;
     rx.close().await;
+}
+
+/// The remote address of each open connection, with the endpoint that serves it.
+fn endpoints_by_remote(rx: &tensorwire_quic::Receiver) -> HashMap<SocketAddr, usize> {
+    rx.connections()
+        .iter()
+        .map(|c| (c.remote, c.endpoint))
+        .collect()
+}
+
+/// Open connections per endpoint.
+fn per_endpoint(rx: &tensorwire_quic::Receiver, endpoints: usize) -> Vec<usize> {
+    let mut counts = vec![0; endpoints];
+    for c in rx.connections() {
+        counts[c.endpoint] += 1;
+    }
+    counts
+}
+
+/// Connects a sender and lands one small tensor over it; returns the sender and the
+/// endpoint that serves its connection.
+async fn connect_one(
+    rx: &mut tensorwire_quic::Receiver,
+    addr: SocketAddr,
+    seed: u64,
+) -> (Sender, usize) {
+    let before = endpoints_by_remote(rx);
+    let tx = sender(addr).await;
+    let send = tx.send(u8_meta(&format!("s{seed}"), 1024), pattern(1024, seed));
+    let (meta, bytes) = land_host(rx.next().await.unwrap()).await;
+    assert_eq!(
+        (meta.name(), bytes),
+        (format!("s{seed}").as_str(), pattern(1024, seed))
+    );
+    send.finished().await.unwrap();
+    let (_, endpoint) = endpoints_by_remote(rx)
+        .into_iter()
+        .find(|(remote, _)| !before.contains_key(remote))
+        .unwrap();
+    (tx, endpoint)
+}
+
+/// Connections spread evenly over a receiver's endpoints, whatever their addresses hash to
+/// (each goes to the least loaded endpoint, by a Retry when needed; spec §3), and an
+/// endpoint's place is given back when its connection closes. With the kernel's address
+/// hash alone, 8 connections land 2 per endpoint on 4 endpoints in 4% of runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_spread_evenly_over_the_endpoints_and_give_their_place_back() {
+    const ENDPOINTS: usize = 4;
+    let mut config = receiver_config();
+    config.endpoints = ENDPOINTS;
+    let (mut rx, addr) = receiver(config).await;
+    let mut senders = Vec::new();
+    for seed in 0..8 {
+        senders.push(connect_one(&mut rx, addr, seed).await);
+    }
+    assert_eq!(per_endpoint(&rx, ENDPOINTS), [2, 2, 2, 2]);
+
+    // Close the connections of endpoints 0 and 1: the next four go there.
+    let (leaving, staying): (Vec<_>, Vec<_>) =
+        senders.into_iter().partition(|(_, endpoint)| *endpoint < 2);
+    for (tx, _) in leaving {
+        tx.close().await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while per_endpoint(&rx, ENDPOINTS) != [0, 0, 2, 2] {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "connections did not close"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut joined = Vec::new();
+    for seed in 8..12 {
+        joined.push(connect_one(&mut rx, addr, seed).await);
+    }
+    assert_eq!(per_endpoint(&rx, ENDPOINTS), [2, 2, 2, 2]);
+    drop((staying, joined));
+    assert_budget_returned(&rx).await;
+}
+
+/// With address steering the kernel's hash decides: connections still work, however
+/// unevenly they land.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn address_steering_serves_connections_on_whichever_endpoint_they_hash_to() {
+    let mut config = receiver_config();
+    config.endpoints = 4;
+    config.steering = Steering::Address;
+    let (mut rx, addr) = receiver(config).await;
+    let mut senders = Vec::new();
+    for seed in 0..6 {
+        senders.push(connect_one(&mut rx, addr, seed).await);
+    }
+    assert_eq!(per_endpoint(&rx, 4).iter().sum::<usize>(), 6);
+}
+
+/// A client that changes address (QUIC migration, a NAT rebinding) keeps its connection on
+/// a receiver with several endpoints: its packets go to the endpoint their connection ID
+/// names, not to the one its new address hashes to (spec §3). With the hash alone, three
+/// moves over 4 endpoints keep the connection in 1 run of 64.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_changes_address_keeps_its_connection() {
+    let mut config = receiver_config();
+    config.endpoints = 4;
+    let (mut rx, addr) = receiver(config).await;
+    let (endpoint, raw) = raw_endpoint_connection(addr, b"tensorwire/1")
+        .await
+        .unwrap();
+    for moves in 0..4 {
+        if moves > 0 {
+            endpoint
+                .rebind(std::net::UdpSocket::bind("127.0.0.1:0").unwrap())
+                .unwrap();
+        }
+        let client = endpoint.local_addr().unwrap();
+        let name = format!("after {moves} moves");
+        let metadata = Frame::from(u8_meta(&name, 16)).to_bytes();
+        // METADATA alone, the stream left open (a FIN now would truncate the tensor).
+        let send = async {
+            let (mut send, mut recv) = raw.open_bi().await.unwrap();
+            send.write_all(&metadata).await.unwrap();
+            let mut decoder = FrameDecoder::new(Limits::default());
+            let mut answers = Vec::new();
+            while let Ok(Some(chunk)) = recv.read_chunk(usize::MAX, true).await {
+                decoder.push(chunk.bytes);
+                while let Ok(Some(frame)) = decoder.next_frame() {
+                    answers.push(frame);
+                }
+            }
+            answers
+        };
+        let receive = async {
+            let incoming = tokio::time::timeout(Duration::from_secs(10), rx.next())
+                .await
+                .expect("no METADATA after the move")
+                .unwrap();
+            assert_eq!(incoming.meta().name(), name);
+            assert_eq!(incoming.peer(), client);
+            incoming.reject(ErrorCode::REJECTED, "seen");
+        };
+        let (answers, ()) = tokio::join!(send, receive);
+        assert_eq!(
+            cancel_code(&answers),
+            Some(ErrorCode::REJECTED),
+            "{answers:?}"
+        );
+    }
+    assert_eq!(rx.connections().len(), 1);
 }

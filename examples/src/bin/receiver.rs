@@ -12,7 +12,7 @@ use clap::Parser;
 use tensorwire::exec::{ExecAccess, ExecConfig, ExecServer, WorkerCommand, refuse_exec};
 use tensorwire::gpu::{DeviceRequest, Placement};
 use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
-use tensorwire::quic::{Receiver, ReceiverConfig};
+use tensorwire::quic::{Receiver, ReceiverConfig, Steering};
 use tensorwire::sink::SinkError;
 use tensorwire_examples::cli::{
     ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, size,
@@ -93,6 +93,11 @@ struct Args {
     /// over cores (0: one per core, at most 8). All share the budgets.
     #[arg(long, default_value_t = 0)]
     endpoints: usize,
+    /// Which endpoint serves a connection: connection-id (the least loaded one, by a Retry
+    /// when needed; clients may change address) or address (the kernel's hash: uneven, no
+    /// migration, no extra round trip).
+    #[arg(long, default_value = "connection-id")]
+    steering: Steering,
     /// Run CUDA kernels that peers send with their inputs (spec §14; `tensorwire-exec`), in
     /// worker processes of their own. Needs mutual TLS (--client-ca), or a loopback --listen
     /// address, so that only authenticated or local peers can run code here.
@@ -151,6 +156,7 @@ async fn main() -> anyhow::Result<()> {
     if args.endpoints > 0 {
         config.endpoints = args.endpoints;
     }
+    config.steering = args.steering;
     // Refused before anything binds: running code for unauthenticated remote peers.
     let exec_access = args
         .allow_exec

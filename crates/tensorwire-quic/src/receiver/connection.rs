@@ -2,7 +2,6 @@
 //! [`Session`], and the loop that accepts its streams, stops unidirectional ones and ends
 //! it when it stays idle (spec §3, §10).
 
-use std::net::SocketAddr;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -18,11 +17,11 @@ use super::tensor::serve_stream;
 use crate::control::{ControlEnd, read_control_stream, write_control_stream};
 use crate::metrics::Metrics;
 use crate::session::ConnectionSession;
+use crate::steering::{ConnectionSlot, ServerEndpoint};
 use crate::stream::FrameStream;
 
 /// What the streams of one connection share.
 pub(super) struct ConnectionState {
-    pub(super) remote: SocketAddr,
     pub(super) endpoint: usize,
     pub(super) connection: quinn::Connection,
     pub(super) metrics: Metrics,
@@ -53,23 +52,25 @@ impl ConnectionState {
 }
 
 pub(super) async fn accept_connections(
-    index: usize,
-    endpoint: quinn::Endpoint,
+    endpoint: ServerEndpoint,
     shared: Arc<Shared>,
     tx: mpsc::Sender<IncomingTensor>,
 ) {
-    while let Some(incoming) = endpoint.accept().await {
+    let index = endpoint.index();
+    while let Some((incoming, slot)) = endpoint.accept().await {
         let span = info_span!("connection", remote = %incoming.remote_address(), endpoint = index);
         tokio::spawn(
-            serve_connection(index, shared.clone(), incoming, tx.clone()).instrument(span),
+            serve_connection(index, shared.clone(), incoming, slot, tx.clone()).instrument(span),
         );
     }
 }
 
+/// Serves one connection on endpoint `endpoint`; `_slot` counts it there until it ends.
 async fn serve_connection(
     endpoint: usize,
     shared: Arc<Shared>,
     incoming: quinn::Incoming,
+    _slot: ConnectionSlot,
     tx: mpsc::Sender<IncomingTensor>,
 ) {
     // The handshake (client certificate included, for mTLS) completes before any stream is
@@ -129,7 +130,6 @@ pub(super) async fn serve_streams(
         tokio::spawn(read_control_stream(connection.clone(), session.clone()));
     }
     let state = Arc::new(ConnectionState {
-        remote: connection.remote_address(),
         endpoint,
         connection: connection.clone(),
         metrics: Metrics::default(),

@@ -59,7 +59,7 @@ impl IncomingTensor {
         &self.meta
     }
 
-    /// The sender's address.
+    /// The sender's address when its METADATA arrived.
     pub fn peer(&self) -> SocketAddr {
         self.peer
     }

@@ -95,7 +95,7 @@ type AdmissionPolicy = Box<dyn Fn(IncomingTensor) + Send + Sync>;
 /// Counters of one connection.
 #[derive(Clone, Debug)]
 pub struct ConnectionSnapshot {
-    /// The peer's address.
+    /// The peer's address now (it changes if the peer migrates).
     pub remote: SocketAddr,
     /// Which of the receiver's endpoints (UDP sockets) carries it.
     pub endpoint: usize,
@@ -114,10 +114,13 @@ impl Receiver {
                 "a receiver needs at least one endpoint".into(),
             ));
         }
-        let endpoints =
-            config
-                .transport
-                .reuse_port_endpoints(config.listen, config.endpoints, server)?;
+        let group = config.transport.reuse_port_endpoints(
+            config.listen,
+            config.endpoints,
+            server,
+            config.steering,
+        )?;
+        let endpoints: Vec<quinn::Endpoint> = group.iter().map(|e| e.endpoint().clone()).collect();
         let local = endpoints[0].local_addr()?;
         let dev_cert = match dev {
             Some(dev) => {
@@ -134,15 +137,11 @@ impl Receiver {
         };
         let shared = Shared::new(config)?;
         let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
-        for (index, endpoint) in endpoints.iter().enumerate() {
-            tokio::spawn(accept_connections(
-                index,
-                endpoint.clone(),
-                shared.clone(),
-                tx.clone(),
-            ));
+        let steered = group.first().is_some_and(|e| e.is_steered());
+        for endpoint in group {
+            tokio::spawn(accept_connections(endpoint, shared.clone(), tx.clone()));
         }
-        info!(%local, endpoints = endpoints.len(), "receiver listening");
+        info!(%local, endpoints = endpoints.len(), steered, "receiver listening");
         Ok(Self {
             endpoints,
             local,
@@ -254,7 +253,7 @@ impl Receiver {
             .connections
             .iter()
             .map(|c| ConnectionSnapshot {
-                remote: c.remote,
+                remote: c.connection.remote_address(),
                 endpoint: c.endpoint,
                 metrics: c.metrics.snapshot(),
             })

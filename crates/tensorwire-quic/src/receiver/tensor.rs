@@ -125,7 +125,7 @@ impl Accepted {
             let _slot = self.while_reading(connection.pending.acquire()).await?;
             let incoming = IncomingTensor {
                 meta,
-                peer: connection.remote,
+                peer: connection.connection.remote_address(),
                 decision: decision
                     .take()
                     .ok_or(ProtocolError::Misuse("decision taken twice"))?,

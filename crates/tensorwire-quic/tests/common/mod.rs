@@ -109,6 +109,16 @@ pub async fn raw_connection(
     addr: std::net::SocketAddr,
     alpn: &[u8],
 ) -> Result<quinn::Connection, String> {
+    raw_endpoint_connection(addr, alpn)
+        .await
+        .map(|(_, connection)| connection)
+}
+
+/// A raw QUIC connection with development trust, and the client endpoint it runs on.
+pub async fn raw_endpoint_connection(
+    addr: std::net::SocketAddr,
+    alpn: &[u8],
+) -> Result<(quinn::Endpoint, quinn::Connection), String> {
     let cert = std::fs::read(tensorwire_quic::dev_cert_path(addr.port())).unwrap();
     let mut roots = rustls::RootCertStore::empty();
     use rustls::pki_types::pem::PemObject;
@@ -131,7 +141,8 @@ pub async fn raw_connection(
             "localhost",
         )
         .unwrap();
-    connecting.await.map_err(|e| e.to_string())
+    let connection = connecting.await.map_err(|e| e.to_string())?;
+    Ok((endpoint, connection))
 }
 
 /// Writes `frames` on a new stream; returns the frames the receiver answers with.
