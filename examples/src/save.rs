@@ -153,17 +153,26 @@ fn disk_error(path: &Path, e: &std::io::Error) -> SinkError {
     }
 }
 
-impl<S: Sink> Sink for SpoolingSink<S> {
-    type Output = (S::Output, Option<Spooled>);
-
-    async fn write(
-        &mut self,
+impl<S: Sink> SpoolingSink<S> {
+    /// Writes `payload` at `offset` into the spool file, if there is one.
+    fn spool(
+        &self,
         offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
+        payload: &Payload,
+    ) -> impl Future<Output = Result<(), SinkError>> + Send + 'static {
+        // Owned, so that the future does not hold `&self` (`S` need not be `Sync`).
+        let spool = self
+            .spool
+            .as_ref()
+            .map(|(file, spooled)| (file.clone(), payload.clone(), spooled.path.clone()));
+        async move { Self::write_spool(spool, offset).await }
+    }
+
+    async fn write_spool(
+        spool: Option<(Arc<std::fs::File>, Payload, PathBuf)>,
+        offset: u64,
     ) -> Result<(), SinkError> {
-        if let Some((file, spooled)) = &self.spool {
-            let (file, parts, path) = (file.clone(), payload.clone(), spooled.path.clone());
+        if let Some((file, parts, path)) = spool {
             // Disk writes block: off the async path.
             tokio::task::spawn_blocking(move || {
                 let mut at = offset;
@@ -177,7 +186,31 @@ impl<S: Sink> Sink for SpoolingSink<S> {
             .map_err(|e| SinkError::failed(format!("the spool writer failed: {e}")))?
             .map_err(|e| disk_error(&path, &e))?;
         }
+        Ok(())
+    }
+}
+
+impl<S: Sink> Sink for SpoolingSink<S> {
+    type Output = (S::Output, Option<Spooled>);
+
+    async fn write(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<(), SinkError> {
+        self.spool(offset, &payload).await?;
         self.inner.write(offset, payload, permit).await
+    }
+
+    async fn write_checksummed(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<u32, SinkError> {
+        self.spool(offset, &payload).await?;
+        self.inner.write_checksummed(offset, payload, permit).await
     }
 
     async fn finish(self) -> Result<Self::Output, SinkError> {

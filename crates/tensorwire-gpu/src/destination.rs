@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tensorwire_proto::{DType, ErrorCode, Payload, TensorMeta};
-use tensorwire_sink::{CreditPermit, Sink, SinkError};
+use tensorwire_sink::{CreditPermit, Sink, SinkError, checksum_then_copy};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::GpuError;
@@ -273,6 +273,36 @@ impl Landed {
     }
 }
 
+/// Copies `payload` into registered host memory at `offset`; with `crc`, checksums each
+/// piece right before copying it.
+fn copy_into(
+    memory: &Mutex<Vec<u8>>,
+    offset: u64,
+    payload: &Payload,
+    mut crc: Option<&mut u32>,
+) -> Result<(), SinkError> {
+    let mut memory = memory.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut at =
+        usize::try_from(offset).map_err(|_| SinkError::failed("offset past the address space"))?;
+    for part in payload.parts() {
+        let target = at
+            .checked_add(part.len())
+            .and_then(|end| memory.get_mut(at..end))
+            .ok_or_else(|| {
+                SinkError::failed(format!(
+                    "the destination shrank below byte {}",
+                    at + part.len()
+                ))
+            })?;
+        match crc.as_deref_mut() {
+            Some(crc) => *crc = checksum_then_copy(*crc, part, target),
+            None => target.copy_from_slice(part),
+        }
+        at += part.len();
+    }
+    Ok(())
+}
+
 impl Sink for DestinationSink {
     type Output = Landed;
 
@@ -283,30 +313,29 @@ impl Sink for DestinationSink {
         permit: CreditPermit,
     ) -> Result<(), SinkError> {
         match &mut self.into {
-            LandIn::Host(memory) => {
-                let mut memory = memory.lock().unwrap_or_else(PoisonError::into_inner);
-                let mut at = usize::try_from(offset)
-                    .map_err(|_| SinkError::failed("offset past the address space"))?;
-                for part in payload.parts() {
-                    let target = at
-                        .checked_add(part.len())
-                        .and_then(|end| memory.get_mut(at..end))
-                        .ok_or_else(|| {
-                            SinkError::failed(format!(
-                                "the destination shrank below byte {}",
-                                at + part.len()
-                            ))
-                        })?;
-                    target.copy_from_slice(part);
-                    at += part.len();
-                }
-                // The bytes are in the destination: their credit may go back.
-                drop(permit);
-                Ok(())
-            }
+            LandIn::Host(memory) => copy_into(memory, offset, &payload, None)?,
             #[cfg(feature = "cuda")]
-            LandIn::Device(sink) => sink.write(offset, payload, permit).await,
+            LandIn::Device(sink) => return sink.write(offset, payload, permit).await,
         }
+        // The bytes are in the destination: their credit may go back.
+        drop(permit);
+        Ok(())
+    }
+
+    async fn write_checksummed(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<u32, SinkError> {
+        let mut crc = 0;
+        match &mut self.into {
+            LandIn::Host(memory) => copy_into(memory, offset, &payload, Some(&mut crc))?,
+            #[cfg(feature = "cuda")]
+            LandIn::Device(sink) => return sink.write_checksummed(offset, payload, permit).await,
+        }
+        drop(permit);
+        Ok(crc)
     }
 
     async fn finish(self) -> Result<Landed, SinkError> {

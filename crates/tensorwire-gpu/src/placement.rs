@@ -278,6 +278,19 @@ impl Sink for TensorSink {
         }
     }
 
+    async fn write_checksummed(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<u32, SinkError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            TensorSink::Gpu(sink) => sink.write_checksummed(offset, payload, permit).await,
+            TensorSink::Host(sink) => sink.write_checksummed(offset, payload, permit).await,
+        }
+    }
+
     async fn finish(self) -> Result<TensorBuffer, SinkError> {
         match self {
             #[cfg(feature = "cuda")]

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tensorwire_proto::{Payload, TensorMeta};
-use tensorwire_sink::{CreditPermit, MemoryBudget, MemoryReservation, Sink, SinkError};
+use tensorwire_sink::{
+    CreditPermit, MemoryBudget, MemoryReservation, Sink, SinkError, checksum_then_copy,
+};
 use tokio::sync::{Notify, oneshot};
 
 use crate::buffer::CudaBuffer;
@@ -421,11 +423,48 @@ impl GpuSink {
         }
     }
 
+    /// Stores `payload` at `offset` through staging, its CRC-32C into `crc` if asked.
+    async fn store(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        mut permit: CreditPermit,
+        mut crc: Option<&mut u32>,
+    ) -> Result<(), SinkError> {
+        if let Some(e) = self.in_flight.error() {
+            return Err(e.into());
+        }
+        let end = offset.checked_add(payload.len() as u64);
+        let len = self.dest.len() as u64;
+        if end.is_none_or(|end| end > len) {
+            return Err(
+                GpuError::Bounds(format!("write at {offset} past a {len}-byte tensor")).into(),
+            );
+        }
+        let mut at = offset;
+        for part in payload.parts() {
+            self.write_part(at, part, &mut permit, crc.as_deref_mut())
+                .await?;
+            at += part.len() as u64;
+        }
+        self.settle(&mut permit);
+        // Liveness: with every staging buffer taken, a partial fill parked until this
+        // tensor's next bytes arrive could starve other tensors (and hold their credit), so
+        // copy it now.
+        if self.staging.stats().available_buffers == 0 {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Copies `part` into staging at tensor offset `at`; with `crc`, checksums each piece
+    /// right before copying it (one read of the bytes from memory).
     async fn write_part(
         &mut self,
         mut at: u64,
         mut part: &[u8],
         permit: &mut CreditPermit,
+        mut crc: Option<&mut u32>,
     ) -> Result<(), GpuError> {
         while !part.is_empty() {
             let contiguous = self
@@ -440,7 +479,11 @@ impl GpuSink {
                 return Err(GpuError::Bounds("no staging buffer".into()));
             };
             let n = part.len().min(fill.buffer.len() - fill.filled);
-            fill.buffer.as_mut_slice()[fill.filled..fill.filled + n].copy_from_slice(&part[..n]);
+            let to = &mut fill.buffer.as_mut_slice()[fill.filled..fill.filled + n];
+            match crc.as_deref_mut() {
+                Some(crc) => *crc = checksum_then_copy(*crc, &part[..n], to),
+                None => to.copy_from_slice(&part[..n]),
+            }
             fill.filled += n;
             if fill.filled == fill.buffer.len() {
                 self.settle(permit);
@@ -460,31 +503,20 @@ impl Sink for GpuSink {
         &mut self,
         offset: u64,
         payload: Payload,
-        mut permit: CreditPermit,
+        permit: CreditPermit,
     ) -> Result<(), SinkError> {
-        if let Some(e) = self.in_flight.error() {
-            return Err(e.into());
-        }
-        let end = offset.checked_add(payload.len() as u64);
-        let len = self.dest.len() as u64;
-        if end.is_none_or(|end| end > len) {
-            return Err(
-                GpuError::Bounds(format!("write at {offset} past a {len}-byte tensor")).into(),
-            );
-        }
-        let mut at = offset;
-        for part in payload.parts() {
-            self.write_part(at, part, &mut permit).await?;
-            at += part.len() as u64;
-        }
-        self.settle(&mut permit);
-        // Liveness: with every staging buffer taken, a partial fill parked until this
-        // tensor's next bytes arrive could starve other tensors (and hold their credit), so
-        // copy it now.
-        if self.staging.stats().available_buffers == 0 {
-            self.flush()?;
-        }
-        Ok(())
+        self.store(offset, payload, permit, None).await
+    }
+
+    async fn write_checksummed(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<u32, SinkError> {
+        let mut crc = 0;
+        self.store(offset, payload, permit, Some(&mut crc)).await?;
+        Ok(crc)
     }
 
     async fn finish(mut self) -> Result<CudaBuffer, SinkError> {

@@ -329,6 +329,46 @@ mod on_gpu {
         );
     }
 
+    /// The receiver's one pass over each byte: the sink checksums each piece as it copies
+    /// it into staging, in whatever pieces the payload comes, and lands every byte.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sink_checksums_what_it_copies_in_the_same_pass() {
+        let Some(_) = gpus("a_sink_checksums_what_it_copies_in_the_same_pass") else {
+            return;
+        };
+        let gpu = PooledGpuReceiver::with_defaults(0).unwrap();
+        let len = (9 << 20) + 5;
+        let data = random(len, 11);
+        let meta = TensorMeta::new([len as u64], DType::U8).unwrap();
+        let mut sink = gpu.sink(&meta).unwrap();
+        sink.poison(0xAB).unwrap();
+        // DATA of 1 MiB + 3 bytes in 6,000-byte parts (as QUIC delivers them): parts cross
+        // staging buffers and the checksum's pieces.
+        let step = (1 << 20) + 3;
+        for at in (0..len).step_by(step) {
+            let frame = &data[at..(at + step).min(len)];
+            let mut payload = Payload::default();
+            for part in frame.chunks(6000) {
+                payload.push(bytes::Bytes::copy_from_slice(part));
+            }
+            let crc = sink
+                .write_checksummed(
+                    at as u64,
+                    payload,
+                    CreditPermit::unbudgeted(frame.len() as u64),
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                crc,
+                tensorwire_proto::checksum::crc32c(frame),
+                "DATA at {at}"
+            );
+        }
+        let landed = sink.finish().await.unwrap();
+        assert!(landed.copy_to_host().unwrap() == data);
+    }
+
     /// With one staging buffer, every new fill must wait for the previous copy: a buffer
     /// refilled while its copy is in flight would corrupt the destination.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

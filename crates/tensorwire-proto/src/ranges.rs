@@ -19,6 +19,10 @@ pub struct ReceivedRanges {
     covered: u64,
 }
 
+/// The received range that ends where a new one starts (with its start), and the one that
+/// starts where it ends.
+type Neighbours = (Option<(u64, Span)>, Option<Span>);
+
 #[derive(Clone, Copy, Debug)]
 struct Span {
     end: u64,
@@ -58,6 +62,36 @@ impl ReceivedRanges {
         end: u64,
         crc_from: impl FnOnce(Option<u32>) -> u32,
     ) -> Result<(), ProtocolError> {
+        let (left, right) = self.neighbours(start, end)?;
+        let mut merged_start = start;
+        let mut merged = Span {
+            end,
+            crc: crc_from(left.map(|(_, span)| span.crc)),
+        };
+        if let Some((s, _)) = left {
+            self.ranges.remove(&s);
+            merged_start = s;
+        }
+        if let Some(span) = right {
+            self.ranges.remove(&end);
+            merged.crc = crc32c_combine(merged.crc, span.crc, span.end - end);
+            merged.end = span.end;
+        }
+        self.ranges.insert(merged_start, merged);
+        self.covered += end - start;
+        Ok(())
+    }
+
+    /// Whether `[start, end)` could be added: fails as [`insert`](Self::insert) would,
+    /// changing nothing either way.
+    pub fn check(&self, start: u64, end: u64) -> Result<(), ProtocolError> {
+        self.neighbours(start, end).map(drop)
+    }
+
+    /// The checks of an insert: the received range that ends exactly at `start` and the one
+    /// that starts exactly at `end`, if any, once `[start, end)` neither overlaps a received
+    /// byte nor takes the set past its cap.
+    fn neighbours(&self, start: u64, end: u64) -> Result<Neighbours, ProtocolError> {
         if start >= end {
             return Err(ProtocolError::Misuse("empty or inverted range"));
         }
@@ -89,23 +123,7 @@ impl ReceivedRanges {
                 limit: self.max_ranges as u64,
             });
         }
-        let mut merged_start = start;
-        let mut merged = Span {
-            end,
-            crc: crc_from(left.map(|(_, span)| span.crc)),
-        };
-        if let Some((s, _)) = left {
-            self.ranges.remove(&s);
-            merged_start = s;
-        }
-        if let Some(span) = right {
-            self.ranges.remove(&end);
-            merged.crc = crc32c_combine(merged.crc, span.crc, span.end - end);
-            merged.end = span.end;
-        }
-        self.ranges.insert(merged_start, merged);
-        self.covered += end - start;
-        Ok(())
+        Ok((left, right))
     }
 
     /// Total bytes received.

@@ -11,19 +11,42 @@ use crate::meta::TensorMeta;
 use crate::ranges::ReceivedRanges;
 
 /// A frame from the sender with its DATA payload's CRC-32C computed, so that a driver can make
-/// the pass over the bytes before it takes the locks the session sits behind (spec §7.3).
+/// the pass over the bytes before it takes the locks the session sits behind (spec §7.3), or
+/// marked to have it computed while the bytes are stored.
 #[derive(Debug)]
 pub struct CheckedFrame {
     frame: Frame,
-    payload_crc: Option<u32>,
+    payload_crc: PayloadCrc,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum PayloadCrc {
+    /// Not DATA, or DATA to checksum when handled.
+    Unknown,
+    /// Computed beforehand.
+    Computed(u32),
+    /// The driver reports it after storing the bytes.
+    Later,
 }
 
 impl CheckedFrame {
     /// Checksums `frame`'s payload if it is DATA; any other frame is kept as it is.
     pub fn new(frame: Frame) -> Self {
         let payload_crc = match &frame {
-            Frame::Data(data) => Some(data.payload.crc32c()),
-            _ => None,
+            Frame::Data(data) => PayloadCrc::Computed(data.payload.crc32c()),
+            _ => PayloadCrc::Unknown,
+        };
+        Self { frame, payload_crc }
+    }
+
+    /// A frame whose DATA payload the driver checksums in the same pass that stores it (its
+    /// sink's copy), after the session checked the frame: the driver then reports the CRC
+    /// with [`TensorReceiver::record_payload_crc`] before it hands over the stream's next
+    /// frame.
+    pub fn checksum_later(frame: Frame) -> Self {
+        let payload_crc = match &frame {
+            Frame::Data(_) => PayloadCrc::Later,
+            _ => PayloadCrc::Unknown,
         };
         Self { frame, payload_crc }
     }
@@ -170,6 +193,8 @@ pub struct TensorReceiver {
     ranges: ReceivedRanges,
     granted: u64,
     received: u64,
+    /// The range of a DATA handled with its checksum to follow.
+    crc_owed: Option<(u64, u64)>,
     outgoing: VecDeque<Frame>,
     ending: Option<ProtocolError>,
 }
@@ -185,6 +210,7 @@ impl TensorReceiver {
             ranges,
             granted: 0,
             received: 0,
+            crc_owed: None,
             outgoing: VecDeque::new(),
             ending: None,
         }
@@ -250,6 +276,11 @@ impl TensorReceiver {
     }
 
     fn dispatch(&mut self, checked: CheckedFrame) -> Result<ReceiverEvent, ProtocolError> {
+        if self.crc_owed.is_some() {
+            return Err(ProtocolError::Misuse(
+                "a frame before the previous DATA's checksum was recorded",
+            ));
+        }
         let CheckedFrame { frame, payload_crc } = checked;
         let input = match &frame {
             Frame::Early(_) => ReceiverInput::RecvEarly,
@@ -268,10 +299,14 @@ impl TensorReceiver {
         let event = match frame {
             Frame::Early(_) => ReceiverEvent::Early,
             Frame::Metadata(m) => self.on_metadata(m.meta)?,
-            Frame::Data(data) => {
-                let crc = payload_crc.unwrap_or_else(|| data.payload.crc32c());
-                self.on_data(data, crc)?
-            }
+            Frame::Data(data) => match payload_crc {
+                PayloadCrc::Computed(crc) => self.on_data(data, crc)?,
+                PayloadCrc::Unknown => {
+                    let crc = data.payload.crc32c();
+                    self.on_data(data, crc)?
+                }
+                PayloadCrc::Later => self.on_data_checksum_later(data)?,
+            },
             Frame::End(end) => self.on_end(end.checksum)?,
             Frame::Cancel(cancel) => {
                 return Err(ProtocolError::Remote {
@@ -303,6 +338,27 @@ impl TensorReceiver {
 
     /// Spec §7.3: credit first, then bounds, then overlap and gap count.
     fn on_data(&mut self, data: Data, payload_crc: u32) -> Result<ReceiverEvent, ProtocolError> {
+        let (start, end) = self.check_data(&data)?;
+        self.ranges
+            .insert_with(start, end, |continued| match continued {
+                Some(before) => crc32c_combine(before, payload_crc, end - start),
+                None => payload_crc,
+            })?;
+        self.received += end - start;
+        Ok(ReceiverEvent::Data(data))
+    }
+
+    /// As [`on_data`](Self::on_data), the range recorded once its CRC is reported.
+    fn on_data_checksum_later(&mut self, data: Data) -> Result<ReceiverEvent, ProtocolError> {
+        let (start, end) = self.check_data(&data)?;
+        self.ranges.check(start, end)?;
+        self.received += end - start;
+        self.crc_owed = Some((start, end));
+        Ok(ReceiverEvent::Data(data))
+    }
+
+    /// DATA's credit and bounds (spec §7.3); its byte range.
+    fn check_data(&self, data: &Data) -> Result<(u64, u64), ProtocolError> {
         let byte_len = self.meta.as_ref().map_or(0, TensorMeta::byte_len);
         let len = data.payload.len() as u64;
         if len > self.granted - self.received {
@@ -323,13 +379,21 @@ impl TensorReceiver {
                 ),
             )
         })?;
-        self.ranges
-            .insert_with(data.offset, end, |continued| match continued {
-                Some(before) => crc32c_combine(before, payload_crc, len),
-                None => payload_crc,
-            })?;
-        self.received += len;
-        Ok(ReceiverEvent::Data(data))
+        Ok((data.offset, end))
+    }
+
+    /// The CRC-32C of the last DATA's payload, handled with
+    /// [`CheckedFrame::checksum_later`] and since stored by the driver.
+    pub fn record_payload_crc(&mut self, crc: u32) -> Result<(), ProtocolError> {
+        let (start, end) = self
+            .crc_owed
+            .take()
+            .ok_or(ProtocolError::Misuse("no DATA is waiting for its checksum"))?;
+        let recorded = self.ranges.insert(start, end, crc);
+        if let Err(err) = &recorded {
+            self.abort(err.clone());
+        }
+        recorded
     }
 
     fn on_end(&mut self, checksum: u64) -> Result<ReceiverEvent, ProtocolError> {

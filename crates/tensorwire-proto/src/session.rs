@@ -374,6 +374,17 @@ impl Session {
         }
     }
 
+    /// The CRC-32C of the last DATA on incoming stream `id`, handled with
+    /// [`CheckedFrame::checksum_later`] and since stored (spec §7.3); it must come before
+    /// that stream's next frame. An error closes the tensor (a duplicate range found only now
+    /// is DATA_OVERLAP).
+    pub fn record_payload_crc(&mut self, id: StreamId, crc: u32) -> Result<(), ProtocolError> {
+        match self.tensors.get_mut(&id) {
+            Some(Tensor::Incoming(tensor)) => tensor.record_payload_crc(crc),
+            _ => Err(ProtocolError::Misuse("no incoming tensor on that stream")),
+        }
+    }
+
     /// Feeds one frame the peer sent on stream `id`, a stream we opened to send on (ACCEPT,
     /// REJECT, CREDIT, COMPLETE, CANCEL). Needs no credit tracker: the peer's credit for our
     /// tensors is the tensor's own. An error closes the tensor and queues our CANCEL unless

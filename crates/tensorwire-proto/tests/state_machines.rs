@@ -6,11 +6,12 @@ mod common;
 
 use common::pair::Pair;
 use common::vectors::pattern;
-use tensorwire_proto::frame::{Accept, Credit, Data};
+use tensorwire_proto::checksum::crc32c;
+use tensorwire_proto::frame::{Accept, Credit, Data, End};
 use tensorwire_proto::{
-    Blame, CreditTracker, DType, ErrorCode, Frame, Limits, ProtocolError, ReceiverEvent,
-    ReceiverInput, ReceiverState, SenderInput, SenderState, TensorMeta, TensorReceiver,
-    TensorSender,
+    Blame, CheckedFrame, CreditTracker, DType, ErrorCode, Frame, Limits, ProtocolError,
+    ReceiverEvent, ReceiverInput, ReceiverState, SenderInput, SenderState, TensorMeta,
+    TensorReceiver, TensorSender,
 };
 
 fn meta(len: u64) -> TensorMeta {
@@ -529,4 +530,75 @@ fn checked_chunks_combine_into_the_whole_tensors_checksum() {
             "cut every {cut} bytes"
         );
     }
+}
+
+/// A receiver accepted for `len` bytes, all granted.
+fn receiving(len: u64) -> TensorReceiver {
+    let mut rx = TensorReceiver::new(Limits::default());
+    rx.handle_frame(meta(len).into()).unwrap();
+    rx.accept().unwrap();
+    assert_eq!(rx.grant(len), len);
+    rx
+}
+
+/// DATA whose checksum the driver computes while storing the bytes (spec §7.3, one pass over
+/// them) is verified at END as any other: a wrong piece fails with CHECKSUM_MISMATCH.
+#[test]
+fn data_checksummed_while_stored_is_verified_at_end() {
+    let bytes = pattern(3000, 9);
+    let run = |corrupt_piece: Option<usize>| -> Result<(), ProtocolError> {
+        let mut rx = receiving(3000);
+        for (i, piece) in bytes.chunks(1000).enumerate() {
+            let data = Data::new(i as u64 * 1000, piece.to_vec());
+            let event = rx.handle_checked(CheckedFrame::checksum_later(data.into()))?;
+            assert!(matches!(event, ReceiverEvent::Data(_)));
+            let mut crc = crc32c(piece);
+            if corrupt_piece == Some(i) {
+                crc ^= 1;
+            }
+            rx.record_payload_crc(crc)?;
+        }
+        let end = End {
+            checksum: crc32c(&bytes).into(),
+        };
+        rx.handle_frame(end.into())?;
+        assert_eq!(rx.state(), ReceiverState::AwaitingResidency);
+        Ok(())
+    };
+    run(None).unwrap();
+    assert_eq!(code_of(&run(Some(1))), ErrorCode::CHECKSUM_MISMATCH);
+}
+
+/// The checks come before the bytes are stored: overlap and bounds fail at the
+/// frame, with nothing owed.
+#[test]
+fn data_checksummed_later_is_checked_before_it_is_stored() {
+    let later = |offset: u64, len: usize| {
+        CheckedFrame::checksum_later(Data::new(offset, vec![7; len]).into())
+    };
+    let mut rx = receiving(3000);
+    rx.handle_checked(later(0, 1000)).unwrap();
+    rx.record_payload_crc(crc32c(&[7; 1000])).unwrap();
+    let overlap = rx.handle_checked(later(500, 1000)).map(drop);
+    assert_eq!(code_of(&overlap), ErrorCode::DATA_OVERLAP);
+
+    let mut rx = receiving(3000);
+    let past_end = rx.handle_checked(later(2500, 1000)).map(drop);
+    assert_eq!(code_of(&past_end), ErrorCode::DATA_PAST_END);
+}
+
+/// A driver that forgets the checksum, or reports one nobody asked for, is told so.
+#[test]
+fn a_checksum_owed_comes_before_the_next_frame() {
+    let mut rx = receiving(2000);
+    assert!(matches!(
+        rx.record_payload_crc(0),
+        Err(ProtocolError::Misuse(_))
+    ));
+    rx.handle_checked(CheckedFrame::checksum_later(
+        Data::new(0, vec![1; 1000]).into(),
+    ))
+    .unwrap();
+    let next = rx.handle_frame(Data::new(1000, vec![1; 1000]).into());
+    assert!(matches!(next, Err(ProtocolError::Misuse(_))), "{next:?}");
 }

@@ -14,6 +14,7 @@ use common::{
     receive_host, receiver, receiver_config, remote_code, sender, u8_meta,
 };
 use quinn::VarInt;
+use tensorwire_quic::proto::checksum::crc32c;
 use tensorwire_quic::proto::frame::{Data, End};
 use tensorwire_quic::proto::{ErrorCode, Frame, FrameDecoder, Limits, Payload, ProtocolError};
 use tensorwire_quic::{
@@ -202,7 +203,7 @@ async fn rule_breakers_get_the_documented_code_while_others_are_served() {
         while let Some(incoming) = rx.next().await {
             let handle = incoming.accept_host().await.unwrap();
             results.push(tokio::spawn(handle.finished()));
-            if results.len() == 5 {
+            if results.len() == 6 {
                 break;
             }
         }
@@ -237,6 +238,19 @@ async fn rule_breakers_get_the_documented_code_while_others_are_served() {
             vec![meta.clone(), End { checksum: 0 }.into()],
             ErrorCode::END_WITH_GAPS,
         ),
+        // The receiver checksums DATA as it stores it: bytes that do not match END are
+        // caught all the same.
+        (
+            vec![
+                u8_meta("bad", 1000).into(),
+                Data::new(0, vec![1u8; 1000]).into(),
+                End {
+                    checksum: crc32c(&[2u8; 1000]).into(),
+                }
+                .into(),
+            ],
+            ErrorCode::CHECKSUM_MISMATCH,
+        ),
     ];
     for (frames, expected) in cases {
         let answers = raw_exchange(&raw, &frames, true).await;
@@ -249,7 +263,7 @@ async fn rule_breakers_get_the_documented_code_while_others_are_served() {
         .iter()
         .filter_map(|r| r.as_ref().err().and_then(|e| e.code()))
         .collect();
-    assert_eq!(codes.len(), 4, "{results:?}");
+    assert_eq!(codes.len(), 5, "{results:?}");
     let good_result = results.iter().find_map(|r| r.as_ref().ok()).unwrap();
     assert_eq!(good_result, &("good".to_owned(), pattern(1 << 20, 3)));
     assert_budget_returned(&rx).await;

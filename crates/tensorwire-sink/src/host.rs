@@ -5,7 +5,7 @@ use bytes::Bytes;
 use memmap2::MmapMut;
 use tensorwire_proto::Payload;
 
-use crate::{CreditPermit, MemoryReservation, Sink, SinkError};
+use crate::{CreditPermit, MemoryReservation, Sink, SinkError, checksum_then_copy};
 
 /// Below this, a heap buffer; at and above, an anonymous mapping, whose untouched pages cost
 /// nothing and which is unmapped on drop. The allocator would keep freed blocks above its
@@ -98,6 +98,17 @@ impl HostSink {
     }
 }
 
+impl HostSink {
+    /// The buffer's bytes `[offset, offset + len)`.
+    fn destination(&mut self, offset: u64, len: usize) -> Result<&mut [u8], SinkError> {
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        start
+            .checked_add(len)
+            .and_then(|end| self.buf.as_mut().get_mut(start..end))
+            .ok_or_else(|| SinkError::failed(format!("write at {offset} past the buffer")))
+    }
+}
+
 impl Sink for HostSink {
     type Output = Bytes;
 
@@ -107,14 +118,26 @@ impl Sink for HostSink {
         payload: Payload,
         permit: CreditPermit,
     ) -> Result<(), SinkError> {
-        let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        let dst = start
-            .checked_add(payload.len())
-            .and_then(|end| self.buf.as_mut().get_mut(start..end))
-            .ok_or_else(|| SinkError::failed(format!("write at {offset} past the buffer")))?;
-        payload.copy_to_slice(dst);
+        payload.copy_to_slice(self.destination(offset, payload.len())?);
         drop(permit); // The bytes are in their final place: durable.
         Ok(())
+    }
+
+    async fn write_checksummed(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<u32, SinkError> {
+        let mut dst = self.destination(offset, payload.len())?;
+        let mut crc = 0;
+        for part in payload.parts() {
+            let (to, rest) = dst.split_at_mut(part.len());
+            crc = checksum_then_copy(crc, part, to);
+            dst = rest;
+        }
+        drop(permit);
+        Ok(crc)
     }
 
     async fn finish(self) -> Result<Bytes, SinkError> {

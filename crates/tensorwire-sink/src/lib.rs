@@ -20,6 +20,21 @@ pub use host::HostSink;
 pub use memory::{MemoryBudget, MemoryReservation, MemoryShares, MemorySnapshot};
 pub use permit::{CreditPermit, CreditRelease};
 
+/// Bytes checksummed at a time by [`checksum_then_copy`]: small enough to stay in a core's
+/// first-level cache between the checksum and the copy.
+const FUSED_PIECE: usize = 16 << 10;
+
+/// Copies `src` into `dst` (the same length) and returns the CRC-32C of the bytes whose CRC
+/// is `crc` followed by `src`, reading each piece from memory once: it is checksummed, then
+/// copied while still in cache.
+pub fn checksum_then_copy(mut crc: u32, src: &[u8], dst: &mut [u8]) -> u32 {
+    for (from, to) in src.chunks(FUSED_PIECE).zip(dst.chunks_mut(FUSED_PIECE)) {
+        crc = tensorwire_proto::checksum::crc32c_append(crc, from);
+        to.copy_from_slice(from);
+    }
+    crc
+}
+
 /// A sink's failure; `code` is what the sender is told (RESOURCE_EXHAUSTED, SINK_FAILED or
 /// UNSUPPORTED_DEVICE).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -77,6 +92,25 @@ pub trait Sink: Send + 'static {
         payload: Payload,
         permit: CreditPermit,
     ) -> impl Future<Output = Result<(), SinkError>> + Send;
+
+    /// Stores `payload` as [`write`](Sink::write) does and returns its CRC-32C (spec §5.3),
+    /// which the receiver checks against END.
+    ///
+    /// The default checksums the bytes, then writes them: two passes. A sink that copies
+    /// should checksum each piece right before copying it, so that the copy reads it from
+    /// the core's cache and the bytes come from memory once ([`checksum_then_copy`]).
+    fn write_checksummed(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> impl Future<Output = Result<u32, SinkError>> + Send {
+        async move {
+            let crc = payload.crc32c();
+            self.write(offset, payload, permit).await?;
+            Ok(crc)
+        }
+    }
 
     /// Resolves once every written byte is durable; returns the output.
     fn finish(self) -> impl Future<Output = Result<Self::Output, SinkError>> + Send;

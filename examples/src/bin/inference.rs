@@ -475,6 +475,22 @@ impl<S: Sink> Stamped<S> {
     }
 }
 
+impl<S: Sink> Stamped<S> {
+    /// Counts `len` more bytes written; stamps the time when the last byte is.
+    fn count(&mut self, len: usize) -> Result<(), SinkError> {
+        self.left = self.left.saturating_sub(len as u64);
+        if self.left == 0 {
+            let event = self
+                .clock
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| SinkError::failed(format!("cuEventRecord: {e}")))?;
+            *self.stamp.0.lock().unwrap_or_else(PoisonError::into_inner) =
+                Some((Instant::now(), event));
+        }
+        Ok(())
+    }
+}
+
 impl<S: Sink> Sink for Stamped<S> {
     type Output = StampedOutput<S::Output>;
 
@@ -484,16 +500,18 @@ impl<S: Sink> Sink for Stamped<S> {
         payload: Payload,
         permit: CreditPermit,
     ) -> Result<(), SinkError> {
-        self.left = self.left.saturating_sub(payload.len() as u64);
-        if self.left == 0 {
-            let event = self
-                .clock
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| SinkError::failed(format!("cuEventRecord: {e}")))?;
-            *self.stamp.0.lock().unwrap_or_else(PoisonError::into_inner) =
-                Some((Instant::now(), event));
-        }
+        self.count(payload.len())?;
         self.inner.write(offset, payload, permit).await
+    }
+
+    async fn write_checksummed(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<u32, SinkError> {
+        self.count(payload.len())?;
+        self.inner.write_checksummed(offset, payload, permit).await
     }
 
     async fn finish(self) -> Result<Self::Output, SinkError> {

@@ -79,7 +79,33 @@ impl Accepted {
     /// Hands one frame from the peer to the session (which moves its credit).
     fn handle(&self, frame: Frame) -> Result<SessionEvent, ProtocolError> {
         // The pass over DATA's bytes, before the connection's and the receiver-wide locks.
-        let frame = CheckedFrame::new(frame);
+        self.handle_checked(CheckedFrame::new(frame))
+    }
+
+    /// As [`handle`](Self::handle), DATA's checksum computed later, while its bytes are
+    /// stored ([`store`](Self::store)).
+    fn handle_checksum_later(&self, frame: Frame) -> Result<SessionEvent, ProtocolError> {
+        self.handle_checked(CheckedFrame::checksum_later(frame))
+    }
+
+    /// Stores DATA handled by [`handle_checksum_later`](Self::handle_checksum_later) and
+    /// checksums it in the same pass (spec §7.3: one read of each byte).
+    async fn store<S: Sink>(
+        &self,
+        sink: &mut S,
+        data: Data,
+        permit: CreditPermit,
+    ) -> Result<(), TransportError> {
+        let crc = sink
+            .write_checksummed(data.offset, data.payload, permit)
+            .await?;
+        self.connection
+            .session()
+            .record_payload_crc(self.id, crc)
+            .map_err(Into::into)
+    }
+
+    fn handle_checked(&self, frame: CheckedFrame) -> Result<SessionEvent, ProtocolError> {
         let mut session = self.connection.session();
         let window_was_full = session.connection_window_left() == 0;
         let event = self
@@ -298,11 +324,11 @@ impl Accepted {
                 () = window_opened, if wants_more => {}
                 frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame()) => {
                     let frame = frame.map_err(|_| TransportError::timed_out("DATA", config.progress_timeout))??;
-                    match self.handle(frame)? {
+                    match self.handle_checksum_later(frame)? {
                         SessionEvent::Data(data) => {
                             let n = data.payload.len() as u64;
                             let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
-                            sink.write(data.offset, data.payload, permit).await?;
+                            self.store(&mut sink, data, permit).await?;
                             progress.fetch_add(n, Ordering::Relaxed);
                             shared.metrics.add_bytes(n);
                             self.connection.metrics.add_bytes(n);
