@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tensorwire_proto::{DType, ErrorCode, Payload, TensorMeta};
-use tensorwire_sink::{CreditPermit, Sink, SinkError, checksum_then_copy};
+use tensorwire_sink::{CreditPermit, Sink, SinkError, copy_payload};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::GpuError;
@@ -273,33 +273,22 @@ impl Landed {
     }
 }
 
-/// Copies `payload` into registered host memory at `offset`; with `crc`, checksums each
-/// piece right before copying it.
+/// Copies `payload` into registered host memory at `offset`; with `crc`, checksums it in the
+/// same pass.
 fn copy_into(
     memory: &Mutex<Vec<u8>>,
     offset: u64,
     payload: &Payload,
-    mut crc: Option<&mut u32>,
+    crc: Option<&mut u32>,
 ) -> Result<(), SinkError> {
     let mut memory = memory.lock().unwrap_or_else(PoisonError::into_inner);
-    let mut at =
+    let at =
         usize::try_from(offset).map_err(|_| SinkError::failed("offset past the address space"))?;
-    for part in payload.parts() {
-        let target = at
-            .checked_add(part.len())
-            .and_then(|end| memory.get_mut(at..end))
-            .ok_or_else(|| {
-                SinkError::failed(format!(
-                    "the destination shrank below byte {}",
-                    at + part.len()
-                ))
-            })?;
-        match crc.as_deref_mut() {
-            Some(crc) => *crc = checksum_then_copy(*crc, part, target),
-            None => target.copy_from_slice(part),
-        }
-        at += part.len();
-    }
+    let end = at.saturating_add(payload.len());
+    let target = memory
+        .get_mut(at..end)
+        .ok_or_else(|| SinkError::failed(format!("the destination shrank below byte {end}")))?;
+    copy_payload(payload, target, crc);
     Ok(())
 }
 

@@ -5,7 +5,7 @@ use bytes::Bytes;
 use memmap2::MmapMut;
 use tensorwire_proto::Payload;
 
-use crate::{CreditPermit, MemoryReservation, Sink, SinkError, checksum_then_copy};
+use crate::{CreditPermit, MemoryReservation, Sink, SinkError, copy_payload};
 
 /// Below this, a heap buffer; at and above, an anonymous mapping, whose untouched pages cost
 /// nothing and which is unmapped on drop. The allocator would keep freed blocks above its
@@ -96,9 +96,7 @@ impl HostSink {
         };
         Ok(Self { buf, reservation })
     }
-}
 
-impl HostSink {
     /// The buffer's bytes `[offset, offset + len)`.
     fn destination(&mut self, offset: u64, len: usize) -> Result<&mut [u8], SinkError> {
         let start = usize::try_from(offset).unwrap_or(usize::MAX);
@@ -118,7 +116,7 @@ impl Sink for HostSink {
         payload: Payload,
         permit: CreditPermit,
     ) -> Result<(), SinkError> {
-        payload.copy_to_slice(self.destination(offset, payload.len())?);
+        copy_payload(&payload, self.destination(offset, payload.len())?, None);
         drop(permit); // The bytes are in their final place: durable.
         Ok(())
     }
@@ -129,13 +127,9 @@ impl Sink for HostSink {
         payload: Payload,
         permit: CreditPermit,
     ) -> Result<u32, SinkError> {
-        let mut dst = self.destination(offset, payload.len())?;
         let mut crc = 0;
-        for part in payload.parts() {
-            let (to, rest) = dst.split_at_mut(part.len());
-            crc = checksum_then_copy(crc, part, to);
-            dst = rest;
-        }
+        let dst = self.destination(offset, payload.len())?;
+        copy_payload(&payload, dst, Some(&mut crc));
         drop(permit);
         Ok(crc)
     }

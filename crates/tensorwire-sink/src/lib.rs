@@ -35,6 +35,19 @@ pub fn checksum_then_copy(mut crc: u32, src: &[u8], dst: &mut [u8]) -> u32 {
     crc
 }
 
+/// Copies `payload` into `dst` (the same length); with `crc`, continues it over the bytes in
+/// the same pass ([`checksum_then_copy`]).
+pub fn copy_payload(payload: &Payload, mut dst: &mut [u8], mut crc: Option<&mut u32>) {
+    for part in payload.parts() {
+        let (to, rest) = std::mem::take(&mut dst).split_at_mut(part.len());
+        match crc.as_deref_mut() {
+            Some(crc) => *crc = checksum_then_copy(*crc, part, to),
+            None => to.copy_from_slice(part),
+        }
+        dst = rest;
+    }
+}
+
 /// A sink's failure; `code` is what the sender is told (RESOURCE_EXHAUSTED, SINK_FAILED or
 /// UNSUPPORTED_DEVICE).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
