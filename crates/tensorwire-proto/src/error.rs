@@ -107,6 +107,10 @@ error_codes! {
     /// Arguments and tensors disagree: an input differs from its declaration, is missing,
     /// unknown or repeated (spec §14.2).
     ARGUMENT_MISMATCH = 0x0218,
+    /// A part of a split tensor disagrees with its whole or the other parts: malformed split
+    /// attributes, another name, dtype, shape or part count, overlapping or missing rows
+    /// (spec §15).
+    SPLIT_MISMATCH = 0x0219,
     /// No progress within the receiver's progress timeout.
     PROGRESS_TIMEOUT = 0x0301,
     /// This side could not get memory or buffers for the tensor.

@@ -42,6 +42,7 @@ mod ranges;
 mod receiver;
 mod sender;
 mod session;
+pub mod split;
 
 #[doc(hidden)]
 pub mod fuzzing;
