@@ -5,7 +5,7 @@ use bytes::Bytes;
 use memmap2::MmapMut;
 use tensorwire_proto::Payload;
 
-use crate::{CreditPermit, MemoryReservation, Sink, SinkError, copy_payload};
+use crate::{CreditPermit, Divisible, MemoryReservation, Sink, SinkError, copy_payload};
 
 /// Below this, a heap buffer; at and above, an anonymous mapping, whose untouched pages cost
 /// nothing and which is unmapped on drop. The allocator would keep freed blocks above its
@@ -146,5 +146,14 @@ impl Sink for HostSink {
                 _reservation: self.reservation,
             }),
         })
+    }
+}
+
+/// Parts of a split tensor write into host memory one at a time: one mapping has one writer.
+impl Divisible for HostSink {
+    type Part = HostSink;
+
+    fn part(&mut self) -> Option<HostSink> {
+        None
     }
 }

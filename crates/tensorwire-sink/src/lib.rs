@@ -11,6 +11,7 @@
 mod host;
 mod memory;
 mod permit;
+mod split;
 
 use std::future::Future;
 
@@ -19,6 +20,7 @@ use tensorwire_proto::{ErrorCode, Payload};
 pub use host::HostSink;
 pub use memory::{MemoryBudget, MemoryReservation, MemoryShares, MemorySnapshot};
 pub use permit::{CreditPermit, CreditRelease};
+pub use split::{Assembled, Divisible, MAX_ASSEMBLING, PartSink, SplitTensors};
 
 /// Bytes checksummed at a time by [`checksum_then_copy`]: small enough to stay in a core's
 /// first-level cache between the checksum and the copy.

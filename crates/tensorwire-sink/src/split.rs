@@ -1,0 +1,367 @@
+//! The parts of a split tensor (spec §15) landing in one destination: the first part to arrive
+//! admits the whole's sink, every part writes its own range of it, and the part that lands
+//! last finishes the whole and hands it over, once.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+
+use tensorwire_proto::split::{SplitAssembly, SplitId, SplitPart};
+use tensorwire_proto::{ErrorCode, Payload, ProtocolError, TensorMeta};
+use tokio::sync::OnceCell;
+
+use crate::{CreditPermit, Sink, SinkError};
+
+/// A sink whose destination several parts can fill at once, each through a writer of its
+/// own; parts of a sink that has none write through it one at a time.
+pub trait Divisible: Sink {
+    /// A writer into the same destination, at the whole's offsets.
+    type Part: Sink;
+
+    /// Another writer beside this one, or `None` if writes must go through this sink.
+    fn part(&mut self) -> Option<Self::Part>;
+}
+
+/// Wholes being assembled at once, at most; parts of another are refused (RESOURCE_EXHAUSTED).
+pub const MAX_ASSEMBLING: usize = 1024;
+
+type Key = (IpAddr, SplitId);
+type Entry<S> = Arc<OnceCell<Result<Arc<Whole<S>>, SinkError>>>;
+type Open<S> = Mutex<HashMap<Key, Entry<S>>>;
+
+/// A receiver's split tensors being assembled, by peer address and id. Clones share them.
+pub struct SplitTensors<S: Divisible> {
+    open: Arc<Open<S>>,
+    within: Duration,
+}
+
+impl<S: Divisible> Clone for SplitTensors<S> {
+    fn clone(&self) -> Self {
+        Self {
+            open: self.open.clone(),
+            within: self.within,
+        }
+    }
+}
+
+/// A whole assembled from its parts: its description and its sink's output.
+#[derive(Debug)]
+pub struct Assembled<T> {
+    /// The whole tensor, as the parts described it (spec §15).
+    pub meta: TensorMeta,
+    /// What the whole's sink produced.
+    pub output: T,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl<S: Divisible> SplitTensors<S> {
+    /// Assemblies whose parts must all arrive within `within` of the first; otherwise the
+    /// whole is refused and its destination freed.
+    pub fn new(within: Duration) -> Self {
+        Self {
+            open: Arc::default(),
+            within,
+        }
+    }
+
+    /// Wholes being assembled now (or refused, and remembered until their time is up).
+    pub fn assembling(&self) -> usize {
+        lock(&self.open).len()
+    }
+
+    /// The sink for `part`, from a peer at `peer`. The first part of a whole to arrive
+    /// admits the whole's sink with `admit` (once, however many parts wait for it); the
+    /// others share its outcome. Fails with the admission's error, or SPLIT_MISMATCH (and
+    /// fails the whole) if the part does not fit the parts before it.
+    pub async fn join<F, Fut>(
+        &self,
+        peer: IpAddr,
+        part: &SplitPart,
+        admit: F,
+    ) -> Result<PartSink<S>, SinkError>
+    where
+        F: FnOnce(TensorMeta) -> Fut,
+        Fut: Future<Output = Result<S, SinkError>>,
+    {
+        let key = (peer, part.id());
+        let entry = {
+            let mut open = lock(&self.open);
+            match open.get(&key) {
+                Some(entry) => entry.clone(),
+                None => {
+                    if open.len() >= MAX_ASSEMBLING {
+                        return Err(SinkError::exhausted(format!(
+                            "{MAX_ASSEMBLING} split tensors are being assembled already"
+                        )));
+                    }
+                    let entry = Entry::<S>::default();
+                    open.insert(key, entry.clone());
+                    self.expire(key, &entry);
+                    entry
+                }
+            }
+        };
+        let whole = entry
+            .get_or_init(|| async {
+                let meta = part.whole().clone();
+                admit(meta.clone()).await.map(|sink| {
+                    Arc::new(Whole {
+                        meta,
+                        sink: tokio::sync::Mutex::new(Some(sink)),
+                        state: Mutex::new(State {
+                            assembly: SplitAssembly::new(part),
+                            failed: None,
+                        }),
+                        open: Arc::downgrade(&self.open),
+                        key,
+                    })
+                })
+            })
+            .await
+            .clone()?;
+        whole.join(part).await?;
+        let direct = match whole.sink.lock().await.as_mut() {
+            Some(sink) => sink.part(),
+            None => return Err(whole.failure()),
+        };
+        Ok(PartSink {
+            whole,
+            base: part.offset(),
+            direct,
+            landed: false,
+        })
+    }
+
+    /// Fails the whole of `entry` if its parts have not all arrived in time, and forgets it
+    /// then (a refused whole is remembered until then, so its late parts are refused at once).
+    fn expire(&self, key: Key, entry: &Entry<S>) {
+        let (open, entry, within) = (Arc::downgrade(&self.open), Arc::downgrade(entry), self.within);
+        tokio::spawn(async move {
+            tokio::time::sleep(within).await;
+            let Some(entry) = entry.upgrade() else {
+                return;
+            };
+            if let Some(Ok(whole)) = entry.get()
+                && !whole.all_joined()
+            {
+                let why = format!(
+                    "the parts of {:?} did not all arrive within {:.1} s",
+                    whole.meta.name(),
+                    within.as_secs_f64()
+                );
+                whole.fail(SinkError::exhausted(why)).await;
+            }
+            if let Some(open) = open.upgrade() {
+                let mut open = lock(&open);
+                if open.get(&key).is_some_and(|e| Arc::ptr_eq(e, &entry)) {
+                    open.remove(&key);
+                }
+            }
+        });
+    }
+}
+
+/// One whole: its sink (until it finishes or fails) and its assembly.
+struct Whole<S: Divisible> {
+    meta: TensorMeta,
+    sink: tokio::sync::Mutex<Option<S>>,
+    state: Mutex<State>,
+    open: Weak<Open<S>>,
+    key: Key,
+}
+
+struct State {
+    assembly: SplitAssembly,
+    failed: Option<SinkError>,
+}
+
+fn split_error(e: ProtocolError) -> SinkError {
+    SinkError {
+        code: e.code(),
+        message: e.to_string(),
+    }
+}
+
+impl<S: Divisible> Whole<S> {
+    fn failure(&self) -> SinkError {
+        lock(&self.state).failed.clone().unwrap_or_else(|| {
+            SinkError::failed(format!("{:?} was already finished", self.meta.name()))
+        })
+    }
+
+    fn check(&self) -> Result<(), SinkError> {
+        match &lock(&self.state).failed {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    fn all_joined(&self) -> bool {
+        lock(&self.state).assembly.all_joined()
+    }
+
+    async fn join(&self, part: &SplitPart) -> Result<(), SinkError> {
+        let joined = {
+            let mut state = lock(&self.state);
+            if let Some(e) = &state.failed {
+                return Err(e.clone());
+            }
+            state.assembly.join(part).map_err(split_error)
+        };
+        if let Err(e) = &joined {
+            // A part that does not fit spoils the whole: its other parts are cancelled.
+            self.fail(e.clone()).await;
+        }
+        joined
+    }
+
+    /// Marks the whole failed (the first cause is kept) and frees its destination.
+    async fn fail(&self, error: SinkError) {
+        self.mark_failed(error);
+        drop(self.sink.lock().await.take());
+        self.forget();
+    }
+
+    fn mark_failed(&self, error: SinkError) {
+        lock(&self.state).failed.get_or_insert(error);
+    }
+
+    /// Removes the whole from its receiver's map once it is done.
+    fn forget(&self) {
+        let Some(open) = self.open.upgrade() else {
+            return;
+        };
+        let mut open = lock(&open);
+        let mine = open.get(&self.key).is_some_and(|entry| {
+            matches!(entry.get(), Some(Ok(whole)) if std::ptr::eq(Arc::as_ptr(whole), self))
+        });
+        if mine && lock(&self.state).failed.is_none() {
+            open.remove(&self.key);
+        }
+    }
+}
+
+/// The sink of one part: writes its bytes at the part's place in the whole. Finishing the
+/// part that lands last finishes the whole and yields it.
+pub struct PartSink<S: Divisible> {
+    whole: Arc<Whole<S>>,
+    base: u64,
+    direct: Option<S::Part>,
+    landed: bool,
+}
+
+impl<S: Divisible> PartSink<S> {
+    /// The whole this part belongs to.
+    pub fn whole(&self) -> &TensorMeta {
+        &self.whole.meta
+    }
+
+    async fn store(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+        checksum: bool,
+    ) -> Result<Option<u32>, SinkError> {
+        self.whole.check()?;
+        let at = self.base + offset;
+        if let Some(direct) = self.direct.as_mut() {
+            return match checksum {
+                true => direct.write_checksummed(at, payload, permit).await.map(Some),
+                false => direct.write(at, payload, permit).await.map(|()| None),
+            };
+        }
+        let mut sink = self.whole.sink.lock().await;
+        self.whole.check()?;
+        let Some(sink) = sink.as_mut() else {
+            return Err(self.whole.failure());
+        };
+        match checksum {
+            true => sink.write_checksummed(at, payload, permit).await.map(Some),
+            false => sink.write(at, payload, permit).await.map(|()| None),
+        }
+    }
+}
+
+impl<S: Divisible> Sink for PartSink<S> {
+    type Output = Option<Assembled<S::Output>>;
+
+    async fn write(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<(), SinkError> {
+        self.store(offset, payload, permit, false).await.map(drop)
+    }
+
+    async fn write_checksummed(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<u32, SinkError> {
+        let crc = self.store(offset, payload, permit, true).await?;
+        crc.ok_or_else(|| SinkError::failed("no checksum from the part's writer"))
+    }
+
+    async fn finish(mut self) -> Result<Self::Output, SinkError> {
+        if let Some(direct) = self.direct.take() {
+            direct.finish().await?;
+        }
+        let whole = self.whole.clone();
+        let complete = {
+            let mut state = lock(&whole.state);
+            if let Some(e) = &state.failed {
+                return Err(e.clone());
+            }
+            state.assembly.landed().map_err(split_error)?
+        };
+        self.landed = true;
+        if !complete {
+            return Ok(None);
+        }
+        let Some(sink) = whole.sink.lock().await.take() else {
+            return Err(whole.failure());
+        };
+        let finished = sink.finish().await;
+        match finished {
+            Ok(output) => {
+                whole.forget();
+                Ok(Some(Assembled {
+                    meta: whole.meta.clone(),
+                    output,
+                }))
+            }
+            Err(e) => {
+                whole.fail(e.clone()).await;
+                Err(e)
+            }
+        }
+    }
+}
+
+impl<S: Divisible> Drop for PartSink<S> {
+    fn drop(&mut self) {
+        if self.landed {
+            return;
+        }
+        // Cancelled or failed before its last byte: the whole cannot land.
+        let rows = self.whole.meta.shape().first().copied().unwrap_or(0);
+        self.whole.mark_failed(SinkError {
+            code: ErrorCode::CANCELLED,
+            message: format!(
+                "another part of {:?} ({rows} rows) ended before it landed",
+                self.whole.meta.name()
+            ),
+        });
+        // The destination goes now unless a part is writing, which then sees the failure.
+        if let Ok(mut sink) = self.whole.sink.try_lock() {
+            drop(sink.take());
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! The parts of a split tensor landing in one host destination (spec §15), through the
+//! public API: one admission, one whole, and the destination freed when the whole fails.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tensorwire_proto::split::{SplitId, SplitPart, plan_split};
+use tensorwire_proto::{DType, ErrorCode, Payload, TensorMeta};
+use tensorwire_sink::{
+    CreditPermit, HostSink, MAX_ASSEMBLING, MemoryBudget, PartSink, Sink, SinkError,
+    SplitTensors,
+};
+
+const PEER: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+const WITHIN: Duration = Duration::from_secs(5);
+
+fn whole(rows: u64) -> TensorMeta {
+    TensorMeta::new(vec![rows, 1000], DType::U8)
+        .unwrap()
+        .with_name("embed")
+}
+
+fn parts(meta: &TensorMeta, n: u64, id: u128) -> Vec<SplitPart> {
+    plan_split(meta, n, SplitId(id))
+        .unwrap()
+        .iter()
+        .map(|p| SplitPart::of(&p.meta, u64::MAX).unwrap().unwrap())
+        .collect()
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8).collect()
+}
+
+/// Admits host memory from `memory`, counting admissions.
+async fn join(
+    splits: &SplitTensors<HostSink>,
+    part: &SplitPart,
+    memory: &MemoryBudget,
+    admitted: &AtomicUsize,
+) -> Result<PartSink<HostSink>, SinkError> {
+    splits
+        .join(PEER, part, |meta| async move {
+            admitted.fetch_add(1, Ordering::SeqCst);
+            HostSink::reserved(memory.try_reserve(meta.byte_len())?)
+        })
+        .await
+}
+
+/// Writes a part's bytes of `bytes` (the whole) in two DATA-sized pieces, last piece first.
+async fn fill(sink: &mut PartSink<HostSink>, part: &SplitPart, bytes: &[u8]) -> u32 {
+    let mine = &bytes[part.offset() as usize..(part.offset() + part.len()) as usize];
+    let half = mine.len() / 2;
+    let mut crc = 0;
+    for (at, piece) in [(half, &mine[half..]), (0, &mine[..half])] {
+        let payload = Payload::from(Bytes::copy_from_slice(piece));
+        let permit = CreditPermit::unbudgeted(piece.len() as u64);
+        crc ^= sink
+            .write_checksummed(at as u64, payload, permit)
+            .await
+            .unwrap();
+    }
+    crc
+}
+
+#[tokio::test]
+async fn parts_from_anywhere_land_in_one_whole_delivered_once() {
+    let meta = whole(37);
+    let bytes = pattern(meta.byte_len() as usize);
+    let memory = MemoryBudget::new("host", 1 << 20);
+    let admitted = AtomicUsize::new(0);
+    let splits = SplitTensors::new(WITHIN);
+    let parts = parts(&meta, 5, 1);
+    // All join before any lands, in another order than their rows.
+    let mut sinks = Vec::new();
+    for i in [3, 0, 4, 1, 2] {
+        sinks.push((i, join(&splits, &parts[i], &memory, &admitted).await.unwrap()));
+    }
+    assert_eq!(admitted.load(Ordering::SeqCst), 1, "the whole is admitted once");
+    assert_eq!(memory.snapshot().reserved, meta.byte_len());
+    let mut delivered = Vec::new();
+    for (i, mut sink) in sinks {
+        fill(&mut sink, &parts[i], &bytes).await;
+        if let Some(assembled) = sink.finish().await.unwrap() {
+            delivered.push(assembled);
+        }
+    }
+    assert_eq!(delivered.len(), 1, "one whole, from the part that landed last");
+    let assembled = delivered.pop().unwrap();
+    assert_eq!(assembled.meta, meta);
+    assert_eq!(&assembled.output[..], &bytes[..]);
+    assert_eq!(splits.assembling(), 0, "a delivered whole is forgotten");
+    drop(assembled);
+    assert_eq!(memory.snapshot().reserved, 0);
+}
+
+#[tokio::test]
+async fn a_part_that_ends_early_fails_the_whole_and_frees_it() {
+    let meta = whole(10);
+    let bytes = pattern(meta.byte_len() as usize);
+    let memory = MemoryBudget::new("host", 1 << 20);
+    let admitted = AtomicUsize::new(0);
+    let splits = SplitTensors::new(WITHIN);
+    let parts = parts(&meta, 3, 2);
+    let mut first = join(&splits, &parts[0], &memory, &admitted).await.unwrap();
+    let second = join(&splits, &parts[1], &memory, &admitted).await.unwrap();
+    fill(&mut first, &parts[0], &bytes).await;
+    assert!(first.finish().await.unwrap().is_none());
+    // The second part's stream is cancelled before it landed: its sink is dropped.
+    drop(second);
+    assert_eq!(memory.snapshot().reserved, 0, "the destination went with the whole");
+    // The third part learns at once; the whole is not admitted again.
+    let e = join(&splits, &parts[2], &memory, &admitted)
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.code, ErrorCode::CANCELLED);
+    assert_eq!(admitted.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn parts_that_do_not_all_arrive_in_time_free_the_whole() {
+    let meta = whole(8);
+    let bytes = pattern(meta.byte_len() as usize);
+    let memory = MemoryBudget::new("host", 1 << 20);
+    let admitted = AtomicUsize::new(0);
+    let splits = SplitTensors::new(WITHIN);
+    let parts = parts(&meta, 2, 3);
+    let mut first = join(&splits, &parts[0], &memory, &admitted).await.unwrap();
+    fill(&mut first, &parts[0], &bytes).await;
+    assert!(first.finish().await.unwrap().is_none());
+    assert_eq!(memory.snapshot().reserved, meta.byte_len());
+    tokio::time::sleep(WITHIN + Duration::from_millis(1)).await;
+    assert_eq!(memory.snapshot().reserved, 0, "freed when time was up");
+    assert_eq!(splits.assembling(), 0);
+    // A part arriving later starts over, alone, and is refused in its turn.
+    let late = join(&splits, &parts[1], &memory, &admitted).await.unwrap();
+    assert_eq!(admitted.load(Ordering::SeqCst), 2);
+    tokio::time::sleep(WITHIN + Duration::from_millis(1)).await;
+    let mut late = late;
+    let payload = Payload::from(Bytes::from_static(b"x"));
+    let e = late
+        .write(0, payload, CreditPermit::unbudgeted(1))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::RESOURCE_EXHAUSTED);
+    assert!(e.message.contains("did not all arrive"), "{}", e.message);
+}
+
+#[tokio::test]
+async fn a_refused_admission_refuses_every_part_with_its_reason() {
+    let meta = whole(10);
+    let memory = MemoryBudget::new("host", 100);
+    let admitted = AtomicUsize::new(0);
+    let splits = SplitTensors::new(WITHIN);
+    let parts = parts(&meta, 2, 4);
+    for part in &parts {
+        let e = join(&splits, part, &memory, &admitted).await.err().unwrap();
+        assert_eq!(e.code, ErrorCode::RESOURCE_EXHAUSTED);
+    }
+    assert_eq!(admitted.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_part_that_does_not_fit_spoils_the_whole() {
+    let meta = whole(10);
+    let memory = MemoryBudget::new("host", 1 << 20);
+    let admitted = AtomicUsize::new(0);
+    let splits = SplitTensors::new(WITHIN);
+    let parts = parts(&meta, 2, 5);
+    let mut first = join(&splits, &parts[0], &memory, &admitted).await.unwrap();
+    // The same rows again, as a hostile or broken peer might send them.
+    let e = join(&splits, &parts[0], &memory, &admitted)
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.code, ErrorCode::SPLIT_MISMATCH);
+    let payload = Payload::from(Bytes::from_static(b"x"));
+    let e = first
+        .write(0, payload, CreditPermit::unbudgeted(1))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::SPLIT_MISMATCH, "the other parts are told");
+    assert_eq!(memory.snapshot().reserved, 0);
+}
+
+#[tokio::test]
+async fn wholes_being_assembled_are_capped() {
+    let meta = whole(2);
+    let memory = MemoryBudget::new("host", u64::MAX);
+    let admitted = AtomicUsize::new(0);
+    let splits = SplitTensors::new(WITHIN);
+    let mut held = Vec::new();
+    for id in 0..MAX_ASSEMBLING as u128 {
+        let part = &parts(&meta, 2, id)[0];
+        held.push(join(&splits, part, &memory, &admitted).await.unwrap());
+    }
+    let one_more = &parts(&meta, 2, u128::MAX)[0];
+    let e = join(&splits, one_more, &memory, &admitted)
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.code, ErrorCode::RESOURCE_EXHAUSTED);
+    drop(held);
+}
