@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use anyhow::Context;
 use tensorwire::proto::{Payload, TensorMeta};
 use tensorwire::quic::{CreditPermit, Sink, SinkError};
+use tensorwire::sink::Divisible;
 
 use crate::files::{FILE_ATTR, FILE_METADATA_ATTR, FILE_TENSORS_ATTR, SENDER_ATTR};
 
@@ -92,15 +93,40 @@ impl Drop for Spooled {
 /// reaching the disk. Dropped unfinished (the tensor failed), it removes the file.
 pub struct SpoolingSink<S> {
     inner: S,
-    spool: Option<(Arc<std::fs::File>, Spooled)>,
+    /// The spool file the bytes also go to, and its path for errors.
+    file: Option<(Arc<std::fs::File>, PathBuf)>,
+    /// What `finish` hands over; a part of a split tensor writes the whole's file and hands
+    /// over nothing.
+    spooled: Option<Spooled>,
 }
 
 impl<S: Sink> SpoolingSink<S> {
     /// Wraps `inner`; with a `spool`, the tensor's `len` bytes also go to disk before
     /// COMPLETE.
     pub fn new(inner: S, spool: Option<&SpoolDir>, len: u64) -> Result<Self, SinkError> {
-        let spool = spool.map(|dir| dir.create(len)).transpose()?;
-        Ok(Self { inner, spool })
+        let (file, spooled) = match spool.map(|dir| dir.create(len)).transpose()? {
+            Some((file, spooled)) => (Some((file, spooled.path.clone())), Some(spooled)),
+            None => (None, None),
+        };
+        Ok(Self {
+            inner,
+            file,
+            spooled,
+        })
+    }
+}
+
+/// Parts of a split tensor (spec §15) write the same spool file at their own offsets,
+/// beside each other where the inner sink allows it.
+impl<S: Divisible> Divisible for SpoolingSink<S> {
+    type Part = SpoolingSink<S::Part>;
+
+    fn part(&mut self) -> Option<Self::Part> {
+        Some(SpoolingSink {
+            inner: self.inner.part()?,
+            file: self.file.clone(),
+            spooled: None,
+        })
     }
 }
 
@@ -162,9 +188,9 @@ impl<S: Sink> SpoolingSink<S> {
     ) -> impl Future<Output = Result<(), SinkError>> + Send + 'static {
         // Owned, so that the future does not hold `&self` (`S` need not be `Sync`).
         let spool = self
-            .spool
+            .file
             .as_ref()
-            .map(|(file, spooled)| (file.clone(), payload.clone(), spooled.path.clone()));
+            .map(|(file, path)| (file.clone(), payload.clone(), path.clone()));
         async move { Self::write_spool(spool, offset).await }
     }
 
@@ -215,15 +241,14 @@ impl<S: Sink> Sink for SpoolingSink<S> {
 
     async fn finish(self) -> Result<Self::Output, SinkError> {
         let output = self.inner.finish().await?;
-        let Some((file, spooled)) = self.spool else {
+        let Some((file, path)) = self.file else {
             return Ok((output, None));
         };
-        let path = spooled.path.clone();
         tokio::task::spawn_blocking(move || file.sync_all())
             .await
             .map_err(|e| SinkError::failed(format!("the spool writer failed: {e}")))?
             .map_err(|e| disk_error(&path, &e))?;
-        Ok((output, Some(spooled)))
+        Ok((output, self.spooled))
     }
 }
 

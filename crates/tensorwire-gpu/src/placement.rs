@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tensorwire_proto::{Device, Payload, TensorMeta};
-use tensorwire_sink::{CreditPermit, HostSink, MemoryBudget, MemoryShares, Sink, SinkError};
+use tensorwire_sink::{
+    CreditPermit, Divisible, HostSink, MemoryBudget, MemoryShares, Sink, SinkError,
+};
 
 use crate::buffer::TensorBuffer;
 use crate::error::GpuError;
@@ -299,6 +301,20 @@ impl Sink for TensorSink {
                 .finish()
                 .await
                 .map(|bytes: Bytes| TensorBuffer::Cpu(bytes)),
+        }
+    }
+}
+
+/// Parts of a split tensor (spec §15) landing on the GPU write beside each other; into host
+/// memory, one at a time.
+impl Divisible for TensorSink {
+    type Part = TensorSink;
+
+    fn part(&mut self) -> Option<TensorSink> {
+        match self {
+            #[cfg(feature = "cuda")]
+            TensorSink::Gpu(sink) => sink.part().map(TensorSink::Gpu),
+            TensorSink::Host(_) => None,
         }
     }
 }

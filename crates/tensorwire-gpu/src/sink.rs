@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tensorwire_proto::{Payload, TensorMeta};
 use tensorwire_sink::{
-    CreditPermit, MemoryBudget, MemoryReservation, Sink, SinkError, checksum_then_copy,
+    CreditPermit, Divisible, MemoryBudget, MemoryReservation, Sink, SinkError, checksum_then_copy,
 };
 use tokio::sync::{Notify, oneshot};
 
@@ -534,6 +534,20 @@ impl Sink for GpuSink {
             return Err(e.into());
         }
         Ok(self.dest)
+    }
+}
+
+/// The parts of a split tensor (spec §15) fill the destination at once, each through staging
+/// buffers of its own: the copies into staging run on as many cores as parts.
+impl Divisible for GpuSink {
+    type Part = GpuSink;
+
+    fn part(&mut self) -> Option<GpuSink> {
+        Some(GpuSink::new(
+            self.device.clone(),
+            self.dest.share(),
+            self.staging.clone(),
+        ))
     }
 }
 

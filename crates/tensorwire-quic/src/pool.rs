@@ -5,7 +5,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tensorwire_proto::TensorMeta;
+use tensorwire_proto::split::{SplitId, plan_split};
+use tensorwire_proto::{ProtocolError, TensorMeta};
 
 use crate::config::SenderConfig;
 use crate::error::TransportError;
@@ -62,6 +63,35 @@ impl SenderPool {
         self.senders[least].send(meta, source)
     }
 
+    /// Starts sending one tensor as `parts` parts of consecutive rows (spec §15), each on
+    /// the connection with the fewest bytes given to it so far, so that one large tensor
+    /// moves over several connections at once. The receiver puts the parts back together
+    /// and delivers the whole once; the handle resolves when every part is COMPLETE, or
+    /// with the first part's error (the other parts are then cancelled).
+    ///
+    /// Fails at once for a scalar, for `parts` outside 2 to 256 or above the tensor's rows,
+    /// and for a [`Source::Stream`], which can only be read in order. A receiver older than
+    /// protocol version 1.3 lands the parts as tensors of their own.
+    pub fn send_split(
+        &self,
+        meta: TensorMeta,
+        source: impl Into<Source>,
+        parts: usize,
+    ) -> Result<SendHandle, TransportError> {
+        let source = source.into();
+        let total = meta.byte_len();
+        let planned = plan_split(&meta, parts as u64, random_split_id()?)?;
+        let mut sends = Vec::with_capacity(planned.len());
+        for part in planned {
+            let len = part.meta.byte_len();
+            let source = source.slice(part.offset, len).ok_or(ProtocolError::Misuse(
+                "only bytes in memory or a file can be split, not a stream",
+            ))?;
+            sends.push(self.send(part.meta, source));
+        }
+        Ok(SendHandle::joined(sends, total))
+    }
+
     /// How many connections it has.
     pub fn connections(&self) -> usize {
         self.senders.len()
@@ -81,4 +111,12 @@ impl SenderPool {
         }
         while closing.join_next().await.is_some() {}
     }
+}
+
+/// A split tensor's id: random, so that no other peer can guess it (spec §15).
+fn random_split_id() -> Result<SplitId, TransportError> {
+    let mut id = [0u8; 16];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut id)
+        .map_err(|_| TransportError::Config("no random numbers for a split tensor's id".into()))?;
+    Ok(SplitId(u128::from_le_bytes(id)))
 }

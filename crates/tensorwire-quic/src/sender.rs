@@ -46,6 +46,25 @@ pub enum Source {
     Stream(Pin<Box<dyn Stream<Item = std::io::Result<Bytes>> + Send>>),
 }
 
+impl Source {
+    /// The bytes `[offset, offset + len)` of a source of `total` bytes, for one part of a
+    /// split tensor; `None` for a stream, which can only be read in order.
+    pub(crate) fn slice(&self, offset: u64, len: u64) -> Option<Source> {
+        match self {
+            Source::Bytes(bytes) => {
+                let start = usize::try_from(offset).ok()?;
+                let end = start.checked_add(usize::try_from(len).ok()?)?;
+                (end <= bytes.len()).then(|| Source::Bytes(bytes.slice(start..end)))
+            }
+            Source::File { path, offset: at } => Some(Source::File {
+                path: path.clone(),
+                offset: at.checked_add(offset)?,
+            }),
+            Source::Stream(_) => None,
+        }
+    }
+}
+
 impl From<Bytes> for Source {
     fn from(bytes: Bytes) -> Self {
         Source::Bytes(bytes)
@@ -269,8 +288,10 @@ impl ConnectionSender {
         );
         SendHandle {
             task,
-            sent,
-            total,
+            progress: SendProgress {
+                sent: Arc::new([sent]),
+                total,
+            },
             cancel,
         }
     }
@@ -318,31 +339,27 @@ impl ConnectionSender {
     }
 }
 
-/// One tensor being sent.
+/// One tensor being sent (on one stream, or as the parts of a split tensor).
 pub struct SendHandle {
     task: JoinHandle<Result<SendReport, TransportError>>,
-    sent: Arc<AtomicU64>,
-    total: u64,
+    progress: SendProgress,
     cancel: CancellationToken,
 }
 
 impl SendHandle {
     /// Payload bytes handed to QUIC so far.
     pub fn sent_bytes(&self) -> u64 {
-        self.sent.load(Ordering::Relaxed)
+        self.progress.sent_bytes()
     }
 
     /// The tensor's length.
     pub fn total_bytes(&self) -> u64 {
-        self.total
+        self.progress.total
     }
 
     /// A progress reader that outlives [`finished`](Self::finished)'s borrow of the handle.
     pub fn progress(&self) -> SendProgress {
-        SendProgress {
-            sent: self.sent.clone(),
-            total: self.total,
-        }
+        self.progress.clone()
     }
 
     /// Cancels the tensor: the receiver gets CANCEL(CANCELLED).
@@ -361,19 +378,72 @@ impl SendHandle {
             .await
             .map_err(|e| TransportError::Io(std::io::Error::other(e)))?
     }
+
+    /// One handle for the parts of a split tensor: it resolves when every part is
+    /// COMPLETE, or with the first part's error, cancelling the others.
+    pub(crate) fn joined(parts: Vec<SendHandle>, total: u64) -> SendHandle {
+        let cancel = CancellationToken::new();
+        let progress = SendProgress {
+            sent: parts.iter().flat_map(|p| p.progress.sent.iter().cloned()).collect(),
+            total,
+        };
+        let tokens: Vec<_> = parts.iter().map(SendHandle::cancel_token).collect();
+        let cancelled = cancel.clone();
+        let task = tokio::spawn(async move {
+            let cancel_all = || tokens.iter().for_each(CancellationToken::cancel);
+            let started = std::time::Instant::now();
+            let mut waiting: tokio::task::JoinSet<_> = parts
+                .into_iter()
+                .enumerate()
+                .map(|(i, part)| async move { (i, part.finished().await) })
+                .collect();
+            let (mut bytes, mut cancelling) = (0, false);
+            loop {
+                let joined = tokio::select! {
+                    joined = waiting.join_next() => joined,
+                    () = cancelled.cancelled(), if !cancelling => {
+                        cancel_all();
+                        cancelling = true;
+                        continue;
+                    }
+                };
+                let Some(joined) = joined else { break };
+                let (i, outcome) =
+                    joined.map_err(|e| TransportError::Io(std::io::Error::other(e)))?;
+                match outcome {
+                    Ok(report) => bytes += report.bytes,
+                    Err(e) => {
+                        cancel_all();
+                        debug!(part = i, error = %e, "a part of a split tensor failed");
+                        return Err(e);
+                    }
+                }
+            }
+            Ok(SendReport {
+                bytes,
+                elapsed: started.elapsed(),
+            })
+        });
+        SendHandle {
+            task,
+            progress,
+            cancel,
+        }
+    }
 }
 
 /// Reads how far one tensor's send has got.
 #[derive(Clone, Debug)]
 pub struct SendProgress {
-    sent: Arc<AtomicU64>,
+    /// One counter per stream the tensor goes on.
+    sent: Arc<[Arc<AtomicU64>]>,
     total: u64,
 }
 
 impl SendProgress {
     /// Payload bytes handed to QUIC so far.
     pub fn sent_bytes(&self) -> u64 {
-        self.sent.load(Ordering::Relaxed)
+        self.sent.iter().map(|s| s.load(Ordering::Relaxed)).sum()
     }
 
     /// The tensor's length.

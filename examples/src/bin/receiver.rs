@@ -4,20 +4,23 @@
 //!
 //! With `--allow-exec` it also runs CUDA kernels peers send (`tensorwire-exec`, spec §14).
 
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use tensorwire::exec::{ExecAccess, ExecConfig, ExecServer, WorkerCommand, refuse_exec};
-use tensorwire::gpu::{DeviceRequest, Placement};
+use tensorwire::gpu::{DeviceRequest, Placement, TensorBuffer};
+use tensorwire::proto::TensorMeta;
+use tensorwire::proto::split::SplitPart;
 use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
-use tensorwire::quic::{Receiver, ReceiverConfig, Steering};
-use tensorwire::sink::SinkError;
+use tensorwire::quic::{IncomingTensor, Receiver, ReceiverConfig, Steering};
+use tensorwire::sink::{SinkError, SplitTensors};
 use tensorwire_examples::cli::{
     ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, size,
 };
-use tensorwire_examples::save::{SaveDir, SpoolingSink};
+use tensorwire_examples::save::{SaveDir, SpoolingSink, Spooled};
 use tokio::sync::mpsc;
 
 /// Receive tensors over QUIC.
@@ -221,13 +224,21 @@ async fn main() -> anyhow::Result<()> {
 
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let mut saves: tokio::task::JoinSet<Saved> = tokio::task::JoinSet::new();
+    // Parts of split tensors (spec §15) must all arrive within twice the admission timeout
+    // (the whole's admission may itself wait that long).
+    let splits = SplitTensors::new(2 * args.admission_timeout);
+    let mut failed_wholes = HashSet::new();
+    // Parts still to come of split tensors whose first part arrived.
+    let mut arriving = HashMap::new();
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
     let started = Instant::now();
     let (mut accepted, mut finished, mut failed, mut bytes) = (0u64, 0u64, 0u64, 0u64);
     loop {
         tokio::select! {
-            incoming = receiver.next(), if args.count == 0 || accepted < args.count => {
+            incoming = receiver.next(),
+                if args.count == 0 || accepted < args.count || !arriving.is_empty() =>
+            {
                 let Some(incoming) = incoming else { break };
                 // Remote execution's tensors (spec §14) go to its server, or are refused.
                 let incoming = match &exec {
@@ -235,20 +246,45 @@ async fn main() -> anyhow::Result<()> {
                     None => refuse_exec(incoming),
                 };
                 let Some(incoming) = incoming else { continue };
-                accepted += 1;
+                let part = match SplitPart::of(incoming.meta(), args.max_tensor) {
+                    Ok(part) => part,
+                    Err(e) => {
+                        eprintln!("tensor refused: {} from {}: {e}", incoming.meta().name(), incoming.peer());
+                        incoming.reject(e.code(), e.to_string());
+                        continue;
+                    }
+                };
+                // A split tensor counts once, as a whole, and its other parts are still taken
+                // when the count is reached.
+                match &part {
+                    None => accepted += 1,
+                    Some(part) => {
+                        let left = arriving.entry(part.id()).or_insert_with(|| {
+                            accepted += 1;
+                            part.parts()
+                        });
+                        *left = left.saturating_sub(1);
+                        if *left == 0 {
+                            arriving.remove(&part.id());
+                        }
+                    }
+                }
                 let (placement, done_tx) = (placement.clone(), done_tx.clone());
                 let spool = save.as_ref().map(SaveDir::spool);
                 let wait = args.admission_timeout;
-                let share = share.clone();
+                let (share, splits) = (share.clone(), splits.clone());
                 // Admission may wait for memory: off the loop, so other tensors go on.
                 tokio::spawn(async move {
                     let started = Instant::now();
                     let meta = incoming.meta().clone();
-                    let origin = incoming.peer().to_string();
+                    let peer = incoming.peer();
+                    let origin = peer.to_string();
                     // An update the sharing policy refuses is refused before any byte is
                     // sent; with --save, the bytes are on disk before the sender is told
                     // COMPLETE.
-                    let admitted = async {
+                    let (shares, host) =
+                        (incoming.memory_shares().clone(), incoming.host_memory().clone());
+                    let admit = |meta: TensorMeta| async move {
                         if let Some(share) = &share {
                             share.check_update(&meta).map_err(|refused| SinkError {
                                 code: refused.code,
@@ -256,26 +292,45 @@ async fn main() -> anyhow::Result<()> {
                             })?;
                         }
                         let sink = placement
-                            .admit(&meta, incoming.memory_shares(), incoming.host_memory(), wait)
+                            .admit(&meta, &shares, &host, wait)
                             .await?;
                         SpoolingSink::new(sink, spool.as_ref(), meta.byte_len())
-                    }
-                    .await;
-                    let result = match admitted {
-                        Ok(sink) => incoming
-                            .accept(sink)
-                            .finished()
-                            .await
-                            .map(|(meta, (buffer, spooled))| (meta, buffer, spooled))
-                            .map_err(|e| e.to_string()),
-                        Err(e) => {
-                            let why = format!("{}: {}", e.code, e.message);
-                            incoming.reject(e.code, e.message);
-                            Err(format!("refused: {why}"))
-                        }
+                    };
+                    let result = match &part {
+                        None => match admit(meta.clone()).await {
+                            Ok(sink) => incoming
+                                .accept(sink)
+                                .finished()
+                                .await
+                                .map(|(meta, (buffer, spooled))| Landed::Whole(meta, buffer, spooled))
+                                .map_err(|e| e.to_string()),
+                            Err(e) => Err(refuse(incoming, e)),
+                        },
+                        Some(part) => match splits.join(peer.ip(), part, admit).await {
+                            Ok(sink) => incoming
+                                .accept(sink)
+                                .finished()
+                                .await
+                                .map(|(meta, whole)| match whole {
+                                    Some(whole) => {
+                                        let (buffer, spooled) = whole.output;
+                                        Landed::Whole(whole.meta, buffer, spooled)
+                                    }
+                                    None => Landed::Part(meta),
+                                })
+                                .map_err(|e| e.to_string()),
+                            Err(e) => Err(refuse(incoming, e)),
+                        },
                     };
                     let result = result.map_err(|e| {
-                        format!("{} ({}) from {origin}: {e}", meta.name(), size(meta.byte_len()))
+                        let what = match &part {
+                            Some(part) => format!(
+                                "{} (rows from {} of a split tensor, {})",
+                                meta.name(), part.first_row(), size(part.whole().byte_len())
+                            ),
+                            None => format!("{} ({})", meta.name(), size(meta.byte_len())),
+                        };
+                        (part.as_ref().map(SplitPart::id), format!("{what} from {origin}: {e}"))
                     });
                     let _ = done_tx.send((result, started.elapsed(), origin));
                 });
@@ -287,7 +342,15 @@ async fn main() -> anyhow::Result<()> {
             }
             Some((result, elapsed, origin)) = done_rx.recv() => {
                 match result {
-                    Ok((meta, buffer, spooled)) => {
+                    Ok(Landed::Part(meta)) => {
+                        let rows = meta.shape().first().copied().unwrap_or(0);
+                        println!(
+                            "received {} rows of {} ({}) in {:.3} s",
+                            rows, meta.name(), size(meta.byte_len()), elapsed.as_secs_f64()
+                        );
+                        continue;
+                    }
+                    Ok(Landed::Whole(meta, buffer, spooled)) => {
                         finished += 1;
                         bytes += meta.byte_len();
                         println!(
@@ -315,8 +378,11 @@ async fn main() -> anyhow::Result<()> {
                             saves.spawn_blocking(move || job.write().map_err(|e| (file, e)));
                         }
                     }
-                    Err(e) => {
-                        failed += 1;
+                    Err((split, e)) => {
+                        // A split tensor fails once, however many of its parts fail.
+                        if split.is_none_or(|id| failed_wholes.insert(id)) {
+                            failed += 1;
+                        }
                         eprintln!("tensor failed: {e}");
                     }
                 }
@@ -358,6 +424,20 @@ async fn main() -> anyhow::Result<()> {
 }
 
 type Saved = Result<std::path::PathBuf, (String, anyhow::Error)>;
+
+/// What a tensor's stream brought: a whole tensor, or a part of a split one that did not
+/// complete its whole.
+enum Landed {
+    Whole(TensorMeta, TensorBuffer, Option<Spooled>),
+    Part(TensorMeta),
+}
+
+/// Refuses `incoming` with the sink's code and reason, and says why.
+fn refuse(incoming: IncomingTensor, e: SinkError) -> String {
+    let why = format!("{}: {}", e.code, e.message);
+    incoming.reject(e.code, e.message);
+    format!("refused: {why}")
+}
 
 fn report_save(saved: Result<Saved, tokio::task::JoinError>) {
     match saved {

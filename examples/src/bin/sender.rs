@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
-use tensorwire::proto::{DType, Device};
+use tensorwire::proto::{DType, Device, TensorMeta};
 use tensorwire::quic::{SenderConfig, SenderPool, TransportError};
 use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, rate, seconds, size};
 use tensorwire_examples::files::{Outgoing, SENDER_ATTR, load, parse_shape};
@@ -43,6 +43,11 @@ struct Args {
     /// per core; TOKIO_WORKER_THREADS sets another count).
     #[arg(long, default_value_t = 0)]
     connections: usize,
+    /// Send every tensor whole. By default a tensor larger than its connection's fair share
+    /// of the bytes goes as parts over several connections (spec §15), which a receiver
+    /// older than protocol version 1.3 lands as separate tensors.
+    #[arg(long)]
+    no_split: bool,
     /// Seconds without any progress (a frame from the receiver, or tensor data still being sent
     /// or resent) before
     /// a tensor fails with PROGRESS_TIMEOUT.
@@ -70,8 +75,17 @@ fn main() -> anyhow::Result<()> {
         outgoing.extend(load(file, raw.clone())?);
     }
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let total: u64 = outgoing.iter().map(|o| o.meta.byte_len()).sum();
+    // Automatic: one per core, at most 8; no more than there are tensors, or (when tensors
+    // may be split) parts of at least MIN_PART.
+    let useful = match args.no_split {
+        true => outgoing.len(),
+        false => outgoing
+            .len()
+            .max(usize::try_from(total / MIN_PART).unwrap_or(usize::MAX)),
+    };
     let connections = match args.connections {
-        0 => cores.min(8).min(outgoing.len()).max(1),
+        0 => cores.min(8).min(useful).max(1),
         n => n,
     };
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
@@ -82,10 +96,15 @@ fn main() -> anyhow::Result<()> {
     if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
         runtime.worker_threads((2 * connections).clamp(2, cores.max(2)));
     }
-    runtime.build()?.block_on(send(args, outgoing, connections))
+    runtime.build()?.block_on(send(args, outgoing, connections, total))
 }
 
-async fn send(args: Args, mut outgoing: Vec<Outgoing>, connections: usize) -> anyhow::Result<()> {
+async fn send(
+    args: Args,
+    mut outgoing: Vec<Outgoing>,
+    connections: usize,
+    total: u64,
+) -> anyhow::Result<()> {
     // One id for this run: its tensors may go over several connections, and a receiver
     // that saves files puts each file's tensors back together by it.
     let run = format!(
@@ -123,14 +142,26 @@ async fn send(args: Args, mut outgoing: Vec<Outgoing>, connections: usize) -> an
     )
     .unwrap_or_else(|_| ProgressStyle::default_bar());
     let started = Instant::now();
-    let total: u64 = outgoing.iter().map(|o| o.meta.byte_len()).sum();
     let mut sends = Vec::new();
+    // A tensor larger than a connection's fair share goes over several (spec §15).
+    let share = (total / sender.connections() as u64).max(MIN_PART);
     for item in outgoing {
         let bar = bars.add(ProgressBar::new(item.meta.byte_len()).with_style(style.clone()));
         bar.set_message(item.meta.name().to_owned());
         let name = item.meta.name().to_owned();
-        sends.push((name, bar, sender.send(item.meta, item.source)));
+        let parts = match args.no_split {
+            true => 1,
+            false => split_into(&item.meta, share, sender.connections()),
+        };
+        let send = match parts {
+            1 => sender.send(item.meta, item.source),
+            parts => sender
+                .send_split(item.meta, item.source, parts)
+                .with_context(|| format!("splitting {name} into {parts} parts"))?,
+        };
+        sends.push((name, bar, send));
     }
+    let tensors = sends.len();
     let tasks: Vec<_> = sends
         .into_iter()
         .map(|(name, bar, send)| {
@@ -153,8 +184,9 @@ async fn send(args: Args, mut outgoing: Vec<Outgoing>, connections: usize) -> an
     let elapsed = started.elapsed().as_secs_f64();
     let metrics = sender.metrics();
     println!(
-        "sent {} tensors, {} in {elapsed:.2} s over {} connections: {}; latency p50 {} µs, \
-         p99 {} µs; {failed} failed",
+        "sent {} tensors ({} streams), {} in {elapsed:.2} s over {} connections: {}; latency \
+         p50 {} µs, p99 {} µs; {failed} failed",
+        tensors - failed,
         metrics.tensors_completed,
         size(total),
         sender.connections(),
@@ -167,6 +199,20 @@ async fn send(args: Args, mut outgoing: Vec<Outgoing>, connections: usize) -> an
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// Parts smaller than this are not worth a stream of their own.
+const MIN_PART: u64 = 16 << 20;
+
+/// How many parts `meta` goes as: one per `share` bytes, at most one per connection and one
+/// per row; 1 (whole) for a tensor within its share, a scalar, or a single row.
+fn split_into(meta: &TensorMeta, share: u64, connections: usize) -> usize {
+    let rows = meta.shape().first().copied().unwrap_or(1);
+    let parts = meta.byte_len().div_ceil(share.max(1));
+    usize::try_from(parts.min(rows).min(256))
+        .unwrap_or(1)
+        .min(connections)
+        .max(1)
 }
 
 /// `host` or `cuda:N`.
