@@ -29,7 +29,7 @@ pids=()
 for i in $(seq "$senders"); do
   profile=()
   [ "$i" = 1 ] && profile=("$perf" record -F 499 -o "$out/sender.data" --)
-  "${profile[@]}" "$bin/sender" --connect "$addr" --mtu 6000 --quiet --dtype U8 \
+  "${profile[@]}" "$bin/sender" --connect "$addr" --mtu 6000 --quiet --connections 1 --dtype U8 \
     --shape $((mib << 20)) "$work/t$i.bin" > "$work/sender-$i.log" 2>&1 &
   pids+=($!)
 done

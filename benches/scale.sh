@@ -40,7 +40,7 @@ drops0=$(udp_drops)
 start=$(date +%s.%N)
 pids=()
 for i in $(seq "$senders"); do
-  ( time env ${SENDER_ENV:-} "$bin/sender" --connect "$addr" --mtu 6000 --quiet --dtype U8 \
+  ( time env ${SENDER_ENV:-} "$bin/sender" --connect "$addr" --mtu 6000 --quiet --connections 1 --dtype U8 \
     --shape $((mib << 20)) "$work/t$i.bin" > "$work/sender-$i.log" 2>&1 ) 2> "$work/sender-$i.time" &
   pids+=($!)
 done

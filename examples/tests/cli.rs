@@ -127,6 +127,69 @@ fn a_safetensors_file_round_trips_through_sender_and_receiver_bit_for_bit() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A tensor larger than its connection's share goes as parts over several connections
+/// (spec §15); the receiver puts it back together, and the saved file is the sent one.
+#[test]
+fn a_large_tensor_split_over_connections_is_saved_whole() {
+    let dir = temp_dir("split");
+    let model = dir.join("model.safetensors");
+    let big: Vec<u8> = (0..40u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let small = [7u8; 100];
+    let views = vec![
+        (
+            "embed",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![40, 1 << 20], &big)
+                .unwrap(),
+        ),
+        (
+            "bias",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![100], &small)
+                .unwrap(),
+        ),
+    ];
+    safetensors::serialize_to_file(views, None, &model).unwrap();
+    let out = dir.join("out");
+    let (mut receiver, lines, addr) = spawn_receiver(&[
+        "--count".as_ref(),
+        "2".as_ref(),
+        "--device".as_ref(),
+        "host".as_ref(),
+        "--save".as_ref(),
+        out.as_ref(),
+    ]);
+    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
+        .args(["--connect", &addr, "--quiet", "--connections", "4"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(
+        sent.status.success(),
+        "sender: {}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    let summary = String::from_utf8_lossy(&sent.stdout);
+    // 40 MiB over 4 connections: parts of at least 16 MiB, so 3 of them, and the bias.
+    assert!(summary.contains("sent 2 tensors (4 streams)"), "{summary}");
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(receiver.wait().unwrap().success());
+    let parts = rest.iter().filter(|l| l.contains(" rows of embed")).count();
+    assert_eq!(parts, 2, "two parts land before the whole: {rest:?}");
+    assert!(
+        rest.iter()
+            .any(|l| l.starts_with("received embed U8 [40, 1048576]")),
+        "{rest:?}"
+    );
+    let original = std::fs::read(&model).unwrap();
+    let received = std::fs::read(out.join("model.safetensors")).unwrap();
+    assert!(
+        received == original,
+        "the saved file differs from the sent one"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn the_sender_explains_a_missing_receiver() {
     let dir = temp_dir("nobody");

@@ -491,6 +491,66 @@ mod on_gpu {
             })
         ));
     }
+
+    /// A split tensor's parts (spec §15) land in one device buffer, each through staging of
+    /// its own and at once; the part that lands last yields the whole, on the GPU, and the
+    /// device memory comes back when it is dropped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn the_parts_of_a_split_tensor_land_in_one_device_buffer_at_once() {
+        use tensorwire_proto::split::{SplitId, SplitPart, plan_split};
+        use tensorwire_sink::SplitTensors;
+
+        let Some(_) = gpus("the_parts_of_a_split_tensor_land_in_one_device_buffer_at_once") else {
+            return;
+        };
+        let gpu = Arc::new(PooledGpuReceiver::with_defaults(0).unwrap());
+        let (rows, row) = (37u64, (1u64 << 20) + 3);
+        let whole = TensorMeta::new([rows, row], DType::U8).unwrap();
+        let data = Arc::new(random((rows * row) as usize, 21));
+        let splits = SplitTensors::new(Duration::from_secs(30));
+        let parts: Vec<SplitPart> = plan_split(&whole, 6, SplitId(6))
+            .unwrap()
+            .iter()
+            .map(|p| SplitPart::of(&p.meta, u64::MAX).unwrap().unwrap())
+            .collect();
+        let mut landing = Vec::new();
+        for part in parts {
+            let (gpu, data, splits) = (gpu.clone(), data.clone(), splits.clone());
+            landing.push(tokio::spawn(async move {
+                let admit = |meta: TensorMeta| async move {
+                    let reserved = gpu.memory_budget().reserve(meta.byte_len()).await?;
+                    let sink = gpu.sink_reserved(&meta, reserved)?;
+                    Ok(sink)
+                };
+                let mut sink = splits
+                    .join(std::net::Ipv4Addr::LOCALHOST.into(), &part, admit)
+                    .await
+                    .unwrap();
+                let mine = &data[part.offset() as usize..(part.offset() + part.len()) as usize];
+                // DATA of 1 MiB + 7 bytes, as a part's stream brings them.
+                for (i, frame) in mine.chunks((1 << 20) + 7).enumerate() {
+                    let at = (i * ((1 << 20) + 7)) as u64;
+                    let payload = Payload::from(Bytes::copy_from_slice(frame));
+                    let permit = CreditPermit::unbudgeted(frame.len() as u64);
+                    let crc = sink.write_checksummed(at, payload, permit).await.unwrap();
+                    assert_eq!(crc, tensorwire_proto::checksum::crc32c(frame));
+                }
+                sink.finish().await.unwrap()
+            }));
+        }
+        let mut wholes = Vec::new();
+        for landed in landing {
+            wholes.extend(landed.await.unwrap());
+        }
+        assert_eq!(wholes.len(), 1, "one whole");
+        let assembled = wholes.pop().unwrap();
+        assert_eq!(assembled.meta, whole);
+        assert!(assembled.output.copy_to_host().unwrap() == *data);
+        assert_eq!(gpu.memory_budget().snapshot().reserved, whole.byte_len());
+        drop(assembled);
+        assert_eq!(gpu.memory_budget().snapshot().reserved, 0);
+        assert_eq!(splits.assembling(), 0);
+    }
 }
 
 /// Encodes METADATA, `data` as DATA chunks of `chunk` bytes, then END (or CANCEL).

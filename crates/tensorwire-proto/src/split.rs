@@ -63,7 +63,9 @@ fn mismatch(detail: impl Into<String>) -> ProtocolError {
 fn decimal(meta: &TensorMeta, key: &str) -> Result<u64, ProtocolError> {
     let value = meta.attribute(key).unwrap_or_default();
     if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(mismatch(format!("{key} is {value:?}, not a decimal number")));
+        return Err(mismatch(format!(
+            "{key} is {value:?}, not a decimal number"
+        )));
     }
     value
         .parse()
@@ -103,7 +105,11 @@ impl SplitPart {
         let Some(&part_rows) = meta.shape().first() else {
             return Err(mismatch("a scalar cannot be a part"));
         };
-        if part_rows == 0 || first_row.checked_add(part_rows).is_none_or(|end| end > rows) {
+        if part_rows == 0
+            || first_row
+                .checked_add(part_rows)
+                .is_none_or(|end| end > rows)
+        {
             return Err(mismatch(format!(
                 "rows {first_row}..+{part_rows} are not inside the whole's {rows}"
             )));

@@ -63,14 +63,20 @@ fn tensors_that_cannot_be_split_are_refused_by_the_planner() {
     let scalar = TensorMeta::new(vec![], DType::F32).unwrap();
     assert!(plan_split(&scalar, 2, ID).is_err());
     assert!(plan_split(&whole(), 1, ID).is_err());
-    assert!(plan_split(&whole(), 11, ID).is_err(), "more parts than rows");
+    assert!(
+        plan_split(&whole(), 11, ID).is_err(),
+        "more parts than rows"
+    );
     let wide = TensorMeta::new(vec![1000, 1], DType::U8).unwrap();
     assert!(plan_split(&wide, MAX_PARTS + 1, ID).is_err());
     assert_eq!(plan_split(&wide, MAX_PARTS, ID).unwrap().len(), 256);
     let empty = TensorMeta::new(vec![4, 0], DType::U8).unwrap();
     assert!(plan_split(&empty, 2, ID).is_err());
     let part = plan_split(&whole(), 2, ID).unwrap().remove(0).meta;
-    assert!(plan_split(&part, 2, ID).is_err(), "a part is not split again");
+    assert!(
+        plan_split(&part, 2, ID).is_err(),
+        "a part is not split again"
+    );
 }
 
 /// A part's METADATA with one split attribute replaced.
@@ -166,9 +172,8 @@ fn a_part_cannot_land_before_every_part_joined_and_completes_nothing_early() {
 #[test]
 fn parts_that_disagree_overlap_or_leave_gaps_are_split_mismatch() {
     let parts = parts_of(&whole(), 2);
-    let mismatch = |assembly: &mut SplitAssembly, part: &SplitPart| {
-        code(assembly.join(part).unwrap_err())
-    };
+    let mismatch =
+        |assembly: &mut SplitAssembly, part: &SplitPart| code(assembly.join(part).unwrap_err());
 
     let mut assembly = SplitAssembly::new(&parts[0]);
     assembly.join(&parts[0]).unwrap();

@@ -384,7 +384,10 @@ impl SendHandle {
     pub(crate) fn joined(parts: Vec<SendHandle>, total: u64) -> SendHandle {
         let cancel = CancellationToken::new();
         let progress = SendProgress {
-            sent: parts.iter().flat_map(|p| p.progress.sent.iter().cloned()).collect(),
+            sent: parts
+                .iter()
+                .flat_map(|p| p.progress.sent.iter().cloned())
+                .collect(),
             total,
         };
         let tokens: Vec<_> = parts.iter().map(SendHandle::cancel_token).collect();

@@ -139,7 +139,11 @@ impl<S: Divisible> SplitTensors<S> {
     /// Fails the whole of `entry` if its parts have not all arrived in time, and forgets it
     /// then (a refused whole is remembered until then, so its late parts are refused at once).
     fn expire(&self, key: Key, entry: &Entry<S>) {
-        let (open, entry, within) = (Arc::downgrade(&self.open), Arc::downgrade(entry), self.within);
+        let (open, entry, within) = (
+            Arc::downgrade(&self.open),
+            Arc::downgrade(entry),
+            self.within,
+        );
         tokio::spawn(async move {
             tokio::time::sleep(within).await;
             let Some(entry) = entry.upgrade() else {
@@ -271,7 +275,10 @@ impl<S: Divisible> PartSink<S> {
         let at = self.base + offset;
         if let Some(direct) = self.direct.as_mut() {
             return match checksum {
-                true => direct.write_checksummed(at, payload, permit).await.map(Some),
+                true => direct
+                    .write_checksummed(at, payload, permit)
+                    .await
+                    .map(Some),
                 false => direct.write(at, payload, permit).await.map(|()| None),
             };
         }

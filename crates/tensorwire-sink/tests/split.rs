@@ -10,8 +10,7 @@ use bytes::Bytes;
 use tensorwire_proto::split::{SplitId, SplitPart, plan_split};
 use tensorwire_proto::{DType, ErrorCode, Payload, TensorMeta};
 use tensorwire_sink::{
-    CreditPermit, HostSink, MAX_ASSEMBLING, MemoryBudget, PartSink, Sink, SinkError,
-    SplitTensors,
+    CreditPermit, HostSink, MAX_ASSEMBLING, MemoryBudget, PartSink, Sink, SinkError, SplitTensors,
 };
 
 const PEER: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
@@ -77,9 +76,16 @@ async fn parts_from_anywhere_land_in_one_whole_delivered_once() {
     // All join before any lands, in another order than their rows.
     let mut sinks = Vec::new();
     for i in [3, 0, 4, 1, 2] {
-        sinks.push((i, join(&splits, &parts[i], &memory, &admitted).await.unwrap()));
+        sinks.push((
+            i,
+            join(&splits, &parts[i], &memory, &admitted).await.unwrap(),
+        ));
     }
-    assert_eq!(admitted.load(Ordering::SeqCst), 1, "the whole is admitted once");
+    assert_eq!(
+        admitted.load(Ordering::SeqCst),
+        1,
+        "the whole is admitted once"
+    );
     assert_eq!(memory.snapshot().reserved, meta.byte_len());
     let mut delivered = Vec::new();
     for (i, mut sink) in sinks {
@@ -88,7 +94,11 @@ async fn parts_from_anywhere_land_in_one_whole_delivered_once() {
             delivered.push(assembled);
         }
     }
-    assert_eq!(delivered.len(), 1, "one whole, from the part that landed last");
+    assert_eq!(
+        delivered.len(),
+        1,
+        "one whole, from the part that landed last"
+    );
     let assembled = delivered.pop().unwrap();
     assert_eq!(assembled.meta, meta);
     assert_eq!(&assembled.output[..], &bytes[..]);
@@ -111,7 +121,11 @@ async fn a_part_that_ends_early_fails_the_whole_and_frees_it() {
     assert!(first.finish().await.unwrap().is_none());
     // The second part's stream is cancelled before it landed: its sink is dropped.
     drop(second);
-    assert_eq!(memory.snapshot().reserved, 0, "the destination went with the whole");
+    assert_eq!(
+        memory.snapshot().reserved,
+        0,
+        "the destination went with the whole"
+    );
     // The third part learns at once; the whole is not admitted again.
     let e = join(&splits, &parts[2], &memory, &admitted)
         .await
@@ -183,7 +197,11 @@ async fn a_part_that_does_not_fit_spoils_the_whole() {
         .write(0, payload, CreditPermit::unbudgeted(1))
         .await
         .unwrap_err();
-    assert_eq!(e.code, ErrorCode::SPLIT_MISMATCH, "the other parts are told");
+    assert_eq!(
+        e.code,
+        ErrorCode::SPLIT_MISMATCH,
+        "the other parts are told"
+    );
     assert_eq!(memory.snapshot().reserved, 0);
 }
 

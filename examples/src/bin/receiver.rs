@@ -12,15 +12,15 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use tensorwire::exec::{ExecAccess, ExecConfig, ExecServer, WorkerCommand, refuse_exec};
 use tensorwire::gpu::{DeviceRequest, Placement, TensorBuffer};
+use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::proto::TensorMeta;
 use tensorwire::proto::split::SplitPart;
-use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::quic::{IncomingTensor, Receiver, ReceiverConfig, Steering};
 use tensorwire::sink::{SinkError, SplitTensors};
 use tensorwire_examples::cli::{
     ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, size,
 };
-use tensorwire_examples::save::{SaveDir, SpoolingSink, Spooled};
+use tensorwire_examples::save::{SaveDir, Spooled, SpoolingSink};
 use tokio::sync::mpsc;
 
 /// Receive tensors over QUIC.

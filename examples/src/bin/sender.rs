@@ -96,7 +96,9 @@ fn main() -> anyhow::Result<()> {
     if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
         runtime.worker_threads((2 * connections).clamp(2, cores.max(2)));
     }
-    runtime.build()?.block_on(send(args, outgoing, connections, total))
+    runtime
+        .build()?
+        .block_on(send(args, outgoing, connections, total))
 }
 
 async fn send(
