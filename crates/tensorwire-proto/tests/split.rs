@@ -6,6 +6,8 @@ use tensorwire_proto::split::{
 };
 use tensorwire_proto::{DType, Device, ErrorCode, ProtocolError, TensorMeta};
 
+mod common;
+
 const ID: SplitId = SplitId(0x0123_4567_89ab_cdef_0011_2233_4455_6677);
 
 fn whole() -> TensorMeta {
@@ -230,4 +232,28 @@ fn parts_that_disagree_overlap_or_leave_gaps_are_split_mismatch() {
     let mut gappy = SplitAssembly::new(&parts[0]);
     gappy.join(&parts[0]).unwrap();
     assert_eq!(mismatch(&mut gappy, &late), ErrorCode::SPLIT_MISMATCH);
+}
+
+#[test]
+fn the_split_vector_reads_as_the_spec_describes_it() {
+    let bytes =
+        std::fs::read(common::vectors::vectors_dir().join("frames/metadata_split_part.bin"))
+            .unwrap();
+    let mut decoder = tensorwire_proto::FrameDecoder::new(tensorwire_proto::Limits::default());
+    decoder.push(bytes::Bytes::from(bytes));
+    let Some(tensorwire_proto::Frame::Metadata(frame)) = decoder.next_frame().unwrap() else {
+        panic!("not METADATA");
+    };
+    let meta = frame.meta;
+    assert_eq!(meta.shape(), [1024, 1024]);
+    let part = SplitPart::of(&meta, u64::MAX).unwrap().unwrap();
+    assert_eq!(
+        part.id(),
+        SplitId(0x0011_2233_4455_6677_8899_aabb_ccdd_eeff)
+    );
+    assert_eq!((part.first_row(), part.parts()), (1024, 4));
+    assert_eq!((part.offset(), part.len()), (2 << 20, 2 << 20));
+    assert_eq!(part.whole().shape(), [4096, 1024]);
+    assert_eq!(part.whole().name(), "model.embed_tokens.weight");
+    assert!(part.whole().attributes().is_empty());
 }

@@ -171,6 +171,17 @@ pub fn frame_vectors() -> Vec<Built<FrameVector>> {
     let fp8 = TensorMeta::new([4, 0, 8], DType::F8E4M3)
         .unwrap()
         .with_name("empty.kv");
+    let embed = TensorMeta::new([4096, 1024], DType::BF16)
+        .unwrap()
+        .with_name("model.embed_tokens.weight");
+    let split_part = tensorwire_proto::split::plan_split(
+        &embed,
+        4,
+        tensorwire_proto::split::SplitId(0x0011_2233_4455_6677_8899_aabb_ccdd_eeff),
+    )
+    .unwrap()
+    .swap_remove(1)
+    .meta;
     let max_ok = RawMeta::f32_2x3().with(|m| {
         m.dims = vec![1; 32];
         m.dims[0] = 6;
@@ -197,6 +208,11 @@ pub fn frame_vectors() -> Vec<Built<FrameVector>> {
             "metadata_empty_fp8",
             "METADATA: an F8_E4M3 tensor with a zero dimension (0 bytes)",
             fp8,
+        ),
+        valid(
+            "metadata_split_part",
+            "METADATA: the second of 4 parts of a split BF16 [4096, 1024] (rows 1024..2048, spec §15)",
+            split_part,
         ),
         frame(
             "metadata_32_dims",
