@@ -10,8 +10,9 @@
 # the rate beside raw quinn's (both sides in one process, and as two processes like the
 # programs) and the ratios. Every tensor is checked end to end by its
 # CRC-32C before the receiver says COMPLETE. BIN_DIR holds receiver, sender and bench.
-# RECEIVER_FLAGS adds receiver flags (e.g. "--steering address"), RAW_SERVER_FLAGS the raw
-# quinn server's.
+# RECEIVER_FLAGS adds receiver flags (e.g. "--steering address"), SENDER_FLAGS the sender's
+# (e.g. "--no-split"), RAW_SERVER_FLAGS the raw quinn server's. With one tensor
+# (TENSORS=1), the sender splits it over its connections (spec §15) unless told not to.
 set -euo pipefail
 . "$(dirname "$0")/common.sh"
 bin=$(cd "$1" && pwd)
@@ -43,7 +44,7 @@ addr=$(listening_address "$work/receiver.log")
 start=$(date +%s.%N)
 failed=0
 "$bin/sender" --connect "$addr" --mtu 6000 --quiet --connections "$connections" \
-  "$work/model.safetensors" > "$work/sender.log" 2>&1 || failed=1
+  ${SENDER_FLAGS:-} "$work/model.safetensors" > "$work/sender.log" 2>&1 || failed=1
 end=$(date +%s.%N)
 wait "$receiver" || failed=1
 cat "$work/sender.log"

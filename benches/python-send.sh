@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Python `tensorwire.send` of a CUDA tensor beside the Rust `sender` of the same bytes from a
 # file, into one `receiver --device cuda:0`, on one GPU host (loopback, MTU 6000, one
-# connection each: a single tensor is not split across connections).
+# connection each: the Python package sends a tensor whole, and the sender is told to).
 #
 #   benches/python-send.sh BIN_DIR [MIB]       # the tensorwire package importable by python3
 set -euo pipefail

@@ -121,6 +121,12 @@ if [ "${SCALE:-0}" = 1 ]; then
   echo "== one sender, 8 connections -> 1 receiver, beside raw quinn"
   "$here/scripts/one-sender.sh" "$here/bin" 8 16 256 cuda:0 2>&1 | tee "$logs/one-sender.log"
   check "${PIPESTATUS[0]}" "one sender, 8 connections -> 1 receiver, beside raw quinn"
+  echo "== one sender, 8 connections, one 4 GiB tensor split over them, then sent whole"
+  "$here/scripts/one-sender.sh" "$here/bin" 8 1 4096 cuda:0 2>&1 | tee "$logs/one-sender-split.log"
+  check "${PIPESTATUS[0]}" "one sender, one 4 GiB tensor split over 8 connections"
+  SENDER_FLAGS=--no-split "$here/scripts/one-sender.sh" "$here/bin" 8 1 4096 cuda:0 2>&1 \
+    | tee "$logs/one-sender-whole.log"
+  check "${PIPESTATUS[0]}" "one sender, one 4 GiB tensor sent whole"
   echo "== scale: 1 receiver <- 8 sender processes, beside raw quinn"
   "$here/scripts/scale.sh" "$here/bin" 8 1024 cuda:0 2>&1 | tee "$logs/scale.log"
   check "${PIPESTATUS[0]}" "scale: 1 receiver <- 8 sender processes, beside raw quinn"

@@ -1,4 +1,5 @@
 //! Split tensors (spec §15): planning parts, reading them back, and assembling a whole.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
 use tensorwire_proto::split::{
     MAX_PARTS, SPLIT_ID, SPLIT_PARTS, SPLIT_ROW, SPLIT_ROWS, SplitAssembly, SplitId, SplitPart,
