@@ -187,6 +187,26 @@ def test_python_receives_what_the_rust_sender_sends(tmp_path):
     np.testing.assert_array_equal(got["c"], c)
 
 
+def test_a_tensor_the_rust_sender_splits_arrives_whole(tmp_path):
+    # 40 MiB over 4 connections: the sender sends it as 3 parts (spec §15), which the
+    # receiver puts back together and hands over once.
+    source = tmp_path / "embed.safetensors"
+    big = np.random.default_rng(7).integers(0, 256, size=(40, 1 << 20), dtype=np.uint8)
+    write_safetensors(source, {"embed": ("U8", [40, 1 << 20], big.tobytes())})
+    with tensorwire.Receiver(device="host") as rx:
+        sent = subprocess.run([program("sender"), "--connect", rx.address, "--quiet",
+                               "--connections", "4", str(source)],
+                              capture_output=True, text=True, timeout=120)
+        assert sent.returncode == 0, sent.stderr
+        assert "(3 streams)" in sent.stdout, sent.stdout
+        t = rx.recv(timeout=60)
+        assert (t.name, t.shape) == ("embed", (40, 1 << 20))
+        assert "tensorwire.split.id" not in t.attributes
+        np.testing.assert_array_equal(t.numpy(), big)
+        with pytest.raises(TimeoutError):
+            rx.recv(timeout=0.5)
+
+
 def test_every_dtype_round_trips_python_to_python():
     arrays, raw = sample_arrays()
     with tensorwire.Receiver(device="host") as rx:

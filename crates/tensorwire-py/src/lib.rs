@@ -19,11 +19,13 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 use tensorwire::gpu::dlpack::{DLManagedTensor, KDL_CPU, KDL_CUDA};
 use tensorwire::gpu::{
     CudaBuffer, DeviceAllocation, DeviceRange, DeviceRequest, GpuDevice, GpuStatus, Placement,
-    TensorBuffer,
+    TensorBuffer, TensorSink,
 };
+use tensorwire::proto::split::SplitPart;
 use tensorwire::proto::{DType, Device, ErrorCode, TensorMeta};
+use tensorwire::sink::{SinkError, SplitTensors};
 use tensorwire::quic::{
-    ClientTls, Receiver as QuicReceiver, ReceiverConfig, SendHandle, Sender, SenderConfig,
+    ClientTls, IncomingTensor, Receiver as QuicReceiver, ReceiverConfig, SendHandle, Sender, SenderConfig,
     SenderPool, ServerTls, Source, TransportError, TransportSettings,
 };
 use tokio::sync::mpsc;
@@ -586,6 +588,7 @@ impl Receiver {
         }
         let placement = Placement::choose(request, require_gpu)
             .map_err(|e| error(py, e.to_string(), None, None))?;
+        let max_tensor_len = config.limits.max_tensor_len;
         let bound = py.allow_threads(|| runtime().block_on(QuicReceiver::bind(config)));
         let mut receiver = bound.map_err(|e| transport_error(py, &e, None))?;
         let local_addr = receiver
@@ -594,37 +597,55 @@ impl Receiver {
         let (tx, rx) = mpsc::unbounded_channel();
         let failures = std::sync::Arc::new(Mutex::new(Vec::new()));
         let (task_placement, task_failures) = (placement.clone(), failures.clone());
+        // A split tensor's parts (spec §15) must all arrive within twice the admission wait.
+        let splits: SplitTensors<TensorSink> = SplitTensors::new(2 * wait);
         let task = runtime().spawn(async move {
             while let Some(incoming) = receiver.next().await {
-                let (placement, tx, failures) =
-                    (task_placement.clone(), tx.clone(), task_failures.clone());
+                let (placement, tx, failures, splits) = (
+                    task_placement.clone(),
+                    tx.clone(),
+                    task_failures.clone(),
+                    splits.clone(),
+                );
                 tokio::spawn(async move {
                     let meta = incoming.meta().clone();
                     let peer = incoming.peer();
-                    let sink = placement
-                        .admit(
-                            &meta,
-                            incoming.memory_shares(),
-                            incoming.host_memory(),
-                            wait,
-                        )
-                        .await;
-                    let landed = match sink {
-                        Ok(sink) => incoming
-                            .accept(sink)
-                            .finished()
-                            .await
-                            .map_err(|e| e.to_string()),
+                    let (shares, host) =
+                        (incoming.memory_shares().clone(), incoming.host_memory().clone());
+                    let admit = |meta: TensorMeta| async move {
+                        placement.admit(&meta, &shares, &host, wait).await
+                    };
+                    let landed = match SplitPart::of(&meta, max_tensor_len) {
                         Err(e) => {
-                            let why = format!("{}: {}", e.code, e.message);
-                            incoming.reject(e.code, e.message);
+                            let why = e.to_string();
+                            incoming.reject(e.code(), why.clone());
                             Err(why)
                         }
+                        Ok(None) => match admit(meta.clone()).await {
+                            Ok(sink) => incoming
+                                .accept(sink)
+                                .finished()
+                                .await
+                                .map(Some)
+                                .map_err(|e| e.to_string()),
+                            Err(e) => Err(refuse(incoming, e)),
+                        },
+                        // Only the part that lands last yields the whole.
+                        Ok(Some(part)) => match splits.join(peer.ip(), &part, admit).await {
+                            Ok(sink) => incoming
+                                .accept(sink)
+                                .finished()
+                                .await
+                                .map(|(_, whole)| whole.map(|w| (w.meta, w.output)))
+                                .map_err(|e| e.to_string()),
+                            Err(e) => Err(refuse(incoming, e)),
+                        },
                     };
                     match landed {
-                        Ok((meta, buffer)) => {
+                        Ok(Some((meta, buffer))) => {
                             let _ = tx.send(ReceivedTensor::new(meta, buffer, peer));
                         }
+                        Ok(None) => {}
                         Err(e) => failures
                             .lock()
                             .unwrap_or_else(PoisonError::into_inner)
@@ -983,3 +1004,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("VERSION", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
+
+/// Refuses `incoming` with the sink's code and reason; returns why, for the failure list.
+fn refuse(incoming: IncomingTensor, e: SinkError) -> String {
+    let why = format!("{}: {}", e.code, e.message);
+    incoming.reject(e.code, e.message);
+    why
+}
+

@@ -1,8 +1,9 @@
 //! Where received tensor bytes go, without any transport: the [`Sink`] trait that every
 //! destination implements (host memory here, GPU memory in `tensorwire-gpu`), the
 //! [`CreditPermit`]s that hand bytes back to a receiver's credit budget once they are
-//! durable, and the [`MemoryBudget`] that destination buffers are admitted against
-//! (spec §7.1, §7.5).
+//! durable, the [`MemoryBudget`] that destination buffers are admitted against
+//! (spec §7.1, §7.5), and [`SplitTensors`], which lands the parts of a split tensor in one
+//! destination and delivers the whole once (spec §15).
 //!
 //! This crate depends on no QUIC stack, so crates that only land or share tensors
 //! (`tensorwire-gpu`, `tensorwire-ipc`) compile none.
