@@ -23,11 +23,11 @@ use tensorwire::gpu::{
 };
 use tensorwire::proto::split::SplitPart;
 use tensorwire::proto::{DType, Device, ErrorCode, TensorMeta};
-use tensorwire::sink::{SinkError, SplitTensors};
 use tensorwire::quic::{
-    ClientTls, IncomingTensor, Receiver as QuicReceiver, ReceiverConfig, SendHandle, Sender, SenderConfig,
-    SenderPool, ServerTls, Source, TransportError, TransportSettings,
+    ClientTls, IncomingTensor, Receiver as QuicReceiver, ReceiverConfig, SendHandle, Sender,
+    SenderConfig, SenderPool, ServerTls, Source, TransportError, TransportSettings,
 };
+use tensorwire::sink::{SinkError, SplitTensors};
 use tokio::sync::mpsc;
 
 /// Bytes read from GPU memory per chunk when sending a device tensor.
@@ -610,8 +610,10 @@ impl Receiver {
                 tokio::spawn(async move {
                     let meta = incoming.meta().clone();
                     let peer = incoming.peer();
-                    let (shares, host) =
-                        (incoming.memory_shares().clone(), incoming.host_memory().clone());
+                    let (shares, host) = (
+                        incoming.memory_shares().clone(),
+                        incoming.host_memory().clone(),
+                    );
                     let admit = |meta: TensorMeta| async move {
                         placement.admit(&meta, &shares, &host, wait).await
                     };
@@ -1011,4 +1013,3 @@ fn refuse(incoming: IncomingTensor, e: SinkError) -> String {
     incoming.reject(e.code, e.message);
     why
 }
-
