@@ -421,6 +421,11 @@ pub struct ReceiverConfig {
     ///
     /// [`IncomingTensor::accept_host`]: crate::IncomingTensor::accept_host
     pub host_memory_budget: u64,
+    /// The most of [`Self::host_memory_budget`] kept in host buffers of dropped tensors for
+    /// the next tensors of the same length, which then land with no page faults and no
+    /// zeroing. Kept buffers count against the budget and are freed first whenever a tensor
+    /// needs the memory. Never more than an eighth of the budget; 0 keeps none.
+    pub kept_host_memory: u64,
     /// Of each memory budget (host memory, and each device's budget an application admits
     /// through [`IncomingTensor::memory_shares`]), the most one connection's tensors may hold
     /// at once, in percent (1 to 100), so a peer whose accepted tensors idle cannot starve the
@@ -465,6 +470,7 @@ impl ReceiverConfig {
             max_failed_streams: 1000,
             failure_window: Duration::from_secs(10),
             host_memory_budget: default_host_memory_budget(),
+            kept_host_memory: 1 << 30,
             memory_share_percent: 50,
             max_pending_per_connection: 64,
             connection_idle_timeout: Duration::from_secs(60),

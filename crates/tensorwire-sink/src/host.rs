@@ -21,6 +21,9 @@ const HUGE_FROM: usize = 4 << 20;
 pub struct HostSink {
     buf: HostBuffer,
     reservation: Option<MemoryReservation>,
+    /// Bytes written so far, when the buffer is a reused one: it must be written whole
+    /// before it is handed over, since it holds an earlier tensor's bytes.
+    reused: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -38,15 +41,29 @@ impl HostBuffer {
     }
 }
 
-/// Keeps a mapping (and its memory reservation) alive for as long as [`Bytes`] refer to it.
+/// Keeps a mapping (and its memory reservation) alive for as long as [`Bytes`] refer to it;
+/// then hands the mapping to its budget's spares ([`MemoryBudget::keeping_spares`]).
+///
+/// [`MemoryBudget::keeping_spares`]: crate::MemoryBudget::keeping_spares
 struct MappedOwner {
-    map: MmapMut,
-    _reservation: Option<MemoryReservation>,
+    map: Option<MmapMut>,
+    reservation: Option<MemoryReservation>,
 }
 
 impl AsRef<[u8]> for MappedOwner {
     fn as_ref(&self) -> &[u8] {
-        &self.map
+        self.map.as_deref().unwrap_or_default()
+    }
+}
+
+impl Drop for MappedOwner {
+    fn drop(&mut self) {
+        let (Some(map), Some(reservation)) = (self.map.take(), self.reservation.take()) else {
+            return;
+        };
+        let budget = reservation.budget().clone();
+        drop(reservation);
+        budget.keep_spare(map);
     }
 }
 
@@ -78,6 +95,17 @@ impl HostSink {
     fn build(len: u64, reservation: Option<MemoryReservation>) -> Result<Self, SinkError> {
         let len = usize::try_from(len)
             .map_err(|_| SinkError::exhausted("tensor larger than the address space"))?;
+        let spare = match &reservation {
+            Some(reservation) if len >= MAP_FROM => reservation.budget().take_spare(len),
+            _ => None,
+        };
+        if let Some(map) = spare {
+            return Ok(Self {
+                buf: HostBuffer::Mapped(map),
+                reservation,
+                reused: Some(0),
+            });
+        }
         let buf = if len >= MAP_FROM {
             let map = MmapMut::map_anon(len)
                 .map_err(|e| SinkError::exhausted(format!("{len} bytes of host memory: {e}")))?;
@@ -94,16 +122,25 @@ impl HostSink {
             buf.resize(len, 0);
             HostBuffer::Heap(buf)
         };
-        Ok(Self { buf, reservation })
+        Ok(Self {
+            buf,
+            reservation,
+            reused: None,
+        })
     }
 
-    /// The buffer's bytes `[offset, offset + len)`.
+    /// The buffer's bytes `[offset, offset + len)`, counted as written.
     fn destination(&mut self, offset: u64, len: usize) -> Result<&mut [u8], SinkError> {
         let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        start
+        let dst = start
             .checked_add(len)
             .and_then(|end| self.buf.as_mut().get_mut(start..end))
-            .ok_or_else(|| SinkError::failed(format!("write at {offset} past the buffer")))
+            .ok_or_else(|| SinkError::failed(format!("write at {offset} past the buffer")))?;
+        // Writes never overlap (the receiver checks DATA first), so a sum says "whole".
+        if let Some(written) = &mut self.reused {
+            *written += len as u64;
+        }
+        Ok(dst)
     }
 }
 
@@ -141,10 +178,18 @@ impl Sink for HostSink {
                 buf,
                 _reservation: self.reservation,
             }),
-            HostBuffer::Mapped(map) => Bytes::from_owner(MappedOwner {
-                map,
-                _reservation: self.reservation,
-            }),
+            HostBuffer::Mapped(map) => {
+                let len = map.len() as u64;
+                if let Some(written) = self.reused.filter(|&written| written < len) {
+                    return Err(SinkError::failed(format!(
+                        "finished with {written} of {len} bytes written into a reused buffer"
+                    )));
+                }
+                Bytes::from_owner(MappedOwner {
+                    map: Some(map),
+                    reservation: self.reservation,
+                })
+            }
         })
     }
 }

@@ -1,7 +1,9 @@
 //! A shared [`MemoryLedger`] that destination buffers are admitted against, with waiting.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use memmap2::MmapMut;
 use tensorwire_proto::{Admission, MemoryLedger};
 use tokio::sync::Notify;
 
@@ -22,6 +24,19 @@ struct Inner {
     released: Notify,
     /// The budget this one is a share of: every reservation counts against both.
     parent: Option<MemoryBudget>,
+    /// Host mappings of landed tensors that were dropped, kept for the next tensor of the
+    /// same length; their bytes count in `ledger` as reserved.
+    spares: Mutex<Spares>,
+}
+
+/// Freed host mappings kept for reuse, by length.
+#[derive(Debug, Default)]
+struct Spares {
+    by_len: HashMap<usize, Vec<MmapMut>>,
+    /// Bytes kept.
+    held: u64,
+    /// The most kept at once (0: none).
+    limit: u64,
 }
 
 /// Where a memory budget stands.
@@ -29,9 +44,12 @@ struct Inner {
 pub struct MemorySnapshot {
     /// The most that may be reserved at once.
     pub limit: u64,
-    /// Reserved now.
+    /// Reserved now for destinations (landed tensors, and tensors landing).
     pub reserved: u64,
-    /// The most ever reserved at once.
+    /// Held now in buffers of dropped tensors kept for reuse
+    /// ([`MemoryBudget::keeping_spares`]); with `reserved`, at most `limit`.
+    pub kept: u64,
+    /// The most ever held at once, kept buffers included.
     pub peak: u64,
 }
 
@@ -44,8 +62,78 @@ impl MemoryBudget {
                 ledger: Mutex::new(MemoryLedger::new(limit)),
                 released: Notify::new(),
                 parent: None,
+                spares: Mutex::default(),
             }),
         }
+    }
+
+    /// Keeps up to `bytes` of host mappings of dropped tensors for the next tensors of the
+    /// same lengths, so landing them takes no page faults and no zeroing by the kernel. Kept
+    /// mappings count against the budget as reserved, and are freed first whenever a
+    /// reservation would otherwise wait. For host budgets; a share keeps its whole's.
+    pub fn keeping_spares(self, bytes: u64) -> Self {
+        self.lock_spares().limit = bytes;
+        self
+    }
+
+    fn root(&self) -> &MemoryBudget {
+        match &self.inner.parent {
+            Some(parent) => parent.root(),
+            None => self,
+        }
+    }
+
+    fn lock_spares(&self) -> MutexGuard<'_, Spares> {
+        self.inner
+            .spares
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A kept mapping of exactly `len` bytes, if there is one; its bytes stop counting as
+    /// kept (the caller's reservation covers them). It holds an earlier tensor's bytes.
+    pub(crate) fn take_spare(&self, len: usize) -> Option<MmapMut> {
+        let root = self.root();
+        let map = {
+            let mut spares = root.lock_spares();
+            let map = spares.by_len.get_mut(&len)?.pop()?;
+            spares.held -= len as u64;
+            map
+        };
+        root.ledger().release(len as u64);
+        Some(map)
+    }
+
+    /// Keeps `map` (whose reservation was just released) for reuse if there is room in the
+    /// spares' limit and in the budget; otherwise it is unmapped.
+    pub(crate) fn keep_spare(&self, map: MmapMut) {
+        let root = self.root();
+        let len = map.len() as u64;
+        let mut spares = root.lock_spares();
+        if spares.held + len > spares.limit {
+            return;
+        }
+        if root.ledger().reserve(len) != Admission::Reserved {
+            return;
+        }
+        spares.held += len;
+        spares.by_len.entry(map.len()).or_default().push(map);
+    }
+
+    /// Frees every mapping this (root) budget kept; true if there were any.
+    fn free_spares(&self) -> bool {
+        let (kept, held) = {
+            let mut spares = self.lock_spares();
+            let held = std::mem::take(&mut spares.held);
+            (std::mem::take(&mut spares.by_len), held)
+        };
+        if held == 0 {
+            return false;
+        }
+        self.ledger().release(held);
+        drop(kept);
+        self.inner.released.notify_waiters();
+        true
     }
 
     /// A share of this budget of at most `limit` bytes, for one party (a connection), so
@@ -59,6 +147,7 @@ impl MemoryBudget {
                 ledger: Mutex::new(MemoryLedger::share(limit.min(self.limit()))),
                 released: Notify::new(),
                 parent: Some(self.clone()),
+                spares: Mutex::default(),
             }),
         }
     }
@@ -73,8 +162,13 @@ impl MemoryBudget {
 
     /// Reserves `bytes` now, or says why not (RESOURCE_EXHAUSTED).
     pub fn try_reserve(&self, bytes: u64) -> Result<MemoryReservation, SinkError> {
-        let mut ledger = self.ledger();
-        match ledger.reserve(bytes) {
+        let mut admission = self.ledger().reserve(bytes);
+        // Kept mappings give way to any reservation that needs their memory.
+        if admission == Admission::Wait && self.free_spares() {
+            admission = self.ledger().reserve(bytes);
+        }
+        let ledger = self.ledger();
+        match admission {
             Admission::Reserved => {
                 drop(ledger);
                 let parent = match &self.inner.parent {
@@ -111,6 +205,8 @@ impl MemoryBudget {
             match admission {
                 Admission::Reserved => {}
                 Admission::TooLarge => return Err(self.too_large(bytes, self.limit())),
+                // Kept mappings give way before anyone waits.
+                Admission::Wait if self.free_spares() => continue,
                 Admission::Wait => {
                     own.await;
                     continue;
@@ -170,10 +266,17 @@ impl MemoryBudget {
 
     /// Where the budget stands.
     pub fn snapshot(&self) -> MemorySnapshot {
+        // Only a whole budget keeps buffers; its ledger counts them as reserved.
+        let kept = match &self.inner.parent {
+            None => self.lock_spares().held,
+            Some(_) => 0,
+        };
         let ledger = self.ledger();
         MemorySnapshot {
             limit: ledger.limit(),
-            reserved: ledger.reserved(),
+            // Saturating: a buffer taken for reuse leaves the kept count before the ledger.
+            reserved: ledger.reserved().saturating_sub(kept),
+            kept,
             peak: ledger.peak(),
         }
     }
@@ -192,6 +295,11 @@ impl MemoryReservation {
     /// Bytes reserved.
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// The budget the bytes are reserved in.
+    pub(crate) fn budget(&self) -> &MemoryBudget {
+        &self.budget
     }
 }
 

@@ -130,3 +130,106 @@ async fn a_share_is_bounded_by_its_limit_and_by_the_whole() {
     drop(sole);
     assert_eq!(whole.snapshot().reserved, 0);
 }
+
+/// Lands `bytes` in a host sink reserved through `budget`.
+async fn land(budget: &MemoryBudget, bytes: &[u8]) -> Bytes {
+    let reservation = budget.try_reserve(bytes.len() as u64).unwrap();
+    let mut sink = HostSink::reserved(reservation).unwrap();
+    let payload = Payload::from(Bytes::copy_from_slice(bytes));
+    sink.write(0, payload, CreditPermit::unbudgeted(bytes.len() as u64))
+        .await
+        .unwrap();
+    sink.finish().await.unwrap()
+}
+
+#[tokio::test]
+async fn a_dropped_host_tensor_is_kept_for_the_next_of_its_length() {
+    const MIB: u64 = 1 << 20;
+    let budget = MemoryBudget::new("host", 8 * MIB).keeping_spares(2 * MIB);
+    let first = land(&budget, &[1; MIB as usize]).await;
+    let first_at = first.as_ptr();
+    drop(first);
+    // Kept, and counted apart from the tensors' reservations.
+    let snapshot = budget.snapshot();
+    assert_eq!((snapshot.reserved, snapshot.kept), (0, MIB));
+    let second = land(&budget, &[2; MIB as usize]).await;
+    assert_eq!(second.as_ptr(), first_at, "the same mapping, reused");
+    assert!(
+        second.iter().all(|&b| b == 2),
+        "every byte is the new tensor's"
+    );
+    assert_eq!(budget.snapshot().kept, 0);
+    assert_eq!(budget.snapshot().reserved, MIB, "counted once");
+    assert_eq!(
+        budget.snapshot().peak,
+        2 * MIB,
+        "the first and its kept buffer"
+    );
+    // Another length is not served from it.
+    drop(second);
+    let other = land(&budget, &[3; 2 * MIB as usize]).await;
+    assert_eq!(budget.snapshot().kept, MIB);
+    drop(other);
+    assert_eq!(
+        budget.snapshot().kept,
+        MIB,
+        "3 MiB would pass the 2 MiB kept at most"
+    );
+    drop(land(&budget, &[4; MIB as usize / 2]).await);
+    assert_eq!(budget.snapshot().kept, 3 * MIB / 2);
+    drop(land(&budget, &[4; 3 * MIB as usize / 4]).await);
+    assert_eq!(
+        budget.snapshot().kept,
+        3 * MIB / 2,
+        "nothing past the limit"
+    );
+}
+
+#[tokio::test]
+async fn kept_buffers_give_way_to_a_tensor_that_needs_the_memory() {
+    const MIB: u64 = 1 << 20;
+    let budget = MemoryBudget::new("host", 3 * MIB).keeping_spares(3 * MIB);
+    drop(land(&budget, &[1; MIB as usize]).await);
+    drop(land(&budget, &[1; 2 * MIB as usize]).await);
+    assert_eq!(budget.snapshot().kept, 3 * MIB);
+    // Neither fits beside the kept buffers: they are freed, at once and while waiting.
+    let now = budget.try_reserve(3 * MIB).unwrap();
+    assert_eq!(budget.snapshot().kept, 0);
+    drop(now);
+    drop(land(&budget, &[1; MIB as usize]).await);
+    assert_eq!(budget.snapshot().kept, MIB);
+    let waited = tokio::time::timeout(Duration::from_secs(1), budget.reserve(3 * MIB)).await;
+    let held = waited.unwrap().unwrap();
+    assert_eq!(budget.snapshot().reserved, 3 * MIB);
+    assert_eq!((held.bytes(), budget.snapshot().kept), (3 * MIB, 0));
+}
+
+#[tokio::test]
+async fn a_connection_share_keeps_buffers_in_its_whole_budget() {
+    const MIB: u64 = 1 << 20;
+    let whole = MemoryBudget::new("host", 4 * MIB).keeping_spares(MIB);
+    let a = tensorwire_sink::MemoryShares::new("a", 50);
+    let b = tensorwire_sink::MemoryShares::new("b", 50);
+    drop(land(&a.of(&whole), &[5; MIB as usize]).await);
+    assert_eq!(whole.snapshot().kept, MIB);
+    let from_b = land(&b.of(&whole), &[6; MIB as usize]).await;
+    assert_eq!(whole.snapshot().kept, 0, "b's tensor took a's kept buffer");
+    assert_eq!(b.of(&whole).snapshot().reserved, MIB);
+    assert_eq!(a.of(&whole).snapshot().reserved, 0);
+    assert!(from_b.iter().all(|&x| x == 6));
+}
+
+#[tokio::test]
+async fn a_reused_buffer_is_never_handed_over_partly_written() {
+    const LEN: usize = 64 << 10;
+    let budget = MemoryBudget::new("host", 1 << 20).keeping_spares(1 << 20);
+    drop(land(&budget, &[9; LEN]).await);
+    let mut sink = HostSink::reserved(budget.try_reserve(LEN as u64).unwrap()).unwrap();
+    let half = Payload::from(Bytes::from(vec![1; LEN / 2]));
+    sink.write(0, half, CreditPermit::unbudgeted(LEN as u64 / 2))
+        .await
+        .unwrap();
+    let e = sink.finish().await.unwrap_err();
+    assert_eq!(e.code, ErrorCode::SINK_FAILED);
+    assert!(e.message.contains("reused"), "{e}");
+}

@@ -63,7 +63,8 @@ impl Shared {
         }
         let budget = Budget::new(config.budget, config.high_watermark, config.low_watermark)
             .map_err(|e| TransportError::Config(format!("budget and watermarks: {e}")))?;
-        let host_memory = MemoryBudget::new("host", config.host_memory_budget);
+        let host_memory = MemoryBudget::new("host", config.host_memory_budget)
+            .keeping_spares(config.kept_host_memory.min(config.host_memory_budget / 8));
         Ok(Arc::new(Self {
             config,
             budget: Arc::new(budget),
