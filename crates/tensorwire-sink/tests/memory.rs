@@ -1,4 +1,5 @@
 //! Memory budgets and the host sink, through the public API.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
 use std::time::Duration;
 
