@@ -58,6 +58,10 @@ struct Args {
     /// network→GPU beside network→host (needs a CUDA GPU).
     #[arg(long)]
     gpu: bool,
+    /// With --gpu: the device memory pool's size in MiB (free destination buffers it keeps;
+    /// a tensor past it is allocated, and freed, on its own). Default: the library's.
+    #[arg(long)]
+    device_pool_mib: Option<usize>,
     /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile
     /// it, or only the small-tensor latency (latency).
     #[arg(long)]
@@ -898,7 +902,22 @@ async fn gpu_section(
     runs: usize,
 ) -> anyhow::Result<GpuReport> {
     use tensorwire::gpu::{DeviceRequest, Placement};
-    let gpu = Placement::choose(DeviceRequest::Cuda(0), true)?;
+    let gpu = match args.device_pool_mib {
+        None => Placement::choose(DeviceRequest::Cuda(0), true)?,
+        Some(mib) => {
+            let staging = tensorwire::gpu::PoolConfig {
+                max_pool_bytes: 128 << 20,
+                preallocate: true,
+                ..Default::default()
+            };
+            let memory = tensorwire::gpu::PoolConfig {
+                max_pool_bytes: mib << 20,
+                max_buffer: (mib << 20).max(64 << 20),
+                ..Default::default()
+            };
+            Placement::Gpu(tensorwire::gpu::PooledGpuReceiver::new(0, staging, memory)?)
+        }
+    };
     let host = Placement::choose(DeviceRequest::Host, false)?;
     let Placement::Gpu(pools) = &gpu else {
         anyhow::bail!("not a GPU placement")
@@ -909,7 +928,7 @@ async fn gpu_section(
     // Each sink's copy into pinned staging runs on one core: more sinks at once (as more
     // connections bring) show whether the copies or the host → device link set the rate.
     let mut ingest = Vec::new();
-    for sinks in [4, 8] {
+    for sinks in [4, 8, 16] {
         ingest.push((sinks, ingest_from_memory(&gpu, sinks, 64 << 20).await?));
     }
     let mut network = Vec::new();

@@ -43,6 +43,9 @@ pub fn decode_round_trip(data: &[u8]) {
                     assert_eq!(&encoded[..], &input[frame_start..consumed], "{frame:?}");
                     assert_eq!(frame.encoded_len(), encoded.len());
                     frame_start = consumed;
+                    if let crate::Frame::Metadata(metadata) = &frame {
+                        check_split_part(&metadata.meta);
+                    }
                 }
                 Ok(None) => break,
                 Err(_) => return,
@@ -50,6 +53,22 @@ pub fn decode_round_trip(data: &[u8]) {
         }
     }
     let _ = decoder.finish();
+}
+
+/// A METADATA read as a part of a split tensor (spec §15) either fails cleanly or describes a
+/// slice that lies inside its whole and joins an assembly of its own.
+fn check_split_part(meta: &crate::TensorMeta) {
+    use crate::split::{SplitAssembly, SplitPart};
+    let Ok(Some(part)) = SplitPart::of(meta, u64::MAX) else {
+        return;
+    };
+    let whole = part.whole();
+    assert!(part.offset() + part.len() <= whole.byte_len(), "{meta:?}");
+    assert_eq!(whole.shape()[1..], meta.shape()[1..]);
+    assert_eq!(whole.dtype(), meta.dtype());
+    let mut assembly = SplitAssembly::new(&part);
+    assert_eq!(assembly.join(&part), Ok(()));
+    assert!(assembly.join(&part).is_err(), "the same rows twice");
 }
 
 /// Drives a receiver with local calls and frames from `data`, checking its accounting after
