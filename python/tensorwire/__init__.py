@@ -264,6 +264,7 @@ def send(
     tensors: Union[Mapping[str, Any], str, "os.PathLike[str]"],
     *,
     connections: Optional[int] = None,
+    split: bool = True,
     ca: Optional[str] = None,
     client_cert: Optional[str] = None,
     client_key: Optional[str] = None,
@@ -277,8 +278,12 @@ def send(
 
     GPU tensors (PyTorch CUDA, CuPy) are read from device memory a chunk at a time, never
     copied to the host whole; host buffers are sent without a copy. `connections` (default:
-    one per core, at most 8 and at most one per tensor) spreads the tensors over parallel
-    connections. `device` ("host", "cuda:N") asks the receiver to land them there (spec §5.2).
+    one per core, at most 8, and no more than the tensors or their 16 MiB parts can use)
+    spreads the tensors over parallel connections; with `split` (the default), a tensor larger
+    than its connection's share goes as parts of consecutive rows over several of them and
+    lands whole (spec §15; `split=False` for receivers older than protocol 1.3, which would
+    land the parts separately). `device` ("host", "cuda:N") asks the receiver to land them
+    there (spec §5.2).
     With no `ca`, development trust: a receiver on this host. Raises TensorwireError.
     """
     if isinstance(tensors, (str, os.PathLike)):
@@ -288,12 +293,11 @@ def send(
     run = f"python-{os.getpid()}-{time.time_ns()}"
     for item in items:
         item[5].append((_SENDER_ATTR, run))
-    if connections is None:
-        connections = max(1, min(os.cpu_count() or 1, 8, len(items)))
     results = _native.send(
         addr,
         items,
         connections=connections,
+        split=split,
         ca=ca,
         client_cert=client_cert,
         client_key=client_key,

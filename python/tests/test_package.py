@@ -207,6 +207,23 @@ def test_a_tensor_the_rust_sender_splits_arrives_whole(tmp_path):
             rx.recv(timeout=0.5)
 
 
+def test_python_splits_a_large_tensor_over_its_connections():
+    # 48 MiB over 4 connections: parts of 16 MiB (spec §15), one tensor when it lands.
+    big = np.random.default_rng(8).integers(0, 256, size=(48, 1 << 20), dtype=np.uint8)
+    with tensorwire.Receiver(device="host") as rx:
+        results = tensorwire.send(rx.address, {"big": big}, connections=4)
+        assert [(r.name, r.nbytes) for r in results] == [("big", 48 << 20)]
+        t = rx.recv(timeout=60)
+        assert (t.name, t.shape) == ("big", (48, 1 << 20))
+        np.testing.assert_array_equal(t.numpy(), big)
+        with pytest.raises(TimeoutError):
+            rx.recv(timeout=0.5)
+    # Sent whole when asked: a receiver older than protocol 1.3 gets it in one piece too.
+    with tensorwire.Receiver(device="host") as rx:
+        tensorwire.send(rx.address, {"big": big}, connections=4, split=False)
+        np.testing.assert_array_equal(rx.recv(timeout=60).numpy(), big)
+
+
 def test_every_dtype_round_trips_python_to_python():
     arrays, raw = sample_arrays()
     with tensorwire.Receiver(device="host") as rx:
@@ -381,6 +398,21 @@ def test_a_torch_cuda_tensor_lands_on_the_rust_receivers_gpu(tmp_path):
     assert header["w"]["dtype"] == "F32" and data == w.cpu().numpy().tobytes()
     header, data = read_safetensors(tmp_path / "h.safetensors")
     assert header["h"]["dtype"] == "BF16" and data == h.cpu().view(torch.int16).numpy().tobytes()
+
+
+def test_a_torch_cuda_tensor_split_over_connections_lands_whole_on_the_gpu(tmp_path):
+    torch = cuda_or_skip()
+    w = torch.randn(64, 1 << 18, device="cuda:0")  # 64 MiB: 4 parts of 16 MiB
+    rx = RustReceiver("--device", "cuda:0", "--require-gpu", "--save", str(tmp_path), "--count", "1")
+    try:
+        tensorwire.send(rx.addr, {"w": w}, connections=4)
+        out = rx.wait()
+    finally:
+        rx.stop()
+    assert out.count("rows of w") == 3, out
+    assert "received w F32 [64, 262144]" in out and "cuda:0" in out, out
+    header, data = read_safetensors(tmp_path / "w.safetensors")
+    assert header["w"]["shape"] == [64, 1 << 18] and data == w.cpu().numpy().tobytes()
 
 
 def test_received_gpu_tensors_go_to_torch_with_no_copy_and_back_to_the_pool():

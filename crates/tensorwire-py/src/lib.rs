@@ -8,7 +8,7 @@ use std::ffi::{CStr, c_void};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -22,10 +22,10 @@ use tensorwire::gpu::{
     TensorBuffer, TensorSink,
 };
 use tensorwire::proto::split::SplitPart;
-use tensorwire::proto::{DType, Device, ErrorCode, TensorMeta};
+use tensorwire::proto::{DType, Device, ErrorCode, ProtocolError, TensorMeta};
 use tensorwire::quic::{
-    ClientTls, IncomingTensor, Receiver as QuicReceiver, ReceiverConfig, SendHandle, Sender,
-    SenderConfig, SenderPool, ServerTls, Source, TransportError, TransportSettings,
+    ClientTls, IncomingTensor, MIN_PART, Receiver as QuicReceiver, ReceiverConfig, SendHandle,
+    Sender, SenderConfig, SenderPool, ServerTls, Source, TransportError, TransportSettings,
 };
 use tensorwire::sink::{SinkError, SplitTensors};
 use tokio::sync::mpsc;
@@ -112,12 +112,15 @@ impl futures_core::Stream for DeviceChunks {
     }
 }
 
-fn device_source(range: DeviceRange) -> Source {
+/// Bytes `[start, start + len)` of `range`, read from the GPU a chunk at a time on the
+/// blocking pool.
+fn device_source(range: Arc<DeviceRange>, start: usize, len: usize) -> Source {
     let (tx, rx) = mpsc::channel(2);
+    let end = start + len;
     runtime().spawn_blocking(move || {
-        let mut offset = 0;
-        while offset < range.len() {
-            let len = DEVICE_CHUNK.min(range.len() - offset);
+        let mut offset = start;
+        while offset < end {
+            let len = DEVICE_CHUNK.min(end - offset);
             let mut chunk = vec![0u8; len];
             let read = range
                 .read_at(offset, &mut chunk)
@@ -146,7 +149,57 @@ type Item<'py> = (
     Vec<(String, String)>,
 );
 
-fn outgoing(item: Item<'_>, hint: Device) -> PyResult<(TensorMeta, Source)> {
+/// Where an outgoing tensor's bytes are: a source as it is, or GPU memory, read a chunk at a
+/// time by each part that asks for a range of it.
+enum Bytesource {
+    Ready(Source),
+    Device(Arc<DeviceRange>),
+}
+
+impl Bytesource {
+    /// The whole tensor's bytes.
+    fn whole(self) -> Source {
+        match self {
+            Bytesource::Ready(source) => source,
+            Bytesource::Device(range) => {
+                let len = range.len();
+                device_source(range, 0, len)
+            }
+        }
+    }
+
+    /// Bytes `[offset, offset + len)`, for one part of a split tensor (spec §15).
+    fn part(&self, offset: u64, len: u64) -> Result<Source, TransportError> {
+        let misuse = || ProtocolError::Misuse("a part past the tensor's bytes").into();
+        match self {
+            Bytesource::Ready(Source::Bytes(bytes)) => {
+                let start = usize::try_from(offset).map_err(|_| misuse())?;
+                let end = start
+                    .checked_add(usize::try_from(len).map_err(|_| misuse())?)
+                    .filter(|&end| end <= bytes.len())
+                    .ok_or_else(misuse)?;
+                Ok(Source::Bytes(bytes.slice(start..end)))
+            }
+            Bytesource::Ready(Source::File { path, offset: at }) => Ok(Source::File {
+                path: path.clone(),
+                offset: at.checked_add(offset).ok_or_else(misuse)?,
+            }),
+            Bytesource::Ready(Source::Stream(_)) => {
+                Err(ProtocolError::Misuse("a stream cannot be split").into())
+            }
+            Bytesource::Device(range) => {
+                let start = usize::try_from(offset).map_err(|_| misuse())?;
+                let len = usize::try_from(len).map_err(|_| misuse())?;
+                if start.checked_add(len).is_none_or(|end| end > range.len()) {
+                    return Err(misuse());
+                }
+                Ok(device_source(range.clone(), start, len))
+            }
+        }
+    }
+}
+
+fn outgoing(item: Item<'_>, hint: Device) -> PyResult<(TensorMeta, Bytesource)> {
     let (name, dtype, shape, kind, payload, attributes) = item;
     let mut meta = TensorMeta::new(shape, dtype_of(&dtype)?)
         .map_err(|e| PyValueError::new_err(format!("{name}: {e}")))?
@@ -168,11 +221,11 @@ fn outgoing(item: Item<'_>, hint: Device) -> PyResult<(TensorMeta, Source)> {
             }
             let len = usize::try_from(nbytes)
                 .map_err(|_| PyValueError::new_err(format!("{name}: too large")))?;
-            Source::Bytes(Bytes::from_owner(HostBuffer {
+            Bytesource::Ready(Source::Bytes(Bytes::from_owner(HostBuffer {
                 ptr: address as usize as *const u8,
                 len,
                 _owner: owner,
-            }))
+            })))
         }
         "device" => {
             let (ptr, nbytes, ordinal, owner): (u64, u64, usize, PyObject) = payload.extract()?;
@@ -192,11 +245,11 @@ fn outgoing(item: Item<'_>, hint: Device) -> PyResult<(TensorMeta, Source)> {
             // range is never a landing destination.
             let range = unsafe { DeviceRange::new(ordinal, ptr, nbytes, owner) }
                 .map_err(|e| PyRuntimeError::new_err(format!("{name}: {e}")))?;
-            device_source(range)
+            Bytesource::Device(Arc::new(range))
         }
         "file" => {
             let (path, offset): (PathBuf, u64) = payload.extract()?;
-            Source::File { path, offset }
+            Bytesource::Ready(Source::File { path, offset })
         }
         other => {
             return Err(PyValueError::new_err(format!(
@@ -232,17 +285,21 @@ fn client_tls(
     }
 }
 
-/// Sends `items` to `addr` over `connections` connections; returns `(name, bytes, seconds)`
-/// per tensor, or raises `TensorwireError` naming the first tensor that failed.
+/// Sends `items` to `addr` over `connections` connections (None: one per core, at most 8,
+/// and no more than the tensors, or their 16 MiB parts, can use); with `split`, a tensor
+/// larger than its connection's share goes as parts over several (spec §15). Returns
+/// `(name, bytes, seconds)` per tensor, or raises `TensorwireError` naming the first tensor
+/// that failed.
 #[pyfunction]
-#[pyo3(signature = (addr, items, *, connections=1, ca=None, client_cert=None, client_key=None,
-    server_name="localhost".to_owned(), mtu=1200, device=None))]
+#[pyo3(signature = (addr, items, *, connections=None, split=true, ca=None, client_cert=None,
+    client_key=None, server_name="localhost".to_owned(), mtu=1200, device=None))]
 #[allow(clippy::too_many_arguments)]
 fn send(
     py: Python<'_>,
     addr: &str,
     items: Vec<Item<'_>>,
-    connections: usize,
+    connections: Option<usize>,
+    split: bool,
     ca: Option<PathBuf>,
     client_cert: Option<PathBuf>,
     client_key: Option<PathBuf>,
@@ -282,6 +339,17 @@ fn send(
         mtu,
         ..TransportSettings::default()
     };
+    let total: u64 = outgoing.iter().map(|(meta, _)| meta.byte_len()).sum();
+    let connections = connections.unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let useful = match split {
+            true => outgoing
+                .len()
+                .max(usize::try_from(total / MIN_PART).unwrap_or(usize::MAX)),
+            false => outgoing.len(),
+        };
+        cores.min(8).min(useful).max(1)
+    });
     let outcome = py.allow_threads(|| {
         runtime().block_on(async move {
             let sending: Vec<(String, SendHandle)>;
@@ -292,16 +360,28 @@ fn send(
                 let pool = SenderPool::connect(addr, config, connections)
                     .await
                     .map_err(|e| (e, None))?;
-                sending = outgoing
-                    .into_iter()
-                    .map(|(meta, source)| (meta.name().to_owned(), pool.send(meta, source)))
-                    .collect();
+                let mut started = Vec::with_capacity(outgoing.len());
+                for (meta, bytes) in outgoing {
+                    let name = meta.name().to_owned();
+                    let parts = match split {
+                        true => pool.parts_for(&meta, total),
+                        false => 1,
+                    };
+                    let handle = match parts {
+                        1 => pool.send(meta, bytes.whole()),
+                        parts => pool
+                            .send_split_with(meta, parts, |offset, len| bytes.part(offset, len))
+                            .map_err(|e| (e, Some(name.clone())))?,
+                    };
+                    started.push((name, handle));
+                }
+                sending = started;
                 closer = Box::new(move || Box::pin(pool.close()));
             } else {
                 let sender = Sender::connect(addr, config).await.map_err(|e| (e, None))?;
                 sending = outgoing
                     .into_iter()
-                    .map(|(meta, source)| (meta.name().to_owned(), sender.send(meta, source)))
+                    .map(|(meta, bytes)| (meta.name().to_owned(), sender.send(meta, bytes.whole())))
                     .collect();
                 closer = Box::new(move || Box::pin(sender.close()));
             }

@@ -5,13 +5,16 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tensorwire_proto::split::{SplitId, plan_split};
+use tensorwire_proto::split::{MAX_PARTS, SplitId, plan_split};
 use tensorwire_proto::{ProtocolError, TensorMeta};
 
 use crate::config::SenderConfig;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::sender::{SendHandle, Sender, Source};
+
+/// Parts of a split tensor smaller than this are not worth a stream of their own.
+pub const MIN_PART: u64 = 16 << 20;
 
 /// Connections to one receiver, each on its own endpoint (UDP socket), so a receiver with
 /// several endpoints spreads them over its cores. Each tensor goes whole on one connection:
@@ -79,17 +82,52 @@ impl SenderPool {
         parts: usize,
     ) -> Result<SendHandle, TransportError> {
         let source = source.into();
+        self.send_split_with(meta, parts, |offset, len| {
+            source.slice(offset, len).ok_or_else(|| {
+                ProtocolError::Misuse("only bytes in memory or a file can be split, not a stream")
+                    .into()
+            })
+        })
+    }
+
+    /// As [`send_split`](Self::send_split), each part's bytes from `part_source(offset, len)`
+    /// (its place in the whole), for sources that [`Source`] cannot slice, such as a stream
+    /// per part of a GPU tensor. Nothing is sent if `part_source` fails for any part.
+    pub fn send_split_with(
+        &self,
+        meta: TensorMeta,
+        parts: usize,
+        mut part_source: impl FnMut(u64, u64) -> Result<Source, TransportError>,
+    ) -> Result<SendHandle, TransportError> {
         let total = meta.byte_len();
         let planned = plan_split(&meta, parts as u64, random_split_id()?)?;
-        let mut sends = Vec::with_capacity(planned.len());
-        for part in planned {
-            let len = part.meta.byte_len();
-            let source = source.slice(part.offset, len).ok_or(ProtocolError::Misuse(
-                "only bytes in memory or a file can be split, not a stream",
-            ))?;
-            sends.push(self.send(part.meta, source));
-        }
+        let sources = planned
+            .iter()
+            .map(|part| part_source(part.offset, part.meta.byte_len()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let sends = planned
+            .into_iter()
+            .zip(sources)
+            .map(|(part, source)| self.send(part.meta, source))
+            .collect();
         Ok(SendHandle::joined(sends, total))
+    }
+
+    /// How many parts to send `meta` as when it is one of tensors of `total_bytes` in all:
+    /// one per fair share of the bytes (`total_bytes` over the connections, at least
+    /// [`MIN_PART`]), at most one per connection and per row; 1 (whole) for a tensor within
+    /// its share, a scalar or a single row. For [`send_split`](Self::send_split) when above 1.
+    pub fn parts_for(&self, meta: &TensorMeta, total_bytes: u64) -> usize {
+        let connections = self.senders.len() as u64;
+        let share = (total_bytes / connections.max(1)).max(MIN_PART);
+        let rows = meta.shape().first().copied().unwrap_or(1);
+        let parts = meta
+            .byte_len()
+            .div_ceil(share)
+            .min(rows)
+            .min(connections)
+            .min(MAX_PARTS);
+        usize::try_from(parts).unwrap_or(1).max(1)
     }
 
     /// How many connections it has.

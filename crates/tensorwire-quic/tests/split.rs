@@ -148,8 +148,63 @@ async fn what_cannot_be_split_is_refused_before_anything_is_sent() {
     rx.close().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tensor_is_split_only_past_its_connections_fair_share() {
+    let (rx, _) = receiver(receiver_config()).await;
+    let tx = pool(&rx, 2).await;
+    let table = TensorMeta::new([64, 1 << 20], DType::U8).unwrap();
+    // Alone: 64 MiB over 2 connections, 32 MiB each.
+    assert_eq!(tx.parts_for(&table, 64 << 20), 2);
+    // Among 640 MiB of tensors, it is within its 320 MiB share.
+    assert_eq!(tx.parts_for(&table, 640 << 20), 1);
+    // Parts below 16 MiB are not worth it: 4 MB goes whole.
+    assert_eq!(tx.parts_for(&whole(), ROWS * ROW), 1);
+    let one_row = TensorMeta::new([1, 64 << 20], DType::U8).unwrap();
+    assert_eq!(tx.parts_for(&one_row, 64 << 20), 1);
+    let scalar = TensorMeta::new([], DType::F64).unwrap();
+    assert_eq!(tx.parts_for(&scalar, 8), 1);
+    tx.close().await;
+    rx.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_part_may_come_from_a_source_of_its_own() {
+    let (mut rx, _) = receiver(receiver_config()).await;
+    let tx = pool(&rx, 2).await;
+    let bytes = pattern((ROWS * ROW) as usize, 4);
+    // A part source that fails for any part: nothing is sent.
+    let failing = tx.send_split_with(whole(), 2, |offset, _| match offset {
+        0 => Ok(Source::Bytes(Bytes::new())),
+        _ => Err(TransportError::Config("no such range".into())),
+    });
+    assert!(failing.is_err());
+    assert_eq!(tx.metrics().tensors_started, 0);
+    // Streams, which cannot be sliced, one per part.
+    let whole_bytes = bytes.clone();
+    let send = tx
+        .send_split_with(whole(), 2, move |offset, len| {
+            let part = whole_bytes.slice(offset as usize..(offset + len) as usize);
+            Ok(Source::Stream(Box::pin(one_chunk(part))))
+        })
+        .unwrap();
+    let splits = SplitTensors::new(Duration::from_secs(10));
+    let first = tokio::spawn(land(splits.clone(), rx.next().await.unwrap()));
+    let second = land(splits, rx.next().await.unwrap()).await.unwrap();
+    let first = first.await.unwrap().unwrap();
+    let assembled = first.or(second).unwrap();
+    assert!(assembled.output == bytes);
+    send.finished().await.unwrap();
+    tx.close().await;
+    rx.close().await;
+}
+
 /// A stream of one chunk.
 fn futures_stream() -> impl futures_core::Stream<Item = std::io::Result<Bytes>> + Send {
+    one_chunk(Bytes::from_static(b"x"))
+}
+
+/// A stream of `chunk` alone.
+fn one_chunk(chunk: Bytes) -> impl futures_core::Stream<Item = std::io::Result<Bytes>> + Send {
     struct Once(Option<Bytes>);
     impl futures_core::Stream for Once {
         type Item = std::io::Result<Bytes>;
@@ -160,5 +215,5 @@ fn futures_stream() -> impl futures_core::Stream<Item = std::io::Result<Bytes>> 
             std::task::Poll::Ready(self.0.take().map(Ok))
         }
     }
-    Once(Some(Bytes::from_static(b"x")))
+    Once(Some(chunk))
 }

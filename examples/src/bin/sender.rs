@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
-use tensorwire::proto::{DType, Device, TensorMeta};
-use tensorwire::quic::{SenderConfig, SenderPool, TransportError};
+use tensorwire::proto::{DType, Device};
+use tensorwire::quic::{MIN_PART, SenderConfig, SenderPool, TransportError};
 use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, rate, seconds, size};
 use tensorwire_examples::files::{Outgoing, SENDER_ATTR, load, parse_shape};
 
@@ -145,15 +145,14 @@ async fn send(
     .unwrap_or_else(|_| ProgressStyle::default_bar());
     let started = Instant::now();
     let mut sends = Vec::new();
-    // A tensor larger than a connection's fair share goes over several (spec §15).
-    let share = (total / sender.connections() as u64).max(MIN_PART);
     for item in outgoing {
         let bar = bars.add(ProgressBar::new(item.meta.byte_len()).with_style(style.clone()));
         bar.set_message(item.meta.name().to_owned());
         let name = item.meta.name().to_owned();
+        // A tensor larger than a connection's fair share goes over several (spec §15).
         let parts = match args.no_split {
             true => 1,
-            false => split_into(&item.meta, share, sender.connections()),
+            false => sender.parts_for(&item.meta, total),
         };
         let send = match parts {
             1 => sender.send(item.meta, item.source),
@@ -201,20 +200,6 @@ async fn send(
         std::process::exit(1);
     }
     Ok(())
-}
-
-/// Parts smaller than this are not worth a stream of their own.
-const MIN_PART: u64 = 16 << 20;
-
-/// How many parts `meta` goes as: one per `share` bytes, at most one per connection and one
-/// per row; 1 (whole) for a tensor within its share, a scalar, or a single row.
-fn split_into(meta: &TensorMeta, share: u64, connections: usize) -> usize {
-    let rows = meta.shape().first().copied().unwrap_or(1);
-    let parts = meta.byte_len().div_ceil(share.max(1));
-    usize::try_from(parts.min(rows).min(256))
-        .unwrap_or(1)
-        .min(connections)
-        .max(1)
 }
 
 /// `host` or `cuda:N`.
