@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Python `tensorwire.send` of a CUDA tensor beside the Rust `sender` of the same bytes from a
 # file, into one `receiver --device cuda:0`, on one GPU host (loopback, MTU 6000, one
-# connection each: the Python package sends a tensor whole, and the sender is told to).
+# connection each, then Python again over 8 connections, the tensor split over them).
 #
 #   benches/python-send.sh BIN_DIR [MIB]       # the tensorwire package importable by python3
 set -euo pipefail
@@ -14,7 +14,7 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-"$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device cuda:0 --require-gpu --count 2 \
+"$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device cuda:0 --require-gpu --count 3 \
   --max-tensor-mib $((mib + 1)) > "$work/receiver.log" 2>&1 &
 pid=$!
 for _ in $(seq 100); do
@@ -35,6 +35,12 @@ tensorwire.send(addr, {"from_python": x}, mtu=6000, connections=1)
 seconds = time.perf_counter() - start
 print(f"python tensorwire.send, {mib} MiB CUDA tensor: {seconds:.2f} s, "
       f"{mib * 1.048576 / 1000 / seconds:.2f} GB/s")
+# The same tensor over 8 connections, in parts of consecutive bytes (spec §15).
+start = time.perf_counter()
+tensorwire.send(addr, {"from_python_split": x}, mtu=6000, connections=8)
+seconds = time.perf_counter() - start
+print(f"python tensorwire.send, {mib} MiB CUDA tensor split over 8 connections: "
+      f"{seconds:.2f} s, {mib * 1.048576 / 1000 / seconds:.2f} GB/s")
 x.cpu().numpy().tofile(path)
 PY
 start=$(date +%s.%N)
