@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tensorwire_proto::{DType, ErrorCode, Payload, TensorMeta};
-use tensorwire_sink::{CreditPermit, Sink, SinkError, copy_payload};
+use tensorwire_sink::{CreditPermit, Divisible, Sink, SinkError, copy_payload};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::GpuError;
@@ -244,6 +244,24 @@ impl DestinationSink {
         match &mut self.into {
             LandIn::Host(_) => None,
             LandIn::Device(sink) => Some(sink.handoff()),
+        }
+    }
+}
+
+/// The parts of a split tensor (spec §15), claimed with the whole's metadata
+/// ([`SplitPart::whole`]) and joined through [`SplitTensors`], land in the destination:
+/// into device memory each through staging of its own, into host memory one at a time.
+///
+/// [`SplitPart::whole`]: tensorwire_proto::split::SplitPart::whole
+/// [`SplitTensors`]: tensorwire_sink::SplitTensors
+impl Divisible for DestinationSink {
+    type Part = crate::placement::TensorSink;
+
+    fn part(&mut self) -> Option<Self::Part> {
+        match &mut self.into {
+            LandIn::Host(_) => None,
+            #[cfg(feature = "cuda")]
+            LandIn::Device(sink) => sink.part().map(crate::placement::TensorSink::Gpu),
         }
     }
 }

@@ -582,3 +582,64 @@ mod gpu {
         );
     }
 }
+
+/// A split tensor's parts (spec §15), claimed with the whole's metadata, land in the
+/// registered destination of its name, and the whole is handed over once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_parts_of_a_split_tensor_land_in_its_registered_destination() {
+    use tensorwire_proto::split::{SplitId, SplitPart, plan_split};
+    use tensorwire_sink::SplitTensors;
+
+    let memory = Arc::new(Mutex::new(vec![0u8; 10 * 3 * 4]));
+    let destinations = Destinations::new();
+    destinations
+        .register_host("w", DType::F32, &[10, 3], memory.clone())
+        .unwrap();
+    let placement = Placement::choose(DeviceRequest::Host, false).unwrap();
+    let whole = f32_meta("w", &[10, 3]);
+    let bytes = pattern(120, 6);
+    let splits = SplitTensors::new(Duration::from_secs(10));
+    let parts: Vec<SplitPart> = plan_split(&whole, 3, SplitId(3))
+        .unwrap()
+        .iter()
+        .map(|p| SplitPart::of(&p.meta, u64::MAX).unwrap().unwrap())
+        .collect();
+    // A part's own shape is not the destination's: claimed by itself it is refused.
+    let e = destinations
+        .claim(
+            &plan_split(&whole, 3, SplitId(3)).unwrap()[0].meta,
+            &placement,
+            Duration::ZERO,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::DESTINATION_MISMATCH);
+    let mut wholes = Vec::new();
+    for part in parts.iter().rev() {
+        let (destinations, placement) = (&destinations, &placement);
+        let mut sink = splits
+            .join(
+                std::net::Ipv4Addr::LOCALHOST.into(),
+                part,
+                |meta| async move {
+                    destinations
+                        .claim(&meta, placement, Duration::from_secs(1))
+                        .await?
+                        .ok_or_else(|| tensorwire_sink::SinkError::failed("not registered"))
+                },
+            )
+            .await
+            .unwrap();
+        let (at, len) = (part.offset() as usize, part.len() as usize);
+        let permit = CreditPermit::unbudgeted(len as u64);
+        sink.write(0, payload(&bytes[at..at + len]), permit)
+            .await
+            .unwrap();
+        wholes.extend(sink.finish().await.unwrap());
+    }
+    assert_eq!(wholes.len(), 1);
+    let landed = wholes.pop().unwrap();
+    assert_eq!(landed.meta, whole);
+    assert!(matches!(landed.output, Landed::Host(_)));
+    assert_eq!(*memory.lock().unwrap(), bytes);
+}
