@@ -21,6 +21,23 @@ fn send_raw(addr: &str, len: usize, file: &Path, extra: &[&str]) -> std::process
         .unwrap()
 }
 
+/// Runs `sender --quiet` with `args` (the connect address among them) on `file`; fails the
+/// test if it fails; returns its summary line(s).
+fn send_file(args: &[&str], file: &Path) -> String {
+    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
+        .args(["--quiet"])
+        .args(args)
+        .arg(file)
+        .output()
+        .unwrap();
+    assert!(
+        sent.status.success(),
+        "sender: {}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    String::from_utf8_lossy(&sent.stdout).into_owned()
+}
+
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tensorwire-cli-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -102,17 +119,7 @@ fn a_safetensors_file_round_trips_through_sender_and_receiver_bit_for_bit() {
         out.as_ref(),
     ]);
     // Over three connections: the receiver puts the file back together across them.
-    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
-        .args(["--connect", &addr, "--quiet", "--connections", "3"])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(
-        sent.status.success(),
-        "sender: {}",
-        String::from_utf8_lossy(&sent.stderr)
-    );
-    let summary = String::from_utf8_lossy(&sent.stdout);
+    let summary = send_file(&["--connect", &addr, "--connections", "3"], &model);
     assert!(summary.contains("sent 3 tensors"), "{summary}");
     assert!(summary.contains("over 3 connections"), "{summary}");
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
@@ -159,17 +166,7 @@ fn a_large_tensor_split_over_connections_is_saved_whole() {
         "--save".as_ref(),
         out.as_ref(),
     ]);
-    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
-        .args(["--connect", &addr, "--quiet", "--connections", "4"])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(
-        sent.status.success(),
-        "sender: {}",
-        String::from_utf8_lossy(&sent.stderr)
-    );
-    let summary = String::from_utf8_lossy(&sent.stdout);
+    let summary = send_file(&["--connect", &addr, "--connections", "4"], &model);
     // 40 MiB over 4 connections: parts of at least 16 MiB, so 3 of them, and the bias.
     assert!(summary.contains("sent 2 tensors (4 streams)"), "{summary}");
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
