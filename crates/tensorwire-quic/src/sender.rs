@@ -47,8 +47,8 @@ pub enum Source {
 }
 
 impl Source {
-    /// The bytes `[offset, offset + len)` of a source of `total` bytes, for one part of a
-    /// split tensor; `None` for a stream, which can only be read in order.
+    /// Its bytes `[offset, offset + len)`, for one part of a split tensor; `None` for a
+    /// stream, which can only be read in order, and for bytes past the end of memory.
     pub(crate) fn slice(&self, offset: u64, len: u64) -> Option<Source> {
         match self {
             Source::Bytes(bytes) => {
