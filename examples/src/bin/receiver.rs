@@ -65,6 +65,10 @@ struct Args {
     /// physical memory). A tensor that does not fit waits, then is rejected.
     #[arg(long = "host-memory-mib", value_parser = mebibytes)]
     host_memory: Option<u64>,
+    /// Host buffers of dropped tensors kept for the next tensor of the same length, in MiB
+    /// (at most an eighth of the host memory budget, and counted in it; 0 keeps none).
+    #[arg(long = "kept-host-mib", default_value_t = 1024)]
+    kept_host_mib: u64,
     /// Seconds a stream may go without a frame before it is cancelled (PROGRESS_TIMEOUT).
     #[arg(long = "progress-timeout-s", default_value = "30", value_parser = seconds)]
     progress_timeout: Duration,
@@ -150,6 +154,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(host_memory) = args.host_memory {
         config.host_memory_budget = host_memory;
     }
+    config.kept_host_memory = args.kept_host_mib.saturating_mul(1 << 20);
     let share = args.connection_share_percent;
     config.connection_window = budget / 100 * share;
     config.memory_share_percent = share;
