@@ -21,13 +21,12 @@ use tensorwire::gpu::{
     CudaBuffer, DeviceAllocation, DeviceRange, DeviceRequest, GpuDevice, GpuStatus, Placement,
     TensorBuffer, TensorSink,
 };
-use tensorwire::proto::split::SplitPart;
 use tensorwire::proto::{DType, Device, ErrorCode, ProtocolError, TensorMeta};
 use tensorwire::quic::{
     ClientTls, IncomingTensor, MIN_PART, Receiver as QuicReceiver, ReceiverConfig, SendHandle,
     Sender, SenderConfig, SenderPool, ServerTls, Source, TransportError, TransportSettings,
 };
-use tensorwire::sink::{SinkError, SplitTensors};
+use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tokio::sync::mpsc;
 
 /// Bytes read from GPU memory per chunk when sending a device tensor.
@@ -697,31 +696,19 @@ impl Receiver {
                     let admit = |meta: TensorMeta| async move {
                         placement.admit(&meta, &shares, &host, wait).await
                     };
-                    let landed = match SplitPart::of(&meta, max_tensor_len) {
-                        Err(e) => {
-                            let why = e.to_string();
-                            incoming.reject(e.code(), why.clone());
-                            Err(why)
-                        }
-                        Ok(None) => match admit(meta.clone()).await {
-                            Ok(sink) => incoming
-                                .accept(sink)
-                                .finished()
-                                .await
-                                .map(Some)
-                                .map_err(|e| e.to_string()),
-                            Err(e) => Err(refuse(incoming, e)),
-                        },
-                        // Only the part that lands last yields the whole.
-                        Ok(Some(part)) => match splits.join(peer.ip(), &part, admit).await {
-                            Ok(sink) => incoming
-                                .accept(sink)
-                                .finished()
-                                .await
-                                .map(|(_, whole)| whole.map(|w| (w.meta, w.output)))
-                                .map_err(|e| e.to_string()),
-                            Err(e) => Err(refuse(incoming, e)),
-                        },
+                    // A part of a split tensor (spec §15) lands in its whole's sink; only the
+                    // part that lands last yields the whole.
+                    let landed = match splits.admit(peer.ip(), &meta, max_tensor_len, admit).await {
+                        Ok(sink) => incoming
+                            .accept(sink)
+                            .finished()
+                            .await
+                            .map(|(_, landing)| match landing {
+                                Landing::Whole(whole) => Some((whole.meta, whole.output)),
+                                Landing::Part => None,
+                            })
+                            .map_err(|e| e.to_string()),
+                        Err(e) => Err(refuse(incoming, e)),
                     };
                     match landed {
                         Ok(Some((meta, buffer))) => {

@@ -21,7 +21,9 @@ use tensorwire_proto::{ErrorCode, Payload};
 pub use host::HostSink;
 pub use memory::{MemoryBudget, MemoryReservation, MemoryShares, MemorySnapshot};
 pub use permit::{CreditPermit, CreditRelease};
-pub use split::{Assembled, Divisible, MAX_ASSEMBLING, PartSink, SplitTensors};
+pub use split::{
+    Assembled, Assembling, Divisible, Landing, MAX_ASSEMBLING, PartSink, SplitTensors,
+};
 
 /// Bytes checksummed at a time by [`checksum_then_copy`]: small enough to stay in a core's
 /// first-level cache between the checksum and the copy.

@@ -372,3 +372,87 @@ impl<S: Divisible> Drop for PartSink<S> {
         }
     }
 }
+
+/// What an [`Assembling`] sink hands over: a whole tensor, or word that a part landed.
+#[derive(Debug)]
+pub enum Landing<T> {
+    /// A tensor sent whole, or the whole of a split tensor whose last part this was.
+    Whole(Assembled<T>),
+    /// A part of a split tensor whose other parts are still landing.
+    Part,
+}
+
+/// The sink of a tensor that may be a part of a split one (spec §15): a sink of its own for
+/// a tensor sent whole, its part of the whole's otherwise. Made by [`SplitTensors::admit`].
+pub enum Assembling<S: Divisible> {
+    /// A tensor sent whole, into its own sink.
+    Whole(TensorMeta, S),
+    /// A part, into its whole's sink.
+    Part(PartSink<S>),
+}
+
+impl<S: Divisible> SplitTensors<S> {
+    /// The sink for a tensor described by `meta` from a peer at `peer`: for a tensor sent
+    /// whole, `admit(meta)`; for a part of a split tensor (spec §15), its share of the whole,
+    /// which the first of its parts admits with `admit(whole)` ([`join`](Self::join)).
+    /// `max_whole_len` is the receiver's largest tensor, which applies to the whole. Fails
+    /// with the admission's error, SPLIT_MISMATCH or TENSOR_TOO_LARGE; the caller refuses
+    /// the tensor with it.
+    pub async fn admit<F, Fut>(
+        &self,
+        peer: IpAddr,
+        meta: &TensorMeta,
+        max_whole_len: u64,
+        admit: F,
+    ) -> Result<Assembling<S>, SinkError>
+    where
+        F: FnOnce(TensorMeta) -> Fut,
+        Fut: Future<Output = Result<S, SinkError>>,
+    {
+        match SplitPart::of(meta, max_whole_len).map_err(split_error)? {
+            None => Ok(Assembling::Whole(meta.clone(), admit(meta.clone()).await?)),
+            Some(part) => self.join(peer, &part, admit).await.map(Assembling::Part),
+        }
+    }
+}
+
+impl<S: Divisible> Sink for Assembling<S> {
+    type Output = Landing<S::Output>;
+
+    async fn write(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<(), SinkError> {
+        match self {
+            Assembling::Whole(_, sink) => sink.write(offset, payload, permit).await,
+            Assembling::Part(part) => part.write(offset, payload, permit).await,
+        }
+    }
+
+    async fn write_checksummed(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+    ) -> Result<u32, SinkError> {
+        match self {
+            Assembling::Whole(_, sink) => sink.write_checksummed(offset, payload, permit).await,
+            Assembling::Part(part) => part.write_checksummed(offset, payload, permit).await,
+        }
+    }
+
+    async fn finish(self) -> Result<Self::Output, SinkError> {
+        Ok(match self {
+            Assembling::Whole(meta, sink) => Landing::Whole(Assembled {
+                meta,
+                output: sink.finish().await?,
+            }),
+            Assembling::Part(part) => match part.finish().await? {
+                Some(whole) => Landing::Whole(whole),
+                None => Landing::Part,
+            },
+        })
+    }
+}

@@ -224,3 +224,66 @@ async fn wholes_being_assembled_are_capped() {
     assert_eq!(e.code, ErrorCode::RESOURCE_EXHAUSTED);
     drop(held);
 }
+
+#[tokio::test]
+async fn admit_serves_tensors_sent_whole_and_parts_alike() {
+    use tensorwire_sink::Landing;
+    let memory = MemoryBudget::new("host", 1 << 20);
+    let splits = SplitTensors::<HostSink>::new(WITHIN);
+    let host = |meta: TensorMeta| {
+        let memory = memory.clone();
+        async move { HostSink::reserved(memory.try_reserve(meta.byte_len())?) }
+    };
+    // Sent whole: a sink of its own, handed over as the whole.
+    let alone = TensorMeta::new(vec![4], DType::U8)
+        .unwrap()
+        .with_name("alone");
+    let mut sink = splits.admit(PEER, &alone, u64::MAX, host).await.unwrap();
+    let payload = Payload::from(Bytes::from_static(b"abcd"));
+    sink.write(0, payload, CreditPermit::unbudgeted(4))
+        .await
+        .unwrap();
+    let Landing::Whole(landed) = sink.finish().await.unwrap() else {
+        panic!("a tensor sent whole lands whole");
+    };
+    assert_eq!((landed.meta, &landed.output[..]), (alone, &b"abcd"[..]));
+    // Parts: word of the first, the whole with the second.
+    let meta = whole(2);
+    let bytes = pattern(meta.byte_len() as usize);
+    let planned = plan_split(&meta, 2, SplitId(9)).unwrap();
+    let mut landings = Vec::new();
+    for part in &planned {
+        let mut sink = splits
+            .admit(PEER, &part.meta, u64::MAX, host)
+            .await
+            .unwrap();
+        let at = part.offset as usize;
+        let mine = &bytes[at..at + part.meta.byte_len() as usize];
+        let payload = Payload::from(Bytes::copy_from_slice(mine));
+        let permit = CreditPermit::unbudgeted(mine.len() as u64);
+        sink.write(0, payload, permit).await.unwrap();
+        landings.push(sink.finish().await.unwrap());
+    }
+    assert!(matches!(landings[0], Landing::Part));
+    let Landing::Whole(assembled) = landings.pop().unwrap() else {
+        panic!("the last part yields the whole");
+    };
+    assert_eq!(assembled.meta, meta);
+    assert_eq!(&assembled.output[..], &bytes[..]);
+    // Malformed split attributes and a whole past the limit are refused with their codes.
+    let broken = TensorMeta::new(vec![1, 1000], DType::U8)
+        .unwrap()
+        .with_attribute(tensorwire_proto::split::SPLIT_ID, "nope");
+    let e = splits
+        .admit(PEER, &broken, u64::MAX, host)
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.code, ErrorCode::SPLIT_MISMATCH);
+    let e = splits
+        .admit(PEER, &planned[0].meta, 1000, host)
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.code, ErrorCode::TENSOR_TOO_LARGE);
+}

@@ -16,7 +16,7 @@ use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::proto::TensorMeta;
 use tensorwire::proto::split::SplitPart;
 use tensorwire::quic::{IncomingTensor, Receiver, ReceiverConfig, Steering};
-use tensorwire::sink::{SinkError, SplitTensors};
+use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tensorwire_examples::cli::{
     ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, size,
 };
@@ -276,7 +276,7 @@ async fn main() -> anyhow::Result<()> {
                 }
                 let (placement, done_tx) = (placement.clone(), done_tx.clone());
                 let spool = save.as_ref().map(SaveDir::spool);
-                let wait = args.admission_timeout;
+                let (wait, max_tensor) = (args.admission_timeout, args.max_tensor);
                 let (share, splits) = (share.clone(), splits.clone());
                 // Admission may wait for memory: off the loop, so other tensors go on.
                 tokio::spawn(async move {
@@ -301,31 +301,22 @@ async fn main() -> anyhow::Result<()> {
                             .await?;
                         SpoolingSink::new(sink, spool.as_ref(), meta.byte_len())
                     };
-                    let result = match &part {
-                        None => match admit(meta.clone()).await {
-                            Ok(sink) => incoming
-                                .accept(sink)
-                                .finished()
-                                .await
-                                .map(|(meta, (buffer, spooled))| Landed::Whole(meta, buffer, spooled))
-                                .map_err(|e| e.to_string()),
-                            Err(e) => Err(refuse(incoming, e)),
-                        },
-                        Some(part) => match splits.join(peer.ip(), part, admit).await {
-                            Ok(sink) => incoming
-                                .accept(sink)
-                                .finished()
-                                .await
-                                .map(|(meta, whole)| match whole {
-                                    Some(whole) => {
-                                        let (buffer, spooled) = whole.output;
-                                        Landed::Whole(whole.meta, buffer, spooled)
-                                    }
-                                    None => Landed::Part(meta),
-                                })
-                                .map_err(|e| e.to_string()),
-                            Err(e) => Err(refuse(incoming, e)),
-                        },
+                    // A tensor sent whole gets a sink of its own; a part, its share of the
+                    // whole's, which the whole's first part admits (spec §15).
+                    let result = match splits.admit(peer.ip(), &meta, max_tensor, admit).await {
+                        Ok(sink) => incoming
+                            .accept(sink)
+                            .finished()
+                            .await
+                            .map(|(meta, landing)| match landing {
+                                Landing::Whole(whole) => {
+                                    let (buffer, spooled) = whole.output;
+                                    Landed::Whole(whole.meta, buffer, spooled)
+                                }
+                                Landing::Part => Landed::Part(meta),
+                            })
+                            .map_err(|e| e.to_string()),
+                        Err(e) => Err(refuse(incoming, e)),
                     };
                     let result = result.map_err(|e| {
                         let what = match &part {
