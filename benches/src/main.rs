@@ -395,15 +395,16 @@ impl SinkKind {
 impl Sink for BenchSink {
     type Output = ();
 
-    async fn write(
+    async fn store(
         &mut self,
         offset: u64,
         payload: Payload,
         permit: CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
         match self {
-            BenchSink::Discard(sink) => sink.write(offset, payload, permit).await,
-            BenchSink::Placed(sink) => sink.write(offset, payload, permit).await,
+            BenchSink::Discard(sink) => sink.store(offset, payload, permit, crc).await,
+            BenchSink::Placed(sink) => sink.store(offset, payload, permit, crc).await,
         }
     }
 
@@ -421,13 +422,17 @@ struct DiscardSink;
 impl Sink for DiscardSink {
     type Output = ();
 
-    async fn write(
+    async fn store(
         &mut self,
         _: u64,
         payload: Payload,
         permit: CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
         std::hint::black_box(payload.len());
+        if let Some(crc) = crc {
+            *crc = payload.crc32c_append(*crc);
+        }
         drop(permit);
         Ok(())
     }

@@ -219,24 +219,15 @@ impl<S: Sink> SpoolingSink<S> {
 impl<S: Sink> Sink for SpoolingSink<S> {
     type Output = (S::Output, Option<Spooled>);
 
-    async fn write(
+    async fn store(
         &mut self,
         offset: u64,
         payload: Payload,
         permit: CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
         self.spool(offset, &payload).await?;
-        self.inner.write(offset, payload, permit).await
-    }
-
-    async fn write_checksummed(
-        &mut self,
-        offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
-    ) -> Result<u32, SinkError> {
-        self.spool(offset, &payload).await?;
-        self.inner.write_checksummed(offset, payload, permit).await
+        self.inner.store(offset, payload, permit, crc).await
     }
 
     async fn finish(self) -> Result<Self::Output, SinkError> {

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tensorwire_proto::{DType, ErrorCode, Payload, TensorMeta};
-use tensorwire_sink::{CreditPermit, Divisible, Sink, SinkError, copy_payload};
+use tensorwire_sink::{CreditPermit, Divisible, Sink, SinkError, copy_payload_at};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::GpuError;
@@ -291,58 +291,27 @@ impl Landed {
     }
 }
 
-/// Copies `payload` into registered host memory at `offset`; with `crc`, checksums it in the
-/// same pass.
-fn copy_into(
-    memory: &Mutex<Vec<u8>>,
-    offset: u64,
-    payload: &Payload,
-    crc: Option<&mut u32>,
-) -> Result<(), SinkError> {
-    let mut memory = memory.lock().unwrap_or_else(PoisonError::into_inner);
-    let at =
-        usize::try_from(offset).map_err(|_| SinkError::failed("offset past the address space"))?;
-    let end = at.saturating_add(payload.len());
-    let target = memory
-        .get_mut(at..end)
-        .ok_or_else(|| SinkError::failed(format!("the destination shrank below byte {end}")))?;
-    copy_payload(payload, target, crc);
-    Ok(())
-}
-
 impl Sink for DestinationSink {
     type Output = Landed;
 
-    async fn write(
+    async fn store(
         &mut self,
         offset: u64,
         payload: Payload,
         permit: CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
         match &mut self.into {
-            LandIn::Host(memory) => copy_into(memory, offset, &payload, None)?,
+            LandIn::Host(memory) => {
+                let mut memory = memory.lock().unwrap_or_else(PoisonError::into_inner);
+                copy_payload_at(&mut memory, offset, &payload, crc)?;
+            }
             #[cfg(feature = "cuda")]
-            LandIn::Device(sink) => return sink.write(offset, payload, permit).await,
+            LandIn::Device(sink) => return sink.store(offset, payload, permit, crc).await,
         }
         // The bytes are in the destination: their credit may go back.
         drop(permit);
         Ok(())
-    }
-
-    async fn write_checksummed(
-        &mut self,
-        offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
-    ) -> Result<u32, SinkError> {
-        let mut crc = 0;
-        match &mut self.into {
-            LandIn::Host(memory) => copy_into(memory, offset, &payload, Some(&mut crc))?,
-            #[cfg(feature = "cuda")]
-            LandIn::Device(sink) => return sink.write_checksummed(offset, payload, permit).await,
-        }
-        drop(permit);
-        Ok(crc)
     }
 
     async fn finish(self) -> Result<Landed, SinkError> {

@@ -267,29 +267,17 @@ pub enum TensorSink {
 impl Sink for TensorSink {
     type Output = TensorBuffer;
 
-    async fn write(
+    async fn store(
         &mut self,
         offset: u64,
         payload: Payload,
         permit: CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
         match self {
             #[cfg(feature = "cuda")]
-            TensorSink::Gpu(sink) => sink.write(offset, payload, permit).await,
-            TensorSink::Host(sink) => sink.write(offset, payload, permit).await,
-        }
-    }
-
-    async fn write_checksummed(
-        &mut self,
-        offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
-    ) -> Result<u32, SinkError> {
-        match self {
-            #[cfg(feature = "cuda")]
-            TensorSink::Gpu(sink) => sink.write_checksummed(offset, payload, permit).await,
-            TensorSink::Host(sink) => sink.write_checksummed(offset, payload, permit).await,
+            TensorSink::Gpu(sink) => sink.store(offset, payload, permit, crc).await,
+            TensorSink::Host(sink) => sink.store(offset, payload, permit, crc).await,
         }
     }
 

@@ -424,7 +424,7 @@ impl GpuSink {
     }
 
     /// Stores `payload` at `offset` through staging, its CRC-32C into `crc` if asked.
-    async fn store(
+    async fn stage(
         &mut self,
         offset: u64,
         payload: Payload,
@@ -499,24 +499,14 @@ impl GpuSink {
 impl Sink for GpuSink {
     type Output = CudaBuffer;
 
-    async fn write(
+    async fn store(
         &mut self,
         offset: u64,
         payload: Payload,
         permit: CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
-        self.store(offset, payload, permit, None).await
-    }
-
-    async fn write_checksummed(
-        &mut self,
-        offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
-    ) -> Result<u32, SinkError> {
-        let mut crc = 0;
-        self.store(offset, payload, permit, Some(&mut crc)).await?;
-        Ok(crc)
+        self.stage(offset, payload, permit, crc).await
     }
 
     async fn finish(mut self) -> Result<CudaBuffer, SinkError> {

@@ -89,6 +89,26 @@ impl TensorMeta {
         self
     }
 
+    /// The same tensor with its outermost dimension `rows` (a slice of it, or the whole a
+    /// slice belongs to, spec §15); `None` for a scalar or a byte length past 64 bits.
+    pub fn with_rows(&self, rows: u64) -> Option<Self> {
+        let mut shape = self.shape.clone();
+        *shape.first_mut()? = rows;
+        let byte_len = byte_len_of(&shape, self.dtype)?;
+        Some(Self {
+            shape,
+            byte_len,
+            ..self.clone()
+        })
+    }
+
+    /// Without the attributes whose key is one of `keys`.
+    pub fn without_attributes(mut self, keys: &[&str]) -> Self {
+        self.attributes
+            .retain(|(key, _)| !keys.contains(&key.as_str()));
+        self
+    }
+
     /// The tensor's name (may be empty).
     pub fn name(&self) -> &str {
         &self.name

@@ -3,7 +3,6 @@
 use std::collections::VecDeque;
 
 use crate::ChecksumAlgorithm;
-use crate::checksum::crc32c_combine;
 use crate::error::{ErrorCode, ProtocolError};
 use crate::frame::{Accept, Cancel, Complete, Credit, Data, Frame, Reject};
 use crate::limits::Limits;
@@ -339,11 +338,7 @@ impl TensorReceiver {
     /// Spec §7.3: credit first, then bounds, then overlap and gap count.
     fn on_data(&mut self, data: Data, payload_crc: u32) -> Result<ReceiverEvent, ProtocolError> {
         let (start, end) = self.check_data(&data)?;
-        self.ranges
-            .insert_with(start, end, |continued| match continued {
-                Some(before) => crc32c_combine(before, payload_crc, end - start),
-                None => payload_crc,
-            })?;
+        self.ranges.insert(start, end, payload_crc)?;
         self.received += end - start;
         Ok(ReceiverEvent::Data(data))
     }

@@ -119,18 +119,10 @@ impl SplitPart {
                 "{parts} parts of {rows} rows (2 to {MAX_PARTS}, at most one per row)"
             )));
         }
-        let mut shape = meta.shape().to_vec();
-        shape[0] = rows;
-        let mut whole = TensorMeta::new(shape, meta.dtype())
-            .map_err(|_| mismatch(format!("a whole of {rows} rows overflows 64 bits")))?
-            .with_name(meta.name())
-            .with_device(meta.device())
-            .with_checksum(meta.checksum());
-        for (key, value) in meta.attributes() {
-            if !ATTRIBUTES.contains(&key.as_str()) {
-                whole = whole.with_attribute(key.clone(), value.clone());
-            }
-        }
+        let whole = meta
+            .with_rows(rows)
+            .ok_or_else(|| mismatch(format!("a whole of {rows} rows overflows 64 bits")))?
+            .without_attributes(&ATTRIBUTES);
         if whole.byte_len() > max_whole_len {
             return Err(ProtocolError::LimitExceeded {
                 code: ErrorCode::TENSOR_TOO_LARGE,
@@ -230,16 +222,11 @@ pub fn plan_split(
     let mut row = 0;
     for index in 0..parts {
         let part_rows = each + u64::from(index < longer);
-        let mut shape = whole.shape().to_vec();
-        shape[0] = part_rows;
-        let mut meta = TensorMeta::new(shape, whole.dtype())?
-            .with_name(whole.name())
-            .with_device(whole.device())
-            .with_checksum(whole.checksum());
-        for (key, value) in whole.attributes() {
-            meta = meta.with_attribute(key.clone(), value.clone());
-        }
-        let meta = meta
+        let meta = whole
+            .with_rows(part_rows)
+            .ok_or(ProtocolError::Misuse(
+                "a part is never longer than its whole",
+            ))?
             .with_attribute(SPLIT_ID, id.to_string())
             .with_attribute(SPLIT_ROW, row.to_string())
             .with_attribute(SPLIT_ROWS, rows.to_string())

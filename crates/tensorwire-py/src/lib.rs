@@ -23,8 +23,8 @@ use tensorwire::gpu::{
 };
 use tensorwire::proto::{DType, Device, ErrorCode, ProtocolError, TensorMeta};
 use tensorwire::quic::{
-    ClientTls, IncomingTensor, MIN_PART, Receiver as QuicReceiver, ReceiverConfig, SendHandle,
-    Sender, SenderConfig, SenderPool, ServerTls, Source, TransportError, TransportSettings,
+    ClientTls, IncomingTensor, Receiver as QuicReceiver, ReceiverConfig, SendHandle, Sender,
+    SenderConfig, SenderPool, ServerTls, Source, TransportError, TransportSettings,
 };
 use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tokio::sync::mpsc;
@@ -169,30 +169,21 @@ impl Bytesource {
 
     /// Bytes `[offset, offset + len)`, for one part of a split tensor (spec §15).
     fn part(&self, offset: u64, len: u64) -> Result<Source, TransportError> {
-        let misuse = || ProtocolError::Misuse("a part past the tensor's bytes").into();
+        let misuse = |why| ProtocolError::Misuse(why).into();
         match self {
-            Bytesource::Ready(Source::Bytes(bytes)) => {
-                let start = usize::try_from(offset).map_err(|_| misuse())?;
-                let end = start
-                    .checked_add(usize::try_from(len).map_err(|_| misuse())?)
-                    .filter(|&end| end <= bytes.len())
-                    .ok_or_else(misuse)?;
-                Ok(Source::Bytes(bytes.slice(start..end)))
-            }
-            Bytesource::Ready(Source::File { path, offset: at }) => Ok(Source::File {
-                path: path.clone(),
-                offset: at.checked_add(offset).ok_or_else(misuse)?,
-            }),
-            Bytesource::Ready(Source::Stream(_)) => {
-                Err(ProtocolError::Misuse("a stream cannot be split").into())
-            }
+            Bytesource::Ready(source) => source
+                .slice(offset, len)
+                .ok_or_else(|| misuse("a stream or a range past the bytes cannot be split")),
             Bytesource::Device(range) => {
-                let start = usize::try_from(offset).map_err(|_| misuse())?;
-                let len = usize::try_from(len).map_err(|_| misuse())?;
-                if start.checked_add(len).is_none_or(|end| end > range.len()) {
-                    return Err(misuse());
+                let (start, len) = (usize::try_from(offset), usize::try_from(len));
+                match (start, len) {
+                    (Ok(start), Ok(len))
+                        if start.checked_add(len).is_some_and(|end| end <= range.len()) =>
+                    {
+                        Ok(device_source(range.clone(), start, len))
+                    }
+                    _ => Err(misuse("a part past the tensor's bytes")),
                 }
-                Ok(device_source(range.clone(), start, len))
             }
         }
     }
@@ -339,16 +330,9 @@ fn send(
         ..TransportSettings::default()
     };
     let total: u64 = outgoing.iter().map(|(meta, _)| meta.byte_len()).sum();
-    let connections = connections.unwrap_or_else(|| {
-        let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let useful = match split {
-            true => outgoing
-                .len()
-                .max(usize::try_from(total / MIN_PART).unwrap_or(usize::MAX)),
-            false => outgoing.len(),
-        };
-        cores.min(8).min(useful).max(1)
-    });
+    let splittable = if split { total } else { 0 };
+    let connections = connections
+        .unwrap_or_else(|| SenderPool::automatic_connections(outgoing.len(), splittable));
     let outcome = py.allow_threads(|| {
         runtime().block_on(async move {
             let sending: Vec<(String, SendHandle)>;

@@ -28,6 +28,15 @@ pub struct SenderPool {
 }
 
 impl SenderPool {
+    /// The connections worth opening for `tensors` tensors: one per core, at most 8, and no
+    /// more than the tensors, or than the parts of at least [`MIN_PART`] that
+    /// `splittable_bytes` (their bytes when they may be split, 0 otherwise) make.
+    pub fn automatic_connections(tensors: usize, splittable_bytes: u64) -> usize {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let parts = usize::try_from(splittable_bytes / MIN_PART).unwrap_or(usize::MAX);
+        cores.min(8).min(tensors.max(parts)).max(1)
+    }
+
     /// Opens `connections` connections (at least one) to the receiver at `addr`, all at once.
     pub async fn connect(
         addr: SocketAddr,

@@ -49,7 +49,7 @@ pub enum Source {
 impl Source {
     /// Its bytes `[offset, offset + len)`, for one part of a split tensor; `None` for a
     /// stream, which can only be read in order, and for bytes past the end of memory.
-    pub(crate) fn slice(&self, offset: u64, len: u64) -> Option<Source> {
+    pub fn slice(&self, offset: u64, len: u64) -> Option<Source> {
         match self {
             Source::Bytes(bytes) => {
                 let start = usize::try_from(offset).ok()?;

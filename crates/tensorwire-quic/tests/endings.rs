@@ -67,7 +67,16 @@ struct GatedSink {
 impl Sink for GatedSink {
     type Output = ();
 
-    async fn write(&mut self, _: u64, _: Payload, permit: CreditPermit) -> Result<(), SinkError> {
+    async fn store(
+        &mut self,
+        _: u64,
+        payload: Payload,
+        permit: CreditPermit,
+        crc: Option<&mut u32>,
+    ) -> Result<(), SinkError> {
+        if let Some(crc) = crc {
+            *crc = payload.crc32c_append(*crc);
+        }
         drop(permit);
         Ok(())
     }

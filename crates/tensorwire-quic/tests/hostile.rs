@@ -290,12 +290,16 @@ struct HoardingSink(Vec<tensorwire_quic::CreditPermit>);
 impl tensorwire_quic::Sink for HoardingSink {
     type Output = ();
 
-    async fn write(
+    async fn store(
         &mut self,
         _offset: u64,
-        _payload: tensorwire_quic::proto::Payload,
+        payload: tensorwire_quic::proto::Payload,
         permit: tensorwire_quic::CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), tensorwire_quic::SinkError> {
+        if let Some(crc) = crc {
+            *crc = payload.crc32c_append(*crc);
+        }
         self.0.push(permit);
         Ok(())
     }

@@ -108,12 +108,16 @@ struct SlowSink {
 impl Sink for SlowSink {
     type Output = Bytes;
 
-    async fn write(
+    async fn store(
         &mut self,
         offset: u64,
         payload: Payload,
         permit: CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
+        if let Some(crc) = crc {
+            *crc = payload.crc32c_append(*crc);
+        }
         let at = offset as usize;
         payload.copy_to_slice(&mut self.buf[at..at + payload.len()]);
         let delay = self.delay;

@@ -5,7 +5,7 @@ use bytes::Bytes;
 use memmap2::MmapMut;
 use tensorwire_proto::Payload;
 
-use crate::{CreditPermit, Divisible, MemoryReservation, Sink, SinkError, copy_payload};
+use crate::{CreditPermit, Divisible, MemoryReservation, Sink, SinkError, copy_payload_at};
 
 /// Below this, a heap buffer; at and above, an anonymous mapping, whose untouched pages cost
 /// nothing and which is unmapped on drop. The allocator would keep freed blocks above its
@@ -128,47 +128,25 @@ impl HostSink {
             reused: None,
         })
     }
-
-    /// The buffer's bytes `[offset, offset + len)`, counted as written.
-    fn destination(&mut self, offset: u64, len: usize) -> Result<&mut [u8], SinkError> {
-        let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        let dst = start
-            .checked_add(len)
-            .and_then(|end| self.buf.as_mut().get_mut(start..end))
-            .ok_or_else(|| SinkError::failed(format!("write at {offset} past the buffer")))?;
-        // Writes never overlap (the receiver checks DATA first), so a sum says "whole".
-        if let Some(written) = &mut self.reused {
-            *written += len as u64;
-        }
-        Ok(dst)
-    }
 }
 
 impl Sink for HostSink {
     type Output = Bytes;
 
-    async fn write(
+    async fn store(
         &mut self,
         offset: u64,
         payload: Payload,
         permit: CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
-        copy_payload(&payload, self.destination(offset, payload.len())?, None);
+        copy_payload_at(self.buf.as_mut(), offset, &payload, crc)?;
+        // Writes never overlap (the receiver checks DATA first), so a sum says "whole".
+        if let Some(written) = &mut self.reused {
+            *written += payload.len() as u64;
+        }
         drop(permit); // The bytes are in their final place: durable.
         Ok(())
-    }
-
-    async fn write_checksummed(
-        &mut self,
-        offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
-    ) -> Result<u32, SinkError> {
-        let mut crc = 0;
-        let dst = self.destination(offset, payload.len())?;
-        copy_payload(&payload, dst, Some(&mut crc));
-        drop(permit);
-        Ok(crc)
     }
 
     async fn finish(self) -> Result<Bytes, SinkError> {

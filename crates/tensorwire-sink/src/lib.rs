@@ -42,7 +42,7 @@ pub fn checksum_then_copy(mut crc: u32, src: &[u8], dst: &mut [u8]) -> u32 {
 
 /// Copies `payload` into `dst` (the same length); with `crc`, continues it over the bytes in
 /// the same pass ([`checksum_then_copy`]).
-pub fn copy_payload(payload: &Payload, mut dst: &mut [u8], mut crc: Option<&mut u32>) {
+fn copy_payload(payload: &Payload, mut dst: &mut [u8], mut crc: Option<&mut u32>) {
     for part in payload.parts() {
         let (to, rest) = std::mem::take(&mut dst).split_at_mut(part.len());
         match crc.as_deref_mut() {
@@ -51,6 +51,30 @@ pub fn copy_payload(payload: &Payload, mut dst: &mut [u8], mut crc: Option<&mut 
         }
         dst = rest;
     }
+}
+
+/// Copies `payload` into `buf` at byte `offset`, with `crc` continuing its CRC-32C over the
+/// bytes in the same pass ([`checksum_then_copy`]); bytes past the end of `buf` are a
+/// SINK_FAILED error and nothing is copied.
+pub fn copy_payload_at(
+    buf: &mut [u8],
+    offset: u64,
+    payload: &Payload,
+    crc: Option<&mut u32>,
+) -> Result<(), SinkError> {
+    let size = buf.len();
+    let start = usize::try_from(offset).unwrap_or(usize::MAX);
+    let dst = start
+        .checked_add(payload.len())
+        .and_then(|end| buf.get_mut(start..end))
+        .ok_or_else(|| {
+            SinkError::failed(format!(
+                "{} bytes at {offset} past the end of a {size}-byte destination",
+                payload.len()
+            ))
+        })?;
+    copy_payload(payload, dst, crc);
+    Ok(())
 }
 
 /// A sink's failure; `code` is what the sender is told (RESOURCE_EXHAUSTED, SINK_FAILED or
@@ -92,31 +116,44 @@ impl SinkError {
 
 /// Owns one tensor's destination memory and stores its bytes as they arrive.
 ///
-/// The receiver calls [`write`](Sink::write) once per verified DATA frame (in arrival order,
-/// offsets already checked against the tensor's length and for overlap), then
-/// [`finish`](Sink::finish) after END verified every byte. COMPLETE is sent only after
-/// `finish` resolves. A sink that is dropped instead was cancelled: it frees its memory.
+/// The receiver stores each verified DATA frame ([`write_checksummed`](Sink::write_checksummed),
+/// or [`write`](Sink::write) for bytes it checksummed already; both go through
+/// [`store`](Sink::store)) in arrival order, offsets already checked against the tensor's
+/// length and for overlap, then calls [`finish`](Sink::finish) after END verified every
+/// byte. COMPLETE is sent only after `finish` resolves. A sink that is dropped instead was
+/// cancelled: it frees its memory.
 pub trait Sink: Send + 'static {
     /// What a finished sink hands to the application, such as the filled buffer.
     type Output: Send + 'static;
 
-    /// Stores `payload` at byte `offset`; drops `permit` once those bytes are durable.
+    /// Stores `payload` at byte `offset`; drops `permit` once those bytes are durable. With
+    /// `crc`, continues that CRC-32C over the bytes (spec §5.3): a sink that copies
+    /// checksums each piece right before copying it, so that the bytes come from memory
+    /// once ([`copy_payload_at`]); one that does not copy has nothing to fuse it with
+    /// ([`Payload::crc32c_append`]).
     ///
     /// Should return promptly (copy, or enqueue a copy) so the stream keeps reading; holding
     /// the permit is what applies back-pressure.
+    fn store(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+        crc: Option<&mut u32>,
+    ) -> impl Future<Output = Result<(), SinkError>> + Send;
+
+    /// Stores `payload` at byte `offset`, with no checksum.
     fn write(
         &mut self,
         offset: u64,
         payload: Payload,
         permit: CreditPermit,
-    ) -> impl Future<Output = Result<(), SinkError>> + Send;
+    ) -> impl Future<Output = Result<(), SinkError>> + Send {
+        self.store(offset, payload, permit, None)
+    }
 
-    /// Stores `payload` as [`write`](Sink::write) does and returns its CRC-32C (spec §5.3),
-    /// which the receiver checks against END.
-    ///
-    /// The default checksums the bytes, then writes them: two passes. A sink that copies
-    /// should checksum each piece right before copying it, so that the copy reads it from
-    /// the core's cache and the bytes come from memory once ([`checksum_then_copy`]).
+    /// Stores `payload` at byte `offset` and returns its CRC-32C, which the receiver checks
+    /// against END.
     fn write_checksummed(
         &mut self,
         offset: u64,
@@ -124,8 +161,8 @@ pub trait Sink: Send + 'static {
         permit: CreditPermit,
     ) -> impl Future<Output = Result<u32, SinkError>> + Send {
         async move {
-            let crc = payload.crc32c();
-            self.write(offset, payload, permit).await?;
+            let mut crc = 0;
+            self.store(offset, payload, permit, Some(&mut crc)).await?;
             Ok(crc)
         }
     }

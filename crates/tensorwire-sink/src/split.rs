@@ -263,57 +263,30 @@ impl<S: Divisible> PartSink<S> {
     pub fn whole(&self) -> &TensorMeta {
         &self.whole.meta
     }
-
-    async fn store(
-        &mut self,
-        offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
-        checksum: bool,
-    ) -> Result<Option<u32>, SinkError> {
-        self.whole.check()?;
-        let at = self.base + offset;
-        if let Some(direct) = self.direct.as_mut() {
-            return match checksum {
-                true => direct
-                    .write_checksummed(at, payload, permit)
-                    .await
-                    .map(Some),
-                false => direct.write(at, payload, permit).await.map(|()| None),
-            };
-        }
-        let mut sink = self.whole.sink.lock().await;
-        self.whole.check()?;
-        let Some(sink) = sink.as_mut() else {
-            return Err(self.whole.failure());
-        };
-        match checksum {
-            true => sink.write_checksummed(at, payload, permit).await.map(Some),
-            false => sink.write(at, payload, permit).await.map(|()| None),
-        }
-    }
 }
 
 impl<S: Divisible> Sink for PartSink<S> {
     type Output = Option<Assembled<S::Output>>;
 
-    async fn write(
+    /// Writes through the part's own writer, or through the whole's sink in turn.
+    async fn store(
         &mut self,
         offset: u64,
         payload: Payload,
         permit: CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
-        self.store(offset, payload, permit, false).await.map(drop)
-    }
-
-    async fn write_checksummed(
-        &mut self,
-        offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
-    ) -> Result<u32, SinkError> {
-        let crc = self.store(offset, payload, permit, true).await?;
-        crc.ok_or_else(|| SinkError::failed("no checksum from the part's writer"))
+        self.whole.check()?;
+        let at = self.base + offset;
+        if let Some(direct) = self.direct.as_mut() {
+            return direct.store(at, payload, permit, crc).await;
+        }
+        let mut sink = self.whole.sink.lock().await;
+        self.whole.check()?;
+        match sink.as_mut() {
+            Some(sink) => sink.store(at, payload, permit, crc).await,
+            None => Err(self.whole.failure()),
+        }
     }
 
     async fn finish(mut self) -> Result<Self::Output, SinkError> {
@@ -419,27 +392,16 @@ impl<S: Divisible> SplitTensors<S> {
 impl<S: Divisible> Sink for Assembling<S> {
     type Output = Landing<S::Output>;
 
-    async fn write(
+    async fn store(
         &mut self,
         offset: u64,
         payload: Payload,
         permit: CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
         match self {
-            Assembling::Whole(_, sink) => sink.write(offset, payload, permit).await,
-            Assembling::Part(part) => part.write(offset, payload, permit).await,
-        }
-    }
-
-    async fn write_checksummed(
-        &mut self,
-        offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
-    ) -> Result<u32, SinkError> {
-        match self {
-            Assembling::Whole(_, sink) => sink.write_checksummed(offset, payload, permit).await,
-            Assembling::Part(part) => part.write_checksummed(offset, payload, permit).await,
+            Assembling::Whole(_, sink) => sink.store(offset, payload, permit, crc).await,
+            Assembling::Part(part) => part.store(offset, payload, permit, crc).await,
         }
     }
 

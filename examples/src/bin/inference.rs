@@ -494,24 +494,15 @@ impl<S: Sink> Stamped<S> {
 impl<S: Sink> Sink for Stamped<S> {
     type Output = StampedOutput<S::Output>;
 
-    async fn write(
+    async fn store(
         &mut self,
         offset: u64,
         payload: Payload,
         permit: CreditPermit,
+        crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
         self.count(payload.len())?;
-        self.inner.write(offset, payload, permit).await
-    }
-
-    async fn write_checksummed(
-        &mut self,
-        offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
-    ) -> Result<u32, SinkError> {
-        self.count(payload.len())?;
-        self.inner.write_checksummed(offset, payload, permit).await
+        self.inner.store(offset, payload, permit, crc).await
     }
 
     async fn finish(self) -> Result<Self::Output, SinkError> {

@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Parser;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tensorwire::proto::{DType, Device};
-use tensorwire::quic::{MIN_PART, SenderConfig, SenderPool, TransportError};
+use tensorwire::quic::{SenderConfig, SenderPool, TransportError};
 use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, rate, seconds, size};
 use tensorwire_examples::files::{Outgoing, SENDER_ATTR, load, parse_shape};
 
@@ -76,16 +76,9 @@ fn main() -> anyhow::Result<()> {
     }
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let total: u64 = outgoing.iter().map(|o| o.meta.byte_len()).sum();
-    // Automatic: one per core, at most 8; no more than there are tensors, or (when tensors
-    // may be split) parts of at least MIN_PART.
-    let useful = match args.no_split {
-        true => outgoing.len(),
-        false => outgoing
-            .len()
-            .max(usize::try_from(total / MIN_PART).unwrap_or(usize::MAX)),
-    };
+    let splittable = if args.no_split { 0 } else { total };
     let connections = match args.connections {
-        0 => cores.min(8).min(useful).max(1),
+        0 => SenderPool::automatic_connections(outgoing.len(), splittable),
         n => n,
     };
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
