@@ -15,7 +15,7 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 use tensorwire::proto::{DType, Payload, TensorMeta};
 use tensorwire::quic::{
-    CreditPermit, Receiver, ReceiverConfig, Sender, SenderConfig, Sink, SinkError,
+    CreditPermit, IncomingTensor, Receiver, ReceiverConfig, Sender, SenderConfig, Sink, SinkError,
     TransportSettings,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -373,8 +373,11 @@ async fn raw_quinn(connections: usize, bytes_per_conn: u64, mtu: u16) -> anyhow:
 enum SinkKind {
     /// Drop them: the transport alone.
     Discard,
-    /// A placement: host memory or a GPU.
+    /// A placement (the GPU runs use one).
     Placed(tensorwire::gpu::Placement),
+    /// Host memory as a receiving application gets it: `accept_host`, under the receiver's
+    /// host-memory budget, landing in the kept buffers of tensors already dropped.
+    Host,
 }
 
 /// The sink a [`SinkKind`] makes for one tensor.
@@ -388,6 +391,22 @@ impl SinkKind {
         Ok(match self {
             SinkKind::Discard => BenchSink::Discard(DiscardSink),
             SinkKind::Placed(placement) => BenchSink::Placed(placement.sink(meta)?),
+            SinkKind::Host => anyhow::bail!("host memory is accepted with accept_host"),
+        })
+    }
+
+    /// Accepts `incoming` into this kind of sink; the future resolves when it has landed.
+    async fn accept(&self, incoming: IncomingTensor) -> anyhow::Result<Landing> {
+        Ok(match self {
+            SinkKind::Host => {
+                let handle = incoming.accept_host().await?;
+                Box::pin(async move { handle.finished().await.map(drop) })
+            }
+            other => {
+                let sink = other.sink(incoming.meta())?;
+                let handle = incoming.accept(sink);
+                Box::pin(async move { handle.finished().await.map(drop) })
+            }
         })
     }
 }
@@ -442,6 +461,11 @@ impl Sink for DiscardSink {
     }
 }
 
+/// A tensor accepted by a throughput run's receiver: resolves once it has landed (the
+/// receive runs on the tensor's own task, whether or not this is polled).
+type Landing =
+    std::pin::Pin<Box<dyn Future<Output = Result<(), tensorwire::quic::TransportError>> + Send>>;
+
 /// tensorwire's knobs for one throughput run.
 #[derive(Clone)]
 struct TensorwireRun {
@@ -487,17 +511,22 @@ async fn tensorwire_run(
         let addr = receiver.local_addr()?;
         let sink = sink.clone();
         receivers.push(tokio::spawn(async move {
-            let mut handles = Vec::new();
+            // As a consuming application does: each tensor is dropped once it has landed
+            // (at most the sender's tensors in flight are held), so its memory goes back to
+            // the pools or the kept host buffers for the next.
+            let mut landing = std::collections::VecDeque::new();
             for _ in 0..tensors_per_conn {
                 let incoming = receiver
                     .next()
                     .await
                     .ok_or_else(|| anyhow::anyhow!("closed"))?;
-                let tensor_sink = sink.sink(incoming.meta())?;
-                handles.push(incoming.accept(tensor_sink));
+                landing.push_back(sink.accept(incoming).await?);
+                if landing.len() > in_flight.max(1) {
+                    landing.pop_front().expect("held").await?;
+                }
             }
-            for h in handles {
-                h.finished().await?;
+            for landed in landing {
+                landed.await?;
             }
             anyhow::Ok(receiver)
         }));
@@ -923,7 +952,6 @@ async fn gpu_section(
             Placement::Gpu(tensorwire::gpu::PooledGpuReceiver::new(0, staging, memory)?)
         }
     };
-    let host = Placement::choose(DeviceRequest::Host, false)?;
     let Placement::Gpu(pools) = &gpu else {
         anyhow::bail!("not a GPU placement")
     };
@@ -947,7 +975,7 @@ async fn gpu_section(
             grant: args.grant_mib << 20,
             inflight: args.inflight,
         };
-        let to_host = run_with(SinkKind::Placed(host.clone()));
+        let to_host = run_with(SinkKind::Host);
         let to_gpu = run_with(SinkKind::Placed(gpu.clone()));
         let host_s = best_of(runs, async || {
             tensorwire_run(n, bytes, to_host.clone()).await
@@ -1122,7 +1150,7 @@ async fn main() -> anyhow::Result<()> {
         }
         for (n, host, gpu, ratio) in &g.network {
             println!(
-                "  network → host {host:.2} Gbit/s, network → GPU {gpu:.2} Gbit/s ({n} conn; GPU/host {ratio:.3})"
+                "  network → host (budgeted, kept buffers) {host:.2} Gbit/s, network → GPU {gpu:.2} Gbit/s ({n} conn; GPU/host {ratio:.3})"
             );
         }
         println!(
