@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use std::time::Duration;
 
-use tensorwire::quic::{ClientTls, Congestion, ServerTls, TransportSettings};
+use tensorwire::quic::{ClientTls, Congestion, EndpointThreads, ServerTls, TransportSettings};
 
 /// QUIC options.
 #[derive(clap::Args, Debug, Clone)]
@@ -19,6 +19,10 @@ pub struct TransportArgs {
     /// Seconds without any packet from the peer before the connection is declared dead.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(2..=3600))]
     pub idle_timeout_s: u64,
+    /// Threads of each endpoint (UDP socket) of its own, which run its connections' packets
+    /// and tensor streams together; `caller` spreads them over the program's runtime.
+    #[arg(long, default_value = "1")]
+    pub endpoint_threads: EndpointThreads,
 }
 
 impl TransportArgs {
@@ -30,6 +34,7 @@ impl TransportArgs {
             congestion: self.congestion,
             idle_timeout,
             keep_alive: (idle_timeout / 6).max(Duration::from_millis(500)),
+            endpoint_threads: self.endpoint_threads,
             ..TransportSettings::default()
         }
     }

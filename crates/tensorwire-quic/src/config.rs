@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use quinn::{IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
 use tensorwire_proto::Limits;
+use tokio::runtime::Handle;
 
 use crate::error::TransportError;
+use crate::runtime::{EndpointRuntime, EndpointThreads};
 use crate::steering::{
     Balance, MAX_STEERED_ENDPOINTS, ServerEndpoint, Steering, attach_steering, steered_ids,
 };
@@ -53,6 +55,9 @@ pub struct TransportSettings {
     pub socket_buffer: usize,
     /// Congestion control.
     pub congestion: Congestion,
+    /// Where each endpoint's work runs: by default one thread of its own per endpoint, so a
+    /// connection's packets, timers and tensor streams stay on one core.
+    pub endpoint_threads: EndpointThreads,
 }
 
 /// A QUIC congestion controller.
@@ -95,6 +100,7 @@ impl Default for TransportSettings {
             keep_alive: Duration::from_secs(5),
             socket_buffer: 8 << 20,
             congestion: Congestion::Cubic,
+            endpoint_threads: EndpointThreads::default(),
         }
     }
 }
@@ -139,7 +145,20 @@ impl TransportSettings {
         addr: SocketAddr,
         server: Option<quinn::ServerConfig>,
     ) -> Result<quinn::Endpoint, TransportError> {
-        self.endpoint_on(self.socket(addr, PortSharing::Alone)?, server, None)
+        Ok(self.endpoint_with_runtime(addr, server)?.0)
+    }
+
+    /// As [`endpoint`](Self::endpoint), with the runtime its work runs on
+    /// ([`Self::endpoint_threads`]): tasks that use its connections belong there.
+    pub fn endpoint_with_runtime(
+        &self,
+        addr: SocketAddr,
+        server: Option<quinn::ServerConfig>,
+    ) -> Result<(quinn::Endpoint, Handle), TransportError> {
+        let runtime = EndpointRuntime::start(self.endpoint_threads, "tensorwire-endpoint")?;
+        let handle = runtime.handle.clone();
+        let socket = self.socket(addr, PortSharing::Alone)?;
+        Ok((self.endpoint_on(socket, server, None, runtime)?, handle))
     }
 
     /// `count` server endpoints on one address, each its own UDP socket bound with
@@ -183,8 +202,18 @@ impl TransportSettings {
             .map(|(index, socket)| {
                 // `steer` refuses groups whose index does not fit the ID's first byte.
                 let ids = balance.as_ref().and_then(|_| u8::try_from(index).ok());
-                let endpoint = self.endpoint_on(socket, Some(server.clone()), ids)?;
-                Ok(ServerEndpoint::new(endpoint, index, balance.clone()))
+                let runtime = EndpointRuntime::start(
+                    self.endpoint_threads,
+                    &format!("tensorwire-endpoint-{index}"),
+                )?;
+                let handle = runtime.handle.clone();
+                let endpoint = self.endpoint_on(socket, Some(server.clone()), ids, runtime)?;
+                Ok(ServerEndpoint::new(
+                    endpoint,
+                    index,
+                    balance.clone(),
+                    handle,
+                ))
             })
             .collect()
     }
@@ -243,13 +272,14 @@ impl TransportSettings {
         Ok(socket)
     }
 
-    /// A quinn endpoint on a bound `socket`; `steered_index`, for an endpoint of a steered
-    /// group, starts each of its connection IDs.
+    /// A quinn endpoint on a bound `socket`, run on `runtime`; `steered_index`, for an
+    /// endpoint of a steered group, starts each of its connection IDs.
     fn endpoint_on(
         &self,
         socket: socket2::Socket,
         server: Option<quinn::ServerConfig>,
         steered_index: Option<u8>,
+        runtime: EndpointRuntime,
     ) -> Result<quinn::Endpoint, TransportError> {
         let mut endpoint = quinn::EndpointConfig::default();
         if let Some(index) = steered_index {
@@ -258,12 +288,11 @@ impl TransportSettings {
         endpoint
             .max_udp_payload_size(self.mtu.max(1200))
             .map_err(|e| TransportError::Config(format!("MTU {}: {e}", self.mtu)))?;
-        let runtime = Arc::new(quinn::TokioRuntime);
         Ok(quinn::Endpoint::new(
             endpoint,
             server,
             socket.into(),
-            runtime,
+            runtime.quinn,
         )?)
     }
 

@@ -15,6 +15,7 @@ use tensorwire_proto::{
     CheckedChunk, ErrorCode, Frame, Limits, ProtocolError, SessionConfig, SessionEvent, StreamId,
     TensorMeta, TensorSender,
 };
+use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span};
@@ -144,6 +145,8 @@ pub struct ConnectionSender {
     connection: quinn::Connection,
     /// The connection's one session, shared with its receiving side.
     session: ConnectionSession,
+    /// Where the connection's work runs: each tensor's task is spawned there.
+    runtime: Handle,
     metrics: Arc<Metrics>,
     options: SendOptions,
 }
@@ -186,7 +189,7 @@ impl Sender {
         }
         .parse()
         .map_err(|_| TransportError::Config("bind address".into()))?;
-        let endpoint = config.transport.endpoint(bind, None)?;
+        let (endpoint, runtime) = config.transport.endpoint_with_runtime(bind, None)?;
         let connection = endpoint
             .connect_with(client, addr, &config.server_name)?
             .await?;
@@ -194,8 +197,8 @@ impl Sender {
         // wait unread.
         let session = ConnectionSession::new(SessionConfig::default());
         // Spec §4.1: the receiver's EARLY_CREDIT lets small tensors go in one round trip.
-        tokio::spawn(read_control_stream(connection.clone(), session.clone()));
-        let mut sender = ConnectionSender::new(connection, session, &config);
+        runtime.spawn(read_control_stream(connection.clone(), session.clone()));
+        let mut sender = ConnectionSender::new(connection, session, runtime, &config);
         sender.metrics = metrics;
         Ok(Self { endpoint, sender })
     }
@@ -222,6 +225,7 @@ impl Sender {
         Receiver::on_connection(
             self.sender.connection.clone(),
             self.sender.session.clone(),
+            &self.sender.runtime,
             config,
         )
     }
@@ -254,11 +258,13 @@ impl ConnectionSender {
     pub(crate) fn new(
         connection: quinn::Connection,
         session: ConnectionSession,
+        runtime: Handle,
         config: &SenderConfig,
     ) -> Self {
         Self {
             connection,
             session,
+            runtime,
             metrics: Arc::new(Metrics::default()),
             options: SendOptions {
                 progress_timeout: config.progress_timeout,
@@ -273,7 +279,8 @@ impl ConnectionSender {
         let cancel = CancellationToken::new();
         let total = meta.byte_len();
         let span = info_span!("send", name = meta.name(), bytes = total);
-        let task = tokio::spawn(
+        // Beside the connection's packet processing (its endpoint's runtime).
+        let task = self.runtime.spawn(
             send_tensor(
                 self.connection.clone(),
                 self.session.clone(),

@@ -179,6 +179,7 @@ pub struct ServerEndpoint {
     endpoint: quinn::Endpoint,
     index: usize,
     balance: Option<Arc<Balance>>,
+    runtime: tokio::runtime::Handle,
 }
 
 impl ServerEndpoint {
@@ -186,17 +187,27 @@ impl ServerEndpoint {
         endpoint: quinn::Endpoint,
         index: usize,
         balance: Option<Arc<Balance>>,
+        runtime: tokio::runtime::Handle,
     ) -> Self {
         Self {
             endpoint,
             index,
             balance,
+            runtime,
         }
     }
 
     /// The quinn endpoint.
     pub fn endpoint(&self) -> &quinn::Endpoint {
         &self.endpoint
+    }
+
+    /// The runtime the endpoint's work runs on ([`EndpointThreads`]): tasks that serve its
+    /// connections belong there, beside their packet processing.
+    ///
+    /// [`EndpointThreads`]: crate::EndpointThreads
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.runtime
     }
 
     /// Its place in the group (the first byte of its connection IDs, when steered).

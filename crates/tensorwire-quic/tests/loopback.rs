@@ -255,14 +255,18 @@ async fn a_source_shorter_than_its_metadata_cancels_the_tensor() {
     let (mut rx, addr) = receiver(receiver_config()).await;
     let server = tokio::spawn(async move { receive_host(&mut rx).await });
     let tx = sender(addr).await;
+    // Larger than the early credit: the source is read only once the tensor is accepted,
+    // so the receiving application sees the tensor before the sender's CANCEL (a tensor
+    // cancelled while it waits for a decision ends without reaching the application).
+    let len = 2 << 20;
     let err = tx
-        .send(u8_meta("short", 1000), vec![1u8; 10])
+        .send(u8_meta("short", len), vec![1u8; 10])
         .finished()
         .await
         .unwrap_err();
     assert!(
         err.to_string()
-            .contains("source ended after 10 of 1000 bytes"),
+            .contains(&format!("source ended after 10 of {len} bytes")),
         "{err}"
     );
     let received = server.await.unwrap().unwrap_err();

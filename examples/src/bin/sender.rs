@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Parser;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tensorwire::proto::{DType, Device};
-use tensorwire::quic::{SenderConfig, SenderPool, TransportError};
+use tensorwire::quic::{EndpointThreads, SenderConfig, SenderPool, TransportError};
 use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, rate, seconds, size};
 use tensorwire_examples::files::{Outgoing, SENDER_ATTR, load, parse_shape};
 
@@ -83,11 +83,15 @@ fn main() -> anyhow::Result<()> {
     };
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     runtime.enable_all();
-    // About two busy threads per connection (its driver, its streams). Idle workers beyond
-    // that only add wake-ups: with several senders on one host, raw quinn clients moved
-    // 10-24% more on two workers each than on one per core. TOKIO_WORKER_THREADS overrides.
+    // Each connection's endpoint runs on threads of its own by default, and this runtime
+    // only maps files and waits: two workers. On the caller's runtime, about two busy
+    // threads per connection (its driver, its streams): idle workers beyond that only add
+    // wake-ups. TOKIO_WORKER_THREADS overrides.
     if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
-        runtime.worker_threads((2 * connections).clamp(2, cores.max(2)));
+        runtime.worker_threads(match args.transport.endpoint_threads {
+            EndpointThreads::Caller => (2 * connections).clamp(2, cores.max(2)),
+            EndpointThreads::Own(_) => 2,
+        });
     }
     runtime
         .build()?

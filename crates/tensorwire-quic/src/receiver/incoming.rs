@@ -30,6 +30,8 @@ pub struct IncomingTensor {
     /// The connection it came on and its session, to send tensors back.
     pub(super) connection: quinn::Connection,
     pub(super) session: ConnectionSession,
+    /// Where the connection's work runs (its endpoint's runtime), for tensors sent back.
+    pub(super) runtime: tokio::runtime::Handle,
     pub(super) host_memory: MemoryBudget,
     /// Its connection's shares of every memory budget.
     pub(super) memory_shares: MemoryShares,
@@ -88,7 +90,12 @@ impl IncomingTensor {
     /// endpoint may open tensor streams), under the peer's credit. The peer receives them
     /// with [`Sender::receive`](crate::Sender::receive).
     pub fn reply_sender(&self, config: &crate::SenderConfig) -> crate::ConnectionSender {
-        crate::ConnectionSender::new(self.connection.clone(), self.session.clone(), config)
+        crate::ConnectionSender::new(
+            self.connection.clone(),
+            self.session.clone(),
+            self.runtime.clone(),
+            config,
+        )
     }
 
     /// Whether the stream already ended (the sender cancelled, reset it or timed out): a

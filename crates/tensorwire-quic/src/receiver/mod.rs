@@ -140,7 +140,9 @@ impl Receiver {
         let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
         let steered = group.first().is_some_and(|e| e.is_steered());
         for endpoint in group {
-            tokio::spawn(accept_connections(endpoint, shared.clone(), tx.clone()));
+            // Each endpoint's connections and their streams are served on its own runtime.
+            let runtime = endpoint.runtime().clone();
+            runtime.spawn(accept_connections(endpoint, shared.clone(), tx.clone()));
         }
         info!(%local, endpoints = endpoints.len(), steered, "receiver listening");
         Ok(Self {
@@ -159,6 +161,7 @@ impl Receiver {
     pub(crate) fn on_connection(
         connection: quinn::Connection,
         session: ConnectionSession,
+        runtime: &tokio::runtime::Handle,
         mut config: ReceiverConfig,
     ) -> Result<Self, TransportError> {
         config.connection_idle_timeout = Duration::MAX;
@@ -170,7 +173,7 @@ impl Receiver {
         );
         let shared = Shared::new(config)?;
         let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
-        tokio::spawn(connection::serve_streams(
+        runtime.spawn(connection::serve_streams(
             0,
             shared.clone(),
             connection,

@@ -41,6 +41,9 @@ pub(super) struct Accepted {
     early_ended: bool,
 }
 
+/// How long a stopped stream is read for the CANCEL that explains the stop.
+const STOP_EXPLAINED_WITHIN: std::time::Duration = std::time::Duration::from_millis(200);
+
 pub(super) async fn serve_stream(
     shared: Arc<Shared>,
     connection: Arc<ConnectionState>,
@@ -158,6 +161,8 @@ impl Accepted {
                 ended: self.ended.clone(),
                 connection: connection.connection.clone(),
                 session: connection.session.clone(),
+                // This stream's task runs on its connection's runtime.
+                runtime: tokio::runtime::Handle::current(),
                 host_memory: shared.host_memory.clone(),
                 memory_shares: connection.memory_shares.clone(),
                 deadline,
@@ -264,6 +269,10 @@ impl Accepted {
         let result = tokio::select! {
             result = self.receive_loop(sink, &progress) => result,
             _ = cancel.cancelled() => Err(TransportError::cancelled_by("receiving")),
+        };
+        let result = match result {
+            Err(e) => Err(self.explain_stop(e).await),
+            ok => ok,
         };
         self.end(result.as_ref().err()).await;
         // The application hears now; the stream is kept below until the peer has our last
@@ -382,6 +391,28 @@ impl Accepted {
             },
         }
         Ok(finish.await)
+    }
+
+    /// When the sender stopped our half (a write failed), the CANCEL it sent first says why:
+    /// read it if it came. The stop can overtake it, as both leave in one packet and the
+    /// stop is acted on when the packet arrives, the CANCEL only when the stream is read.
+    async fn explain_stop(&mut self, error: TransportError) -> TransportError {
+        let stopped = matches!(
+            &error,
+            TransportError::Protocol(ProtocolError::Remote { .. })
+        );
+        if !stopped || self.connection.session().ending(self.id).is_some() {
+            return error;
+        }
+        loop {
+            match tokio::time::timeout(STOP_EXPLAINED_WITHIN, self.stream.next_frame()).await {
+                Ok(Ok(frame)) => match self.handle(frame) {
+                    Ok(_) => continue,
+                    Err(reason) => return reason.into(),
+                },
+                _ => return error,
+            }
+        }
     }
 
     /// Writes what the session queued for this stream.

@@ -1,0 +1,185 @@
+//! Where an endpoint's work runs (`TransportSettings::endpoint_threads`): a tensor's sink
+//! runs on its endpoint's own thread, or on the caller's runtime; the threads end once the
+//! receiver and senders are gone.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use tensorwire_quic::proto::Payload;
+use tensorwire_quic::{
+    CreditPermit, EndpointThreads, Sender, SenderConfig, Sink, SinkError, TransportSettings,
+};
+
+/// The tests of this binary count endpoint threads: they run one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Records the name of each thread its bytes were stored on.
+struct ThreadRecordingSink {
+    threads: Arc<Mutex<Vec<String>>>,
+}
+
+impl Sink for ThreadRecordingSink {
+    type Output = ();
+
+    async fn store(
+        &mut self,
+        _: u64,
+        payload: Payload,
+        permit: CreditPermit,
+        crc: Option<&mut u32>,
+    ) -> Result<(), SinkError> {
+        let name = std::thread::current().name().unwrap_or("").to_owned();
+        self.threads.lock().unwrap().push(name);
+        if let Some(crc) = crc {
+            *crc = payload.crc32c_append(*crc);
+        }
+        drop(permit);
+        Ok(())
+    }
+
+    async fn finish(self) -> Result<(), SinkError> {
+        Ok(())
+    }
+}
+
+fn transport(threads: EndpointThreads) -> TransportSettings {
+    TransportSettings {
+        endpoint_threads: threads,
+        ..TransportSettings::jumbo()
+    }
+}
+
+/// Sends one 3 MiB tensor from a sender on `threads` to a one-endpoint receiver on
+/// `threads`; returns the threads its bytes were stored on.
+async fn stored_on(threads: EndpointThreads) -> Vec<String> {
+    let _serial = SERIAL.lock().await;
+    let mut config = receiver_config();
+    config.transport = transport(threads);
+    config.endpoints = 1;
+    let (mut rx, addr) = receiver(config).await;
+    let tx = Sender::connect(
+        addr,
+        SenderConfig {
+            transport: transport(threads),
+            ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
+        },
+    )
+    .await
+    .unwrap();
+    let len = 3 << 20;
+    let send = tx.send(u8_meta("t", len), pattern(len, 7));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let handle = rx.next().await.unwrap().accept(ThreadRecordingSink {
+        threads: seen.clone(),
+    });
+    send.finished().await.unwrap();
+    handle.finished().await.unwrap();
+    tx.close().await;
+    rx.close().await;
+    let seen = seen.lock().unwrap().clone();
+    assert!(!seen.is_empty());
+    seen
+}
+
+/// Threads of this process whose name starts with `prefix` (Linux names them in /proc).
+fn threads_named(prefix: &str) -> usize {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
+        .filter(|comm| comm.trim_end().starts_with(prefix))
+        .count()
+}
+
+#[tokio::test]
+async fn a_tensor_lands_on_its_endpoints_own_thread() {
+    let one = EndpointThreads::Own(NonZeroUsize::MIN);
+    for name in stored_on(one).await {
+        assert_eq!(name, "tensorwire-endpoint-0");
+    }
+}
+
+#[tokio::test]
+async fn on_the_callers_runtime_a_tensor_lands_on_its_threads() {
+    let test_thread = std::thread::current().name().unwrap_or("").to_owned();
+    for name in stored_on(EndpointThreads::Caller).await {
+        // A current-thread test runtime: everything runs on the test's own thread.
+        assert_eq!(name, test_thread);
+    }
+}
+
+#[tokio::test]
+async fn endpoint_threads_end_with_their_endpoints() {
+    if !std::path::Path::new("/proc/self/task").exists() {
+        eprintln!("SKIPPED: no /proc/self/task to count threads in");
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let two = EndpointThreads::Own(NonZeroUsize::new(2).unwrap());
+    let mut config = receiver_config();
+    config.transport = transport(two);
+    config.endpoints = 3;
+    let (mut rx, addr) = receiver(config).await;
+    let tx = Sender::connect(
+        addr,
+        SenderConfig {
+            transport: transport(two),
+            ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
+        },
+    )
+    .await
+    .unwrap();
+    // Each endpoint's runtime thread and its two workers carry its name (Linux keeps 15
+    // characters of it).
+    assert!(threads_named("tensorwire-endp") >= 4 * 2);
+    let send = tx.send(u8_meta("t", 1000), pattern(1000, 1));
+    land_host(rx.next().await.unwrap()).await;
+    send.finished().await.unwrap();
+    tx.close().await;
+    rx.close().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while threads_named("tensorwire-endp") > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} endpoint threads still running",
+            threads_named("tensorwire-endp")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn endpoint_threads_parse_from_the_command_line() {
+    assert_eq!(
+        "caller".parse::<EndpointThreads>().unwrap(),
+        EndpointThreads::Caller
+    );
+    assert_eq!(
+        "3".parse::<EndpointThreads>().unwrap(),
+        EndpointThreads::Own(NonZeroUsize::new(3).unwrap())
+    );
+    assert!("0".parse::<EndpointThreads>().is_err());
+    assert!("many".parse::<EndpointThreads>().is_err());
+}
+
+/// Outside any tokio runtime, an endpoint of its own starts (it brings its runtime); one on
+/// the caller's runtime is refused with an error that says so, not a panic.
+#[test]
+fn endpoints_outside_a_runtime() {
+    let _serial = SERIAL.blocking_lock();
+    let addr = "127.0.0.1:0".parse().unwrap();
+    let own = transport(EndpointThreads::default()).endpoint(addr, None);
+    assert!(own.is_ok(), "{:?}", own.err());
+    drop(own);
+    let err = transport(EndpointThreads::Caller)
+        .endpoint(addr, None)
+        .unwrap_err();
+    assert!(err.to_string().contains("inside a tokio runtime"), "{err}");
+}
