@@ -54,6 +54,12 @@ gbit=$(awk -v b="$total_mib" -v s="$start" -v e="$end" 'BEGIN { print b * 104857
 raw=$("$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
   --mib $((total_mib / connections)) 2>&1 | awk '/^ *raw quinn/ { print $4; exit }')
 raw=${raw:-0}
+# Raw quinn with every endpoint's work on one shared runtime (`--endpoint-threads caller`).
+raw_shared=$("$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
+  --mib $((total_mib / connections)) --endpoint-threads caller 2>&1 | awk '/^ *raw quinn/ { print $4; exit }')
+printf 'raw quinn, %d connections, endpoints on one shared runtime: %s Gbit/s; ratio %s\n' \
+  "$connections" "${raw_shared:-0}" \
+  "$(awk -v g="$gbit" -v r="${raw_shared:-0}" 'BEGIN{ if (r > 0) printf "%.2f", g / r; else print "n/a" }')"
 # Raw quinn the way the programs run: one client process opening all the connections.
 raw_procs=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" $((total_mib / connections)))
 printf 'raw quinn as processes (1 server, 1 client, %d connections): %.1f Gbit/s; ratio %.2f\n' \

@@ -4,7 +4,8 @@
 #
 #   benches/scale.sh BIN_DIR [SENDERS] [MIB_PER_SENDER] [DEVICE] [ENDPOINTS]
 #
-# RECEIVER_FLAGS adds receiver flags (e.g. "--stream-window-mib 64"); BUDGET_MIB sets its
+# RECEIVER_FLAGS adds receiver flags (e.g. "--stream-window-mib 64"), SENDER_FLAGS each
+# sender's (e.g. "--endpoint-threads caller"); BUDGET_MIB sets its
 # budget (default 512). RECEIVER_ENV and SENDER_ENV set environment variables for each side
 # (e.g. SENDER_ENV="TOKIO_WORKER_THREADS=2"). BIN_DIR holds receiver, sender and bench (cargo build --release -p
 # tensorwire-examples -p tensorwire-bench). DEVICE: cuda:0 (default) or host. Prints one line
@@ -41,7 +42,7 @@ start=$(date +%s.%N)
 pids=()
 for i in $(seq "$senders"); do
   ( time env ${SENDER_ENV:-} "$bin/sender" --connect "$addr" --mtu 6000 --quiet --connections 1 --dtype U8 \
-    --shape $((mib << 20)) "$work/t$i.bin" > "$work/sender-$i.log" 2>&1 ) 2> "$work/sender-$i.time" &
+    --shape $((mib << 20)) ${SENDER_FLAGS:-} "$work/t$i.bin" > "$work/sender-$i.log" 2>&1 ) 2> "$work/sender-$i.time" &
   pids+=($!)
 done
 failed=0
@@ -68,6 +69,10 @@ grep -E "tensors land|Error|error" "$work/receiver.log" | head -5 || true
 ( time "$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
   > "$work/bench.log" 2>&1 ) 2> "$work/bench.time"
 grep -iE "^ *raw quinn +[0-9]" "$work/bench.log" | head -1
+# Raw quinn with every endpoint's work on the bench's one runtime (`--endpoint-threads
+# caller`), as quinn applications often run it: the faster anchor on some hosts.
+"$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
+  --endpoint-threads caller 2>&1 | awk '/^ *raw quinn +[0-9]/ { printf "raw quinn, endpoints on one shared runtime: %s Gbit/s\n", $4; exit }'
 awk -v g="$gib" '{ printf "CPU: raw quinn, both sides in one process %.2f s (%.2f per GiB, setup included)\n", $2 + $3, ($2 + $3) / g }' "$work/bench.time"
 
 # Raw quinn the way the programs run: one client process per sender, timed the same way.

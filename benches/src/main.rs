@@ -15,8 +15,8 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 use tensorwire::proto::{DType, Payload, TensorMeta};
 use tensorwire::quic::{
-    CreditPermit, IncomingTensor, Receiver, ReceiverConfig, Sender, SenderConfig, Sink, SinkError,
-    TransportSettings,
+    CreditPermit, EndpointThreads, IncomingTensor, Receiver, ReceiverConfig, Sender, SenderConfig,
+    Sink, SinkError, TransportSettings,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -62,6 +62,11 @@ struct Args {
     /// a tensor past it is allocated, and freed, on its own). Default: the library's.
     #[arg(long)]
     device_pool_mib: Option<usize>,
+    /// Where each QUIC endpoint's work runs, for raw quinn and tensorwire alike: a number of
+    /// threads of its own (its connections' tasks spawned there too), or `caller` (all on
+    /// this program's runtime, spread over its workers).
+    #[arg(long, default_value = "1")]
+    endpoint_threads: EndpointThreads,
     /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile
     /// it, or only the small-tensor latency (latency).
     #[arg(long)]
@@ -132,9 +137,13 @@ struct Report {
     gpu: Option<GpuReport>,
 }
 
+/// `--endpoint-threads`, set once at start.
+static ENDPOINT_THREADS: std::sync::OnceLock<EndpointThreads> = std::sync::OnceLock::new();
+
 fn transport(mtu: u16) -> TransportSettings {
     TransportSettings {
         mtu,
+        endpoint_threads: ENDPOINT_THREADS.get().copied().unwrap_or_default(),
         ..TransportSettings::default()
     }
 }
@@ -151,10 +160,15 @@ fn payload(len: usize) -> Bytes {
 /// A server endpoint with tensorwire's TLS and transport settings; returns its address.
 fn quinn_server(
     mtu: u16,
-) -> anyhow::Result<(quinn::Endpoint, rustls::pki_types::CertificateDer<'static>)> {
+) -> anyhow::Result<(
+    quinn::Endpoint,
+    tokio::runtime::Handle,
+    rustls::pki_types::CertificateDer<'static>,
+)> {
     let (config, cert) = quinn_server_config(mtu)?;
-    let endpoint = transport(mtu).endpoint("127.0.0.1:0".parse()?, Some(config))?;
-    Ok((endpoint, cert))
+    let (endpoint, runtime) =
+        transport(mtu).endpoint_with_runtime("127.0.0.1:0".parse()?, Some(config))?;
+    Ok((endpoint, runtime, cert))
 }
 
 /// A server configuration with tensorwire's TLS and transport settings and a fresh
@@ -213,18 +227,20 @@ async fn raw_quinn_send(conn: &quinn::Connection, data: &Bytes, bytes: u64) -> a
     Ok(())
 }
 
-/// Sends `bytes` on every connection of `clients` at once, each on its own task.
+/// A raw quinn client's endpoint, the runtime its work runs on, and its connection.
+type RawClient = (quinn::Endpoint, tokio::runtime::Handle, quinn::Connection);
+
+/// Sends `bytes` on every connection of `clients` at once, each on a task beside its
+/// connection (its endpoint's runtime, as tensorwire's sends run).
 async fn raw_quinn_send_on_each(
-    clients: &[(quinn::Endpoint, quinn::Connection)],
+    clients: &[RawClient],
     data: &Bytes,
     bytes: u64,
 ) -> anyhow::Result<()> {
     let mut sends = Vec::new();
-    for (_, conn) in clients {
+    for (_, runtime, conn) in clients {
         let (conn, data) = (conn.clone(), data.clone());
-        sends.push(tokio::spawn(async move {
-            raw_quinn_send(&conn, &data, bytes).await
-        }));
+        sends.push(runtime.spawn(async move { raw_quinn_send(&conn, &data, bytes).await }));
     }
     for send in sends {
         send.await??;
@@ -251,7 +267,8 @@ async fn raw_quinn_server_process(
     let (done, mut finished) = tokio::sync::mpsc::unbounded_channel();
     for endpoint in &endpoints {
         let (endpoint, done) = (endpoint.clone(), done.clone());
-        tokio::spawn(async move {
+        // Its connections are served on its runtime, as a receiver serves them.
+        endpoint.runtime().clone().spawn(async move {
             while let Some((incoming, slot)) = endpoint.accept().await {
                 let done = done.clone();
                 tokio::spawn(async move {
@@ -285,18 +302,18 @@ async fn raw_quinn_client_process(
     let data = payload(CHUNK);
     let mut clients = Vec::new();
     for _ in 0..connections.max(1) {
-        let (client, config) = quinn_client(mtu, &cert)?;
+        let (client, runtime, config) = quinn_client(mtu, &cert)?;
         let conn = client.connect_with(config, addr, "localhost")?.await?;
-        clients.push((client, conn));
+        clients.push((client, runtime, conn));
     }
     raw_quinn_send_on_each(&clients, &data, bytes).await?;
-    for (_, conn) in &clients {
+    for (_, _, conn) in &clients {
         conn.close(0u32.into(), b"done");
     }
     // All together, and as long as `sender` waits after its close (one wait per connection
     // in turn added up to 0.8 s for 8 connections).
     let idle = async {
-        for (client, _) in &clients {
+        for (client, _, _) in &clients {
             client.wait_idle().await;
         }
     };
@@ -307,7 +324,7 @@ async fn raw_quinn_client_process(
 fn quinn_client(
     mtu: u16,
     cert: &rustls::pki_types::CertificateDer<'static>,
-) -> anyhow::Result<(quinn::Endpoint, quinn::ClientConfig)> {
+) -> anyhow::Result<(quinn::Endpoint, tokio::runtime::Handle, quinn::ClientConfig)> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(cert.clone())?;
     let mut tls =
@@ -320,10 +337,8 @@ fn quinn_client(
         quinn::crypto::rustls::QuicClientConfig::try_from(tls)?,
     ));
     config.transport_config(transport(mtu).transport_config()?);
-    Ok((
-        transport(mtu).endpoint("127.0.0.1:0".parse()?, None)?,
-        config,
-    ))
+    let (endpoint, runtime) = transport(mtu).endpoint_with_runtime("127.0.0.1:0".parse()?, None)?;
+    Ok((endpoint, runtime, config))
 }
 
 async fn raw_quinn(connections: usize, bytes_per_conn: u64, mtu: u16) -> anyhow::Result<f64> {
@@ -331,10 +346,10 @@ async fn raw_quinn(connections: usize, bytes_per_conn: u64, mtu: u16) -> anyhow:
     let mut servers = Vec::new();
     let mut clients = Vec::new();
     for _ in 0..connections {
-        let (server, cert) = quinn_server(mtu)?;
+        let (server, server_runtime, cert) = quinn_server(mtu)?;
         let addr = server.local_addr()?;
-        let (client, config) = quinn_client(mtu, &cert)?;
-        let server_task = tokio::spawn(async move {
+        let (client, client_runtime, config) = quinn_client(mtu, &cert)?;
+        let server_task = server_runtime.spawn(async move {
             let conn = server
                 .accept()
                 .await
@@ -344,12 +359,12 @@ async fn raw_quinn(connections: usize, bytes_per_conn: u64, mtu: u16) -> anyhow:
         });
         let conn = client.connect_with(config, addr, "localhost")?.await?;
         servers.push(server_task);
-        clients.push((client, conn));
+        clients.push((client, client_runtime, conn));
     }
     let started = Instant::now();
     raw_quinn_send_on_each(&clients, &data, bytes_per_conn).await?;
     let seconds = started.elapsed().as_secs_f64();
-    for (client, conn) in clients {
+    for (client, _, conn) in clients {
         if std::env::var_os("BENCH_STATS").is_some() {
             let stats = conn.stats();
             eprintln!(
@@ -505,6 +520,7 @@ async fn tensorwire_run(
         )
         .with_budget((window * 8).max(256 << 20));
         config.transport = transport(mtu);
+        config.endpoints = 1;
         config.stream_window = window;
         config.grant_unit = grant;
         let mut receiver = Receiver::bind(config).await?;
@@ -697,6 +713,7 @@ async fn tensorwire_latency(
         tensorwire::quic::ServerTls::Development,
     );
     config.transport = transport(mtu);
+    config.endpoints = 1;
     let mut receiver = Receiver::bind(config).await?;
     let addr = receiver.local_addr()?;
     // Accepting starts the receive on the tensor's own task; the handles are checked after
@@ -794,9 +811,9 @@ async fn quinn_latency(
     mtu: u16,
     exchange: Exchange,
 ) -> anyhow::Result<Histogram<u64>> {
-    let (server, cert) = quinn_server(mtu)?;
+    let (server, server_runtime, cert) = quinn_server(mtu)?;
     let addr: SocketAddr = server.local_addr()?;
-    let server_task = tokio::spawn(async move {
+    let server_task = server_runtime.spawn(async move {
         let conn = server
             .accept()
             .await
@@ -817,7 +834,7 @@ async fn quinn_latency(
         }
         anyhow::Ok(())
     });
-    let (client, config) = quinn_client(mtu, &cert)?;
+    let (client, _, config) = quinn_client(mtu, &cert)?;
     let conn = client.connect_with(config, addr, "localhost")?.await?;
     let data = payload(size);
     let mut h = histogram();
@@ -1014,6 +1031,7 @@ async fn best_of(
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let _ = ENDPOINT_THREADS.set(args.endpoint_threads);
     let mib = args.mib.unwrap_or(if args.quick { 512 } else { 2048 });
     if let Some(cert) = &args.raw_server {
         let count = args.connections.first().copied().unwrap_or(1);
