@@ -247,6 +247,11 @@ impl Sender {
         self.sender.connection.stats()
     }
 
+    /// The runtime this connection's work runs on: see [`ConnectionSender::runtime`].
+    pub fn runtime(&self) -> &Handle {
+        self.sender.runtime()
+    }
+
     /// Closes the connection cleanly and waits, briefly, for the endpoint to go idle.
     pub async fn close(self) {
         self.sender.connection.close(VarInt::from_u32(0), b"done");
@@ -332,6 +337,14 @@ impl ConnectionSender {
     /// Tensor and byte counters of the tensors sent through this handle (and its clones).
     pub fn metrics(&self) -> MetricsSnapshot {
         self.metrics.snapshot()
+    }
+
+    /// The runtime this connection's work runs on (its endpoint's, see
+    /// [`EndpointThreads`](crate::EndpointThreads)). A caller that runs
+    /// [`send_inline`](Self::send_inline) on a task there reaches the connection without
+    /// crossing threads: the lowest latency for small tensors.
+    pub fn runtime(&self) -> &Handle {
+        &self.runtime
     }
 
     /// Bytes of tensors the peer's early credit still lets go in one round trip (spec §7.6);
