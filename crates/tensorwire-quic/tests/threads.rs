@@ -12,7 +12,8 @@ use std::time::Duration;
 use common::*;
 use tensorwire_quic::proto::Payload;
 use tensorwire_quic::{
-    CreditPermit, EndpointThreads, Sender, SenderConfig, Sink, SinkError, TransportSettings,
+    CreditPermit, EndpointThreads, Receiver, Sender, SenderConfig, Sink, SinkError,
+    TransportSettings,
 };
 
 /// The tests of this binary count endpoint threads: they run one at a time.
@@ -35,10 +36,7 @@ impl Sink for ThreadRecordingSink {
     ) -> Result<(), SinkError> {
         let name = std::thread::current().name().unwrap_or("").to_owned();
         self.threads.lock().unwrap().push(name);
-        if let Some(crc) = crc {
-            *crc = payload.crc32c_append(*crc);
-        }
-        drop(permit);
+        discard(&payload, permit, crc);
         Ok(())
     }
 
@@ -54,14 +52,12 @@ fn transport(threads: EndpointThreads) -> TransportSettings {
     }
 }
 
-/// Sends one 3 MiB tensor from a sender on `threads` to a one-endpoint receiver on
-/// `threads`; returns the threads its bytes were stored on.
-async fn stored_on(threads: EndpointThreads) -> Vec<String> {
-    let _serial = SERIAL.lock().await;
+/// A receiver of `endpoints` endpoints and a sender connected to it, all on `threads`.
+async fn receiver_and_sender(threads: EndpointThreads, endpoints: usize) -> (Receiver, Sender) {
     let mut config = receiver_config();
     config.transport = transport(threads);
-    config.endpoints = 1;
-    let (mut rx, addr) = receiver(config).await;
+    config.endpoints = endpoints;
+    let (rx, addr) = receiver(config).await;
     let tx = Sender::connect(
         addr,
         SenderConfig {
@@ -71,6 +67,14 @@ async fn stored_on(threads: EndpointThreads) -> Vec<String> {
     )
     .await
     .unwrap();
+    (rx, tx)
+}
+
+/// Sends one 3 MiB tensor from a sender on `threads` to a one-endpoint receiver on
+/// `threads`; returns the threads its bytes were stored on.
+async fn stored_on(threads: EndpointThreads) -> Vec<String> {
+    let _serial = SERIAL.lock().await;
+    let (mut rx, tx) = receiver_and_sender(threads, 1).await;
     let len = 3 << 20;
     let send = tx.send(u8_meta("t", len), pattern(len, 7));
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -123,19 +127,7 @@ async fn endpoint_threads_end_with_their_endpoints() {
     }
     let _serial = SERIAL.lock().await;
     let two = EndpointThreads::Own(NonZeroUsize::new(2).unwrap());
-    let mut config = receiver_config();
-    config.transport = transport(two);
-    config.endpoints = 3;
-    let (mut rx, addr) = receiver(config).await;
-    let tx = Sender::connect(
-        addr,
-        SenderConfig {
-            transport: transport(two),
-            ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
-        },
-    )
-    .await
-    .unwrap();
+    let (mut rx, tx) = receiver_and_sender(two, 3).await;
     // Each endpoint's runtime thread and its two workers carry its name (Linux keeps 15
     // characters of it).
     assert!(threads_named("tensorwire-endp") >= 4 * 2);
