@@ -704,15 +704,12 @@ impl OutgoingTensor {
         if !stopped || self.session.lock().ending(self.id).is_some() {
             return error;
         }
-        loop {
-            match tokio::time::timeout(Duration::from_secs(1), self.stream.next_frame()).await {
-                Ok(Ok(frame)) => match self.session.lock().handle_reply(self.id, frame) {
-                    Ok(_) => continue,
-                    Err(reason) => return reason.into(),
-                },
-                _ => return error,
+        while let Some(frame) = self.stream.frame_within(Duration::from_secs(1)).await {
+            if let Err(reason) = self.session.lock().handle_reply(self.id, frame) {
+                return reason.into();
             }
         }
+        error
     }
 }
 

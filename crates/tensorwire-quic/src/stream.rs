@@ -40,6 +40,15 @@ impl FrameStream {
         })
     }
 
+    /// The next frame if one arrives within `within`; `None` on a timeout, an error or the
+    /// end of the stream (for reading what explains a stop, after the fact).
+    pub(crate) async fn frame_within(&mut self, within: std::time::Duration) -> Option<Frame> {
+        tokio::time::timeout(within, self.next_frame())
+            .await
+            .ok()?
+            .ok()
+    }
+
     /// The next frame, or `None` when the peer finished its half at a frame boundary.
     pub(crate) async fn next_frame_or_fin(&mut self) -> Result<Option<Frame>, TransportError> {
         loop {

@@ -404,15 +404,12 @@ impl Accepted {
         if !stopped || self.connection.session().ending(self.id).is_some() {
             return error;
         }
-        loop {
-            match tokio::time::timeout(STOP_EXPLAINED_WITHIN, self.stream.next_frame()).await {
-                Ok(Ok(frame)) => match self.handle(frame) {
-                    Ok(_) => continue,
-                    Err(reason) => return reason.into(),
-                },
-                _ => return error,
+        while let Some(frame) = self.stream.frame_within(STOP_EXPLAINED_WITHIN).await {
+            if let Err(reason) = self.handle(frame) {
+                return reason.into();
             }
         }
+        error
     }
 
     /// Writes what the session queued for this stream.
