@@ -573,6 +573,11 @@ impl Drop for CountedSend {
     }
 }
 
+/// Chunks at least this long are checksummed on the blocking pool, off the connection's
+/// thread; smaller ones (small tensors, where a hand-off would cost more than the pass) on
+/// the sending task.
+const CHECKSUM_ELSEWHERE: usize = 256 << 10;
+
 /// How long a failed tensor waits for its CANCEL to be acknowledged before giving up.
 const CANCEL_GRACE: Duration = Duration::from_secs(2);
 
@@ -652,8 +657,16 @@ impl OutgoingTensor {
                     .into());
                 }
                 // The checksum pass runs before the session (shared by every stream of the
-                // connection, both directions) is locked.
-                let chunk = CheckedChunk::new(chunk);
+                // connection, both directions) is locked, and for a large chunk on the
+                // blocking pool: this task shares its thread with the connection's driver
+                // (its endpoint's runtime), which goes on sending meanwhile.
+                let chunk = if chunk.len() >= CHECKSUM_ELSEWHERE {
+                    tokio::task::spawn_blocking(move || CheckedChunk::new(chunk))
+                        .await
+                        .map_err(|e| TransportError::Io(std::io::Error::other(e)))?
+                } else {
+                    CheckedChunk::new(chunk)
+                };
                 let len = chunk.len() as u64;
                 self.session.lock().send_checked(id, chunk)?;
                 if done + len == total {
