@@ -395,59 +395,23 @@ enum SinkKind {
     Host,
 }
 
-/// The sink a [`SinkKind`] makes for one tensor.
-enum BenchSink {
-    Discard(DiscardSink),
-    Placed(tensorwire::gpu::TensorSink),
-}
-
 impl SinkKind {
-    fn sink(&self, meta: &TensorMeta) -> anyhow::Result<BenchSink> {
-        Ok(match self {
-            SinkKind::Discard => BenchSink::Discard(DiscardSink),
-            SinkKind::Placed(placement) => BenchSink::Placed(placement.sink(meta)?),
-            SinkKind::Host => anyhow::bail!("host memory is accepted with accept_host"),
-        })
-    }
-
     /// Accepts `incoming` into this kind of sink; the future resolves when it has landed.
     async fn accept(&self, incoming: IncomingTensor) -> anyhow::Result<Landing> {
         Ok(match self {
-            SinkKind::Host => {
-                let handle = incoming.accept_host().await?;
-                Box::pin(async move { handle.finished().await.map(drop) })
+            SinkKind::Discard => landing(incoming.accept(DiscardSink)),
+            SinkKind::Placed(placement) => {
+                let sink = placement.sink(incoming.meta())?;
+                landing(incoming.accept(sink))
             }
-            other => {
-                let sink = other.sink(incoming.meta())?;
-                let handle = incoming.accept(sink);
-                Box::pin(async move { handle.finished().await.map(drop) })
-            }
+            SinkKind::Host => landing(incoming.accept_host().await?),
         })
     }
 }
 
-impl Sink for BenchSink {
-    type Output = ();
-
-    async fn store(
-        &mut self,
-        offset: u64,
-        payload: Payload,
-        permit: CreditPermit,
-        crc: Option<&mut u32>,
-    ) -> Result<(), SinkError> {
-        match self {
-            BenchSink::Discard(sink) => sink.store(offset, payload, permit, crc).await,
-            BenchSink::Placed(sink) => sink.store(offset, payload, permit, crc).await,
-        }
-    }
-
-    async fn finish(self) -> Result<(), SinkError> {
-        match self {
-            BenchSink::Discard(sink) => sink.finish().await,
-            BenchSink::Placed(sink) => sink.finish().await.map(drop),
-        }
-    }
+/// Resolves once the tensor of `handle` has landed, its output dropped.
+fn landing<T: Send + 'static>(handle: tensorwire::quic::TensorHandle<T>) -> Landing {
+    Box::pin(async move { handle.finished().await.map(drop) })
 }
 
 /// Counts bytes and drops them: measures the transport, not a memcpy into a buffer.
@@ -464,9 +428,7 @@ impl Sink for DiscardSink {
         crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
         std::hint::black_box(payload.len());
-        if let Some(crc) = crc {
-            *crc = payload.crc32c_append(*crc);
-        }
+        payload.continue_crc(crc);
         drop(permit);
         Ok(())
     }

@@ -61,6 +61,14 @@ impl Payload {
             .fold(crc, |crc, p| crate::checksum::crc32c_append(crc, p))
     }
 
+    /// Continues `crc`, when given, over the payload: what a sink that stores without copying
+    /// does with the checksum its `store` is asked for.
+    pub fn continue_crc(&self, crc: Option<&mut u32>) {
+        if let Some(crc) = crc {
+            *crc = self.crc32c_append(*crc);
+        }
+    }
+
     /// Copies the payload into `dst`, which must be exactly `len()` bytes long.
     pub fn copy_to_slice(&self, dst: &mut [u8]) {
         let mut at = 0;

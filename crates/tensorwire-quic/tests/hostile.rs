@@ -297,9 +297,7 @@ impl tensorwire_quic::Sink for HoardingSink {
         permit: tensorwire_quic::CreditPermit,
         crc: Option<&mut u32>,
     ) -> Result<(), tensorwire_quic::SinkError> {
-        if let Some(crc) = crc {
-            *crc = payload.crc32c_append(*crc);
-        }
+        payload.continue_crc(crc);
         self.0.push(permit);
         Ok(())
     }

@@ -115,9 +115,7 @@ impl Sink for SlowSink {
         permit: CreditPermit,
         crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
-        if let Some(crc) = crc {
-            *crc = payload.crc32c_append(*crc);
-        }
+        payload.continue_crc(crc);
         let at = offset as usize;
         payload.copy_to_slice(&mut self.buf[at..at + payload.len()]);
         let delay = self.delay;

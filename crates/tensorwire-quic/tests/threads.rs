@@ -36,7 +36,8 @@ impl Sink for ThreadRecordingSink {
     ) -> Result<(), SinkError> {
         let name = std::thread::current().name().unwrap_or("").to_owned();
         self.threads.lock().unwrap().push(name);
-        discard(&payload, permit, crc);
+        payload.continue_crc(crc);
+        drop(permit);
         Ok(())
     }
 

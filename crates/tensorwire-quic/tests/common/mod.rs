@@ -41,18 +41,6 @@ pub async fn sender(addr: SocketAddr) -> Sender {
     Sender::connect(addr, config).await.unwrap()
 }
 
-/// What a sink that keeps nothing does with DATA: checksums it if asked, returns its credit.
-pub fn discard(
-    payload: &tensorwire_quic::proto::Payload,
-    permit: tensorwire_quic::CreditPermit,
-    crc: Option<&mut u32>,
-) {
-    if let Some(crc) = crc {
-        *crc = payload.crc32c_append(*crc);
-    }
-    drop(permit);
-}
-
 /// Deterministic bytes that differ per seed and are never all zero.
 pub fn pattern(len: usize, seed: u64) -> Bytes {
     tensorwire_proto::testing::pattern(len, seed).into()
