@@ -399,6 +399,16 @@ impl CheckedChunk {
         Self { payload, crc }
     }
 
+    /// The payload.
+    pub fn payload(&self) -> &Bytes {
+        &self.payload
+    }
+
+    /// The payload's CRC-32C.
+    pub fn crc(&self) -> u32 {
+        self.crc
+    }
+
     /// The payload's length in bytes.
     pub fn len(&self) -> usize {
         self.payload.len()
@@ -407,6 +417,21 @@ impl CheckedChunk {
     /// Whether the payload is empty.
     pub fn is_empty(&self) -> bool {
         self.payload.is_empty()
+    }
+
+    /// Splits off the first `at` bytes (all of them where `at` is longer) and returns them
+    /// checked; what stays keeps a checksum derived without a second pass over it.
+    ///
+    /// Only the part split off is read: `crc(tail) = crc(whole) ⊕ crc(head) · x^(8·len(tail))`,
+    /// since CRC-32C is linear over concatenation.
+    pub fn split_to(&mut self, at: usize) -> CheckedChunk {
+        if at >= self.payload.len() {
+            return std::mem::replace(self, CheckedChunk::new(Bytes::new()));
+        }
+        let head = CheckedChunk::new(self.payload.split_to(at));
+        let tail_len = self.payload.len() as u64;
+        self.crc ^= crate::checksum::crc32c_combine(head.crc, 0, tail_len);
+        head
     }
 }
 

@@ -4,7 +4,7 @@
 
 use proptest::prelude::*;
 use tensorwire_proto::checksum::{crc32c, crc32c_append, crc32c_combine};
-use tensorwire_proto::{ErrorCode, ReceivedRanges};
+use tensorwire_proto::{CheckedChunk, ErrorCode, ReceivedRanges};
 
 #[test]
 fn crc32c_matches_the_standard_check_value() {
@@ -28,6 +28,40 @@ proptest! {
         let (a, b) = data.split_at(at);
         prop_assert_eq!(crc32c_combine(crc32c(a), crc32c(b), b.len() as u64), crc32c(&data));
     }
+}
+
+proptest! {
+    /// A checked chunk split in two (three where cut twice) carries each part's own CRC-32C.
+    #[test]
+    fn a_split_checked_chunk_keeps_each_parts_checksum(
+        data in proptest::collection::vec(any::<u8>(), 0..5000),
+        first in any::<proptest::sample::Index>(),
+        second in any::<proptest::sample::Index>(),
+    ) {
+        let mut chunk = CheckedChunk::new(bytes::Bytes::from(data.clone()));
+        let at = first.index(data.len() + 1);
+        let head = chunk.split_to(at);
+        prop_assert_eq!(head.payload().as_ref(), &data[..at]);
+        prop_assert_eq!(head.crc(), crc32c(&data[..at]));
+        prop_assert_eq!(chunk.crc(), crc32c(&data[at..]));
+        let rest = &data[at..];
+        let at = second.index(rest.len() + 1);
+        let middle = chunk.split_to(at);
+        prop_assert_eq!(middle.crc(), crc32c(&rest[..at]));
+        prop_assert_eq!(chunk.payload().as_ref(), &rest[at..]);
+        prop_assert_eq!(chunk.crc(), crc32c(&rest[at..]));
+    }
+}
+
+/// Splitting off more than a chunk holds takes all of it and leaves it empty, checked.
+#[test]
+fn splitting_past_the_end_takes_the_whole_chunk() {
+    let mut chunk = CheckedChunk::new(bytes::Bytes::from_static(b"123456789"));
+    let all = chunk.split_to(100);
+    assert_eq!(all.crc(), 0xE306_9283);
+    assert_eq!(all.len(), 9);
+    assert!(chunk.is_empty());
+    assert_eq!(chunk.crc(), 0);
 }
 
 /// Long second parts: 1 MiB of zeros against appending them, then 5 GiB (past 2^32 bytes)

@@ -9,20 +9,20 @@
 //! - TLS 1.3 only, ALPN `tensorwire/1`, 0-RTT off; development certificates for one host,
 //!   PEM files and optional mutual TLS for production.
 // `unsafe_code` is denied workspace-wide; the one exception is mapping a file to send it
-// (`file.rs`).
+// (`source.rs`).
 
 mod budget;
 mod config;
 mod control;
 mod dev_trust;
 mod error;
-mod file;
 mod metrics;
 mod pool;
 mod receiver;
 mod runtime;
 mod sender;
 mod session;
+mod source;
 mod steering;
 mod stream;
 pub mod tls;

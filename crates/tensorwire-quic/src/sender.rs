@@ -12,8 +12,8 @@ use bytes::Bytes;
 use futures_core::Stream;
 use quinn::VarInt;
 use tensorwire_proto::{
-    CheckedChunk, ErrorCode, Frame, Limits, ProtocolError, SessionConfig, SessionEvent, StreamId,
-    TensorMeta, TensorSender,
+    ErrorCode, Frame, Limits, ProtocolError, SessionConfig, SessionEvent, StreamId, TensorMeta,
+    TensorSender,
 };
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
@@ -23,10 +23,10 @@ use tracing::{Instrument, debug, info_span};
 use crate::config::{CLOSE_DRAIN, ReceiverConfig, SenderConfig};
 use crate::control::read_control_stream;
 use crate::error::TransportError;
-use crate::file::MappedRegion;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::receiver::Receiver;
 use crate::session::ConnectionSession;
+use crate::source::SourceReader;
 use crate::stream::FrameStream;
 
 /// Where a tensor's bytes come from.
@@ -75,56 +75,6 @@ impl From<Bytes> for Source {
 impl From<Vec<u8>> for Source {
     fn from(bytes: Vec<u8>) -> Self {
         Source::Bytes(bytes.into())
-    }
-}
-
-/// Reads a [`Source`] in pieces of at most a requested length.
-enum SourceReader {
-    Bytes(Bytes),
-    File(MappedRegion),
-    Stream {
-        inner: Pin<Box<dyn Stream<Item = std::io::Result<Bytes>> + Send>>,
-        leftover: Bytes,
-    },
-}
-
-impl SourceReader {
-    /// A reader of `source`, a tensor of `len` bytes.
-    async fn open(source: Source, len: u64) -> std::io::Result<Self> {
-        Ok(match source {
-            Source::Bytes(bytes) => SourceReader::Bytes(bytes),
-            Source::File { path, offset } => {
-                let region = tokio::task::spawn_blocking(move || {
-                    let named = |e: std::io::Error| {
-                        std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
-                    };
-                    let file = std::fs::File::open(&path).map_err(named)?;
-                    MappedRegion::map(&file, offset, len).map_err(named)
-                })
-                .await
-                .map_err(std::io::Error::other)??;
-                SourceReader::File(region)
-            }
-            Source::Stream(inner) => SourceReader::Stream {
-                inner,
-                leftover: Bytes::new(),
-            },
-        })
-    }
-
-    /// Up to `max` bytes; empty at the end of the source.
-    async fn next(&mut self, max: usize) -> std::io::Result<Bytes> {
-        match self {
-            SourceReader::Bytes(bytes) => Ok(bytes.split_to(max.min(bytes.len()))),
-            SourceReader::File(region) => region.next(max).await,
-            SourceReader::Stream { inner, leftover } => {
-                if leftover.is_empty() {
-                    let next = std::future::poll_fn(|cx| inner.as_mut().poll_next(cx)).await;
-                    *leftover = next.transpose()?.unwrap_or_default();
-                }
-                Ok(leftover.split_to(max.min(leftover.len())))
-            }
-        }
     }
 }
 
@@ -573,11 +523,6 @@ impl Drop for CountedSend {
     }
 }
 
-/// Chunks at least this long are checksummed on the blocking pool, off the connection's
-/// thread; smaller ones (small tensors, where a hand-off would cost more than the pass) on
-/// the sending task.
-const CHECKSUM_ELSEWHERE: usize = 256 << 10;
-
 /// How long a failed tensor waits for its CANCEL to be acknowledged before giving up.
 const CANCEL_GRACE: Duration = Duration::from_secs(2);
 
@@ -635,7 +580,8 @@ impl OutgoingTensor {
             chunk_size,
         } = options;
         let id = self.id;
-        let mut reader = SourceReader::open(source, total).await?;
+        let chunk_len = usize::try_from(chunk_size).unwrap_or(usize::MAX);
+        let mut reader = SourceReader::open(source, total, chunk_len).await?;
         loop {
             loop {
                 let (allowed, done) = {
@@ -646,6 +592,9 @@ impl OutgoingTensor {
                     break;
                 }
                 let max = allowed.min(total - done).min(chunk_size);
+                // Checksummed already, a batch ahead and off this task (which shares its
+                // thread with the connection's driver): the session, shared by every stream
+                // of the connection, is locked only to queue it.
                 let chunk = reader
                     .next(usize::try_from(max).unwrap_or(usize::MAX))
                     .await?;
@@ -656,17 +605,6 @@ impl OutgoingTensor {
                     )
                     .into());
                 }
-                // The checksum pass runs before the session (shared by every stream of the
-                // connection, both directions) is locked, and for a large chunk on the
-                // blocking pool: this task shares its thread with the connection's driver
-                // (its endpoint's runtime), which goes on sending meanwhile.
-                let chunk = if chunk.len() >= CHECKSUM_ELSEWHERE {
-                    tokio::task::spawn_blocking(move || CheckedChunk::new(chunk))
-                        .await
-                        .map_err(|e| TransportError::Io(std::io::Error::other(e)))?
-                } else {
-                    CheckedChunk::new(chunk)
-                };
                 let len = chunk.len() as u64;
                 self.session.lock().send_checked(id, chunk)?;
                 if done + len == total {

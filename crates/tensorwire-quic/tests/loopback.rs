@@ -230,6 +230,45 @@ async fn a_file_region_and_a_chunk_stream_are_sources() {
     tx.close().await;
 }
 
+/// Credit smaller than a DATA chunk: the sender cuts its checksummed chunks where credit ends,
+/// and each tensor, from a file and from memory, lands with the checksum of the whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_cut_short_by_credit_keep_the_checksum() {
+    let mut config = receiver_config();
+    config.grant_unit = 300_007;
+    config.stream_window = 300_007;
+    let (mut rx, addr) = receiver(config).await;
+    let data = pattern((9 << 20) + 12_345, 6);
+    let dir = std::env::temp_dir().join(format!("tensorwire-cut-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cut.bin");
+    std::fs::write(&path, &data).unwrap();
+    let server = tokio::spawn(async move {
+        let mut out = Vec::new();
+        for _ in 0..2 {
+            out.push(receive_host(&mut rx).await.unwrap().1);
+        }
+        out
+    });
+    let tx = sender(addr).await;
+    let from_file = tx.send(
+        u8_meta("file", data.len()),
+        tensorwire_quic::Source::File {
+            path: path.clone(),
+            offset: 0,
+        },
+    );
+    from_file.finished().await.unwrap();
+    tx.send(u8_meta("memory", data.len()), data.clone())
+        .finished()
+        .await
+        .unwrap();
+    let out = server.await.unwrap();
+    assert!(out == vec![data.clone(), data], "a tensor landed altered");
+    std::fs::remove_dir_all(dir).unwrap();
+    tx.close().await;
+}
+
 type ChunkStream =
     std::pin::Pin<Box<dyn futures_core::Stream<Item = std::io::Result<Bytes>> + Send>>;
 
