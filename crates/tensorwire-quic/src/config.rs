@@ -23,9 +23,9 @@ pub const MAX_MTU_WITH_GSO: u16 = 6500;
 /// few more, each stopped on arrival.
 const UNI_STREAMS: u32 = 4;
 
-/// The most a clean close waits for its endpoint to go idle. CONNECTION_CLOSE goes out at
-/// once; the wait is QUIC's draining period (three probe timeouts), which after a fast
-/// transfer that filled socket buffers measured over a second, at the end of every run.
+/// The most a clean close waits: a receiver for its endpoints to go idle, QUIC's draining
+/// period (three probe timeouts, which after a fast transfer that filled socket buffers
+/// measured over a second); a sender only for its CONNECTION_CLOSE to go out.
 pub(crate) const CLOSE_DRAIN: Duration = Duration::from_millis(100);
 
 /// QUIC transport settings shared by senders and receivers.

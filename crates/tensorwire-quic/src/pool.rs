@@ -149,8 +149,8 @@ impl SenderPool {
         self.metrics.snapshot()
     }
 
-    /// Closes every connection cleanly, all at once: each waits out its draining period
-    /// (three probe timeouts, tens of ms), which one after another would add up.
+    /// Closes every connection cleanly, all at once (as [`Sender::close`]): each waits for
+    /// its CONNECTION_CLOSE to go out, which one after another would add up.
     pub async fn close(self) {
         let mut closing = tokio::task::JoinSet::new();
         for sender in self.senders {

@@ -81,7 +81,8 @@ impl From<Vec<u8>> for Source {
 /// A connection to a receiver that sends tensors, each on its own stream; it can also
 /// receive the tensors the receiver sends back on it ([`receive`](Self::receive)).
 pub struct Sender {
-    endpoint: quinn::Endpoint,
+    /// The connection's own endpoint (UDP socket), held for the sender's life.
+    _endpoint: quinn::Endpoint,
     sender: ConnectionSender,
 }
 
@@ -150,7 +151,10 @@ impl Sender {
         runtime.spawn(read_control_stream(connection.clone(), session.clone()));
         let mut sender = ConnectionSender::new(connection, session, runtime, &config);
         sender.metrics = metrics;
-        Ok(Self { endpoint, sender })
+        Ok(Self {
+            _endpoint: endpoint,
+            sender,
+        })
     }
 
     /// Starts sending one tensor; resolves (through the handle) on the receiver's COMPLETE.
@@ -202,10 +206,28 @@ impl Sender {
         self.sender.runtime()
     }
 
-    /// Closes the connection cleanly and waits, briefly, for the endpoint to go idle.
+    /// Closes the connection cleanly; returns once its CONNECTION_CLOSE has gone out (at most
+    /// 100 ms), so a process may exit right after and its peer still learns of the close.
+    ///
+    /// It does not wait out QUIC's draining period (three probe timeouts, 75 ms or more even
+    /// on loopback), which only answers a peer that missed the close: every tensor's outcome
+    /// is known by then (COMPLETE, REJECT or CANCEL), and a peer that missed the close
+    /// times the connection out. In a process that goes on, quinn drains it in the
+    /// background.
     pub async fn close(self) {
-        self.sender.connection.close(VarInt::from_u32(0), b"done");
-        let _ = tokio::time::timeout(CLOSE_DRAIN, self.endpoint.wait_idle()).await;
+        let connection = &self.sender.connection;
+        if connection.close_reason().is_some() {
+            return; // Closed already (by the peer, or timed out): there is nothing to send.
+        }
+        connection.close(VarInt::from_u32(0), b"done");
+        let close_sent = async {
+            // The connection's driver, on the endpoint's thread, writes it on its next poll.
+            tokio::task::yield_now().await;
+            while connection.stats().frame_tx.connection_close == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        let _ = tokio::time::timeout(CLOSE_DRAIN, close_sent).await;
     }
 }
 

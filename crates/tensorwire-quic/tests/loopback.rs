@@ -269,6 +269,55 @@ async fn chunks_cut_short_by_credit_keep_the_checksum() {
     tx.close().await;
 }
 
+/// `Sender::close` returns once its CONNECTION_CLOSE is out, without QUIC's draining period:
+/// a process may exit right after. Here the sender's runtime, which carries its endpoint,
+/// is dropped at once, as at exit; the receiver still drops the connection, long before
+/// either idle timeout would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_that_exits_after_close_leaves_no_connection_behind() {
+    let mut config = receiver_config();
+    config.connection_idle_timeout = Duration::from_secs(600);
+    config.transport.idle_timeout = Duration::from_secs(600);
+    let (rx, addr) = receiver(config).await;
+    let mut transport = tensorwire_quic::TransportSettings::jumbo();
+    transport.idle_timeout = Duration::from_secs(600);
+    transport.endpoint_threads = tensorwire_quic::EndpointThreads::Caller;
+    let sender_runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (close, closing) = std::sync::mpsc::channel::<()>();
+    let sender_thread = std::thread::spawn(move || {
+        sender_runtime.block_on(async {
+            let config = tensorwire_quic::SenderConfig {
+                transport,
+                ..tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development)
+            };
+            let tx = tensorwire_quic::Sender::connect(addr, config)
+                .await
+                .unwrap();
+            closing.recv().unwrap();
+            tx.close().await;
+        });
+        // As at exit: the endpoint's and the connection's drivers stop here.
+        drop(sender_runtime);
+    });
+    let connections_become = async |count: usize, what: &str| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while rx.connections().len() != count {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    connections_become(1, "the sender never connected").await;
+    close.send(()).unwrap();
+    tokio::task::spawn_blocking(move || sender_thread.join().unwrap())
+        .await
+        .unwrap();
+    connections_become(0, "the receiver still has the closed sender's connection").await;
+    rx.close().await;
+}
+
 type ChunkStream =
     std::pin::Pin<Box<dyn futures_core::Stream<Item = std::io::Result<Bytes>> + Send>>;
 
