@@ -307,16 +307,20 @@ async fn raw_quinn_client_process(
         clients.push((client, runtime, conn));
     }
     raw_quinn_send_on_each(&clients, &data, bytes).await?;
+    // As `sender` closes (`Sender::close`): until each CONNECTION_CLOSE has gone out (a closed
+    // connection's next datagram), at most 100 ms, all together, without waiting out QUIC's
+    // draining period.
+    let mut sent_before = Vec::new();
     for (_, _, conn) in &clients {
         conn.close(0u32.into(), b"done");
+        sent_before.push(conn.stats().udp_tx.datagrams);
     }
-    // As `sender` closes (`Sender::close`): until each CONNECTION_CLOSE has gone out, at most
-    // 100 ms, all together, without waiting out QUIC's draining period.
     let close_sent = async {
         tokio::task::yield_now().await;
         while clients
             .iter()
-            .any(|(_, _, conn)| conn.stats().frame_tx.connection_close == 0)
+            .zip(&sent_before)
+            .any(|((_, _, conn), before)| conn.stats().udp_tx.datagrams == *before)
         {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }

@@ -220,10 +220,16 @@ impl Sender {
             return; // Closed already (by the peer, or timed out): there is nothing to send.
         }
         connection.close(VarInt::from_u32(0), b"done");
+        // A closed connection sends nothing but its close: the next datagram is it. (quinn
+        // counts no CONNECTION_CLOSE it sends in `frame_tx`.) Counted right after `close`,
+        // before the driver's thread wakes up; should the close beat the count, this waits
+        // the whole 100 ms, as before.
+        let before = connection.stats().udp_tx.datagrams;
         let close_sent = async {
-            // The connection's driver, on the endpoint's thread, writes it on its next poll.
+            // The connection's driver writes it on its next poll: here, or on the endpoint's
+            // thread.
             tokio::task::yield_now().await;
-            while connection.stats().frame_tx.connection_close == 0 {
+            while connection.stats().udp_tx.datagrams == before {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         };
