@@ -188,7 +188,7 @@ async fn a_slow_sink_keeps_held_bytes_within_the_budget() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_region_and_a_chunk_stream_are_sources() {
-    let (mut rx, addr) = receiver(receiver_config()).await;
+    let (rx, addr) = receiver(receiver_config()).await;
     let data = pattern(3 << 20, 4);
     let dir = std::env::temp_dir().join(format!("tensorwire-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -196,22 +196,9 @@ async fn a_file_region_and_a_chunk_stream_are_sources() {
     let mut file = vec![7u8; 100];
     file.extend_from_slice(&data);
     std::fs::write(&path, &file).unwrap();
-    let server = tokio::spawn(async move {
-        let mut out = Vec::new();
-        for _ in 0..2 {
-            out.push(receive_host(&mut rx).await.unwrap().1);
-        }
-        out
-    });
+    let server = receive_in_background(rx, 2);
     let tx = sender(addr).await;
-    let from_file = tx.send(
-        u8_meta("file", data.len()),
-        tensorwire_quic::Source::File {
-            path: path.clone(),
-            offset: 100,
-        },
-    );
-    from_file.finished().await.unwrap();
+    send_file(&tx, &path, 100, data.len()).await;
     let pieces: Vec<std::io::Result<Bytes>> = data
         .chunks(777_777)
         .map(|c| Ok(Bytes::copy_from_slice(c)))
@@ -237,28 +224,15 @@ async fn chunks_cut_short_by_credit_keep_the_checksum() {
     let mut config = receiver_config();
     config.grant_unit = 300_007;
     config.stream_window = 300_007;
-    let (mut rx, addr) = receiver(config).await;
+    let (rx, addr) = receiver(config).await;
     let data = pattern((9 << 20) + 12_345, 6);
     let dir = std::env::temp_dir().join(format!("tensorwire-cut-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("cut.bin");
     std::fs::write(&path, &data).unwrap();
-    let server = tokio::spawn(async move {
-        let mut out = Vec::new();
-        for _ in 0..2 {
-            out.push(receive_host(&mut rx).await.unwrap().1);
-        }
-        out
-    });
+    let server = receive_in_background(rx, 2);
     let tx = sender(addr).await;
-    let from_file = tx.send(
-        u8_meta("file", data.len()),
-        tensorwire_quic::Source::File {
-            path: path.clone(),
-            offset: 0,
-        },
-    );
-    from_file.finished().await.unwrap();
+    send_file(&tx, &path, 0, data.len()).await;
     tx.send(u8_meta("memory", data.len()), data.clone())
         .finished()
         .await
@@ -316,6 +290,32 @@ async fn a_sender_that_exits_after_close_leaves_no_connection_behind() {
         .unwrap();
     connections_become(0, "the receiver still has the closed sender's connection").await;
     rx.close().await;
+}
+
+/// Receives `count` tensors into host memory on a task of its own; yields their bytes.
+fn receive_in_background(
+    mut rx: tensorwire_quic::Receiver,
+    count: usize,
+) -> tokio::task::JoinHandle<Vec<Bytes>> {
+    tokio::spawn(async move {
+        let mut out = Vec::new();
+        for _ in 0..count {
+            out.push(receive_host(&mut rx).await.unwrap().1);
+        }
+        out
+    })
+}
+
+/// Sends `len` bytes of the file at `path` from `offset` as one tensor; returns on COMPLETE.
+async fn send_file(tx: &tensorwire_quic::Sender, path: &std::path::Path, offset: u64, len: usize) {
+    let source = tensorwire_quic::Source::File {
+        path: path.to_path_buf(),
+        offset,
+    };
+    tx.send(u8_meta("file", len), source)
+        .finished()
+        .await
+        .unwrap();
 }
 
 type ChunkStream =
