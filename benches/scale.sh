@@ -11,7 +11,8 @@
 # tensorwire-examples -p tensorwire-bench). DEVICE: cuda:0 (default) or host. Prints one line
 # per measurement: the rate, each side's CPU seconds per GiB, how busy the machine was, and
 # UDP datagrams the kernel dropped for want of socket buffer; then raw quinn's rate and CPU,
-# both sides in one process (bench), and as processes like the programs'.
+# both sides in one process (bench: endpoints on threads of their own, then on one shared
+# runtime), and as processes like the programs'; last, the programs' ratio to each.
 set -euo pipefail
 . "$(dirname "$0")/common.sh"
 bin=$(cd "$1" && pwd)
@@ -68,16 +69,20 @@ grep -o "peak credit held.*" "$work/receiver.log" || true
 grep -E "tensors land|Error|error" "$work/receiver.log" | head -5 || true
 ( time "$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
   > "$work/bench.log" 2>&1 ) 2> "$work/bench.time"
-grep -iE "^ *raw quinn +[0-9]" "$work/bench.log" | head -1
+raw_one=$(awk '/^ *raw quinn +[0-9]/ { print $4; exit }' "$work/bench.log")
+printf 'raw quinn, both sides in one process, endpoints on threads of their own: %s Gbit/s\n' "${raw_one:-n/a}"
 # Raw quinn with every endpoint's work on the bench's one runtime (`--endpoint-threads
 # caller`), as quinn applications often run it: the faster anchor on some hosts.
-"$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
-  --endpoint-threads caller 2>&1 | awk '/^ *raw quinn +[0-9]/ { printf "raw quinn, endpoints on one shared runtime: %s Gbit/s\n", $4; exit }'
+raw_shared=$("$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
+  --endpoint-threads caller 2>&1 | awk '/^ *raw quinn +[0-9]/ { print $4; exit }')
+printf 'raw quinn, endpoints on one shared runtime: %s Gbit/s\n' "${raw_shared:-n/a}"
 awk -v g="$gib" '{ printf "CPU: raw quinn, both sides in one process %.2f s (%.2f per GiB, setup included)\n", $2 + $3, ($2 + $3) / g }' "$work/bench.time"
 
 # Raw quinn the way the programs run: one client process per sender, timed the same way.
 raw_gbit=$(raw_quinn_as_processes "$bin" "$work" "$senders" 1 "$mib")
 printf 'raw quinn as processes: 1 server (%d endpoints) <- %d clients x %d MiB: %.1f Gbit/s\n' \
   "$senders" "$senders" "$mib" "$raw_gbit"
-awk -v t="$gbit" -v r="$raw_gbit" 'BEGIN { printf "programs / raw quinn as processes: %.2f\n", t / r }'
+ratio() { awk -v t="$gbit" -v r="${1:-0}" 'BEGIN { if (r > 0) printf "%.2f", t / r; else print "n/a" }'; }
+printf 'programs / raw quinn: %s in one process, %s on one shared runtime, %s as processes\n' \
+  "$(ratio "$raw_one")" "$(ratio "$raw_shared")" "$(ratio "$raw_gbit")"
 [ "$failed" -eq 0 ]
