@@ -209,11 +209,10 @@ impl Sender {
     /// Closes the connection cleanly; returns once its CONNECTION_CLOSE has gone out (at most
     /// 100 ms), so a process may exit right after and its peer still learns of the close.
     ///
-    /// It does not wait out QUIC's draining period (three probe timeouts, 75 ms or more even
-    /// on loopback), which only answers a peer that missed the close: every tensor's outcome
-    /// is known by then (COMPLETE, REJECT or CANCEL), and a peer that missed the close
-    /// times the connection out. In a process that goes on, quinn drains it in the
-    /// background.
+    /// Tensors still in flight fail; await each send first. It does not wait out QUIC's
+    /// draining period (three probe timeouts, 75 ms or more even on loopback), which only
+    /// answers a peer that missed the close: such a peer times the connection out. In a
+    /// process that goes on, quinn drains it in the background.
     pub async fn close(self) {
         let connection = &self.sender.connection;
         if connection.close_reason().is_some() {
