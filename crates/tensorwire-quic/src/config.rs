@@ -155,9 +155,10 @@ impl TransportSettings {
         addr: SocketAddr,
         server: Option<quinn::ServerConfig>,
     ) -> Result<(quinn::Endpoint, Handle), TransportError> {
+        // Bound first: a port that cannot be had starts no thread.
+        let socket = self.socket(addr, PortSharing::Alone)?;
         let runtime = EndpointRuntime::start(self.endpoint_threads, "tensorwire-endpoint")?;
         let handle = runtime.handle.clone();
-        let socket = self.socket(addr, PortSharing::Alone)?;
         Ok((self.endpoint_on(socket, server, None, runtime)?, handle))
     }
 

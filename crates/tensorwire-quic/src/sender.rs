@@ -12,8 +12,7 @@ use bytes::Bytes;
 use futures_core::Stream;
 use quinn::VarInt;
 use tensorwire_proto::{
-    ErrorCode, Frame, Limits, ProtocolError, SessionConfig, SessionEvent, StreamId, TensorMeta,
-    TensorSender,
+    ErrorCode, Frame, Limits, SessionConfig, SessionEvent, StreamId, TensorMeta, TensorSender,
 };
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
@@ -550,6 +549,9 @@ impl Drop for CountedSend {
     }
 }
 
+/// How long a stopped stream is read for the CANCEL or REJECT that explains the stop.
+const STOP_EXPLAINED_WITHIN: Duration = Duration::from_secs(1);
+
 /// How long a failed tensor waits for its CANCEL to be acknowledged before giving up.
 const CANCEL_GRACE: Duration = Duration::from_secs(2);
 
@@ -672,22 +674,18 @@ impl OutgoingTensor {
             .await
     }
 
-    /// When the receiver stopped the stream, its CANCEL or REJECT says why: read it if it
-    /// came.
+    /// When the receiver stopped the stream, its CANCEL or REJECT says why
+    /// ([`FrameStream::explain_stop`]), unless the tensor already ended otherwise.
     async fn explain_stop(&mut self, error: TransportError) -> TransportError {
-        let stopped = matches!(
-            &error,
-            TransportError::Protocol(ProtocolError::Remote { .. })
-        );
-        if !stopped || self.session.lock().ending(self.id).is_some() {
+        if self.session.lock().ending(self.id).is_some() {
             return error;
         }
-        while let Some(frame) = self.stream.frame_within(Duration::from_secs(1)).await {
-            if let Err(reason) = self.session.lock().handle_reply(self.id, frame) {
-                return reason.into();
-            }
-        }
-        error
+        let (session, id) = (&self.session, self.id);
+        self.stream
+            .explain_stop(error, STOP_EXPLAINED_WITHIN, |frame| {
+                session.lock().handle_reply(id, frame).map(drop)
+            })
+            .await
     }
 }
 

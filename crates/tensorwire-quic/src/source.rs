@@ -55,14 +55,14 @@ enum Kind {
 impl SourceReader {
     /// A reader of `source`, a tensor of `len` bytes, cut into chunks of at most `chunk`.
     pub(crate) async fn open(source: Source, len: u64, chunk: usize) -> std::io::Result<Self> {
-        let limit = |bytes: Bytes| {
-            bytes.slice(..usize::try_from(len).map_or(bytes.len(), |len| len.min(bytes.len())))
-        };
         let kind = match source {
-            Source::Bytes(bytes) => Kind::Region {
-                rest: limit(bytes),
-                mapped: false,
-            },
+            Source::Bytes(mut bytes) => {
+                bytes.truncate(usize::try_from(len).unwrap_or(usize::MAX));
+                Kind::Region {
+                    rest: bytes,
+                    mapped: false,
+                }
+            }
             Source::File { path, offset } => {
                 let region = tokio::task::spawn_blocking(move || {
                     let named = |e: std::io::Error| {
@@ -105,16 +105,15 @@ impl SourceReader {
             // Keep one batch checksumming while this one is sent.
             self.ahead = self.spawn_next_batch();
         }
-        let Some(front) = self.ready.front_mut() else {
-            return Ok(CheckedChunk::new(Bytes::new()));
-        };
-        Ok(if front.len() <= max {
-            self.ready
-                .pop_front()
-                .unwrap_or_else(|| CheckedChunk::new(Bytes::new()))
-        } else {
-            // Less credit than a chunk: only the part sent now is read again.
-            front.split_to(max)
+        Ok(match self.ready.pop_front() {
+            None => CheckedChunk::new(Bytes::new()),
+            Some(mut chunk) if chunk.len() > max => {
+                // Less credit than a chunk: only the part sent now is read again.
+                let head = chunk.split_to(max);
+                self.ready.push_front(chunk);
+                head
+            }
+            Some(chunk) => chunk,
         })
     }
 

@@ -40,13 +40,29 @@ impl FrameStream {
         })
     }
 
-    /// The next frame if one arrives within `within`; `None` on a timeout, an error or the
-    /// end of the stream (for reading what explains a stop, after the fact).
-    pub(crate) async fn frame_within(&mut self, within: std::time::Duration) -> Option<Frame> {
-        tokio::time::timeout(within, self.next_frame())
-            .await
-            .ok()?
-            .ok()
+    /// When the peer stopped our half (`error`, from a failed write), the CANCEL or REJECT
+    /// it sent first says why: reads frames for up to `within` each and returns the error
+    /// `handle` makes of one, else `error`. The stop can overtake that frame: both leave in
+    /// one packet, and the stop is acted on when the packet arrives, the frame only when the
+    /// stream is read.
+    pub(crate) async fn explain_stop(
+        &mut self,
+        error: TransportError,
+        within: std::time::Duration,
+        mut handle: impl FnMut(Frame) -> Result<(), ProtocolError>,
+    ) -> TransportError {
+        if !matches!(
+            &error,
+            TransportError::Protocol(ProtocolError::Remote { .. })
+        ) {
+            return error;
+        }
+        while let Ok(Ok(frame)) = tokio::time::timeout(within, self.next_frame()).await {
+            if let Err(reason) = handle(frame) {
+                return reason.into();
+            }
+        }
+        error
     }
 
     /// The next frame, or `None` when the peer finished its half at a frame boundary.

@@ -41,6 +41,25 @@ pub(super) struct Accepted {
     early_ended: bool,
 }
 
+/// Hands one frame of stream `id` to its connection's session, which moves its credit.
+fn handle_checked(
+    connection: &ConnectionState,
+    shared: &Shared,
+    id: StreamId,
+    frame: CheckedFrame,
+) -> Result<SessionEvent, ProtocolError> {
+    let mut session = connection.session();
+    let window_was_full = session.connection_window_left() == 0;
+    let event = shared
+        .budget
+        .with_tracker(|credit| session.handle_checked(id, frame, credit));
+    if window_was_full && session.connection_window_left() > 0 {
+        // DATA reopened the connection's window: its streams waiting on it may grant.
+        connection.window_opened.notify_waiters();
+    }
+    event
+}
+
 /// How long a stopped stream is read for the CANCEL that explains the stop.
 const STOP_EXPLAINED_WITHIN: std::time::Duration = std::time::Duration::from_millis(200);
 
@@ -109,17 +128,7 @@ impl Accepted {
     }
 
     fn handle_checked(&self, frame: CheckedFrame) -> Result<SessionEvent, ProtocolError> {
-        let mut session = self.connection.session();
-        let window_was_full = session.connection_window_left() == 0;
-        let event = self
-            .shared
-            .budget
-            .with_tracker(|credit| session.handle_checked(self.id, frame, credit));
-        if window_was_full && session.connection_window_left() > 0 {
-            // DATA reopened the connection's window: its streams waiting on it may grant.
-            self.connection.window_opened.notify_waiters();
-        }
-        event
+        handle_checked(&self.connection, &self.shared, self.id, frame)
     }
 
     /// Reads METADATA and asks the application; `None` if the tensor was rejected.
@@ -393,23 +402,18 @@ impl Accepted {
         Ok(finish.await)
     }
 
-    /// When the sender stopped our half (a write failed), the CANCEL it sent first says why:
-    /// read it if it came. The stop can overtake it, as both leave in one packet and the
-    /// stop is acted on when the packet arrives, the CANCEL only when the stream is read.
+    /// When the sender stopped our half (a write failed), the CANCEL it sent first says why
+    /// ([`FrameStream::explain_stop`]), unless the tensor already ended otherwise.
     async fn explain_stop(&mut self, error: TransportError) -> TransportError {
-        let stopped = matches!(
-            &error,
-            TransportError::Protocol(ProtocolError::Remote { .. })
-        );
-        if !stopped || self.connection.session().ending(self.id).is_some() {
+        if self.connection.session().ending(self.id).is_some() {
             return error;
         }
-        while let Some(frame) = self.stream.frame_within(STOP_EXPLAINED_WITHIN).await {
-            if let Err(reason) = self.handle(frame) {
-                return reason.into();
-            }
-        }
-        error
+        let (connection, shared, id) = (&self.connection, &self.shared, self.id);
+        self.stream
+            .explain_stop(error, STOP_EXPLAINED_WITHIN, |frame| {
+                handle_checked(connection, shared, id, CheckedFrame::new(frame)).map(drop)
+            })
+            .await
     }
 
     /// Writes what the session queued for this stream.
