@@ -15,11 +15,15 @@ listening_address() {
 # CONNECTIONS_EACH connections, MIB_EACH MiB per connection, each client on two tokio
 # workers per connection as `sender` runs. Prints the rate in Gbit/s, from the first
 # client's start to the last one's exit. RAW_SERVER_FLAGS adds server flags (e.g.
-# "--steering address").
+# "--steering address"). Client i sends the ith SOURCE (the last one where fewer are given):
+# a file, mapped as `sender` maps the files it sends, or `hot`, one 4 MiB buffer again and
+# again, which stays in the CPU's cache (the anchor of figures before 2026-11-25).
 #
-#   raw_quinn_as_processes BIN_DIR WORK_DIR PROCESSES CONNECTIONS_EACH MIB_EACH
+#   raw_quinn_as_processes BIN_DIR WORK_DIR PROCESSES CONNECTIONS_EACH MIB_EACH SOURCE...
 raw_quinn_as_processes() {
   local bin=$1 work=$2 processes=$3 each=$4 mib=$5
+  shift 5
+  local sources=("$@")
   local connections=$((processes * each)) workers=$((2 * each)) server addr start end
   [ "$workers" -le "$(nproc)" ] || workers=$(nproc)
   "$bin/bench" --raw-server "$work/raw.der" --connections "$connections" --mtu 6000 \
@@ -28,9 +32,11 @@ raw_quinn_as_processes() {
   addr=$(listening_address "$work/raw-server.log")
   start=$(date +%s.%N)
   local pids=() failed=0
+  local source
   for i in $(seq "$processes"); do
+    source=${sources[$((i <= ${#sources[@]} ? i - 1 : ${#sources[@]} - 1))]}
     TOKIO_WORKER_THREADS=$workers "$bin/bench" --raw-client "$addr" --cert "$work/raw.der" \
-      --connections "$each" --mtu 6000 --mib "$mib" > "$work/raw-client-$i.log" 2>&1 &
+      --connections "$each" --mtu 6000 --mib "$mib" --source "$source" > "$work/raw-client-$i.log" 2>&1 &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || failed=1; done

@@ -8,7 +8,8 @@
 # 16 × 256 MiB = 4 GiB), starts `receiver --device DEVICE` (default cuda:0; host for host
 # memory), sends the file with `sender --connections CONNECTIONS` (default 8), and prints
 # the rate beside raw quinn's (both sides in one process, and as two processes like the
-# programs) and the ratios. Every tensor is checked end to end by its
+# programs), each sending the same file and, as the anchors of earlier figures did, a
+# cache-hot buffer, and the ratios. Every tensor is checked end to end by its
 # CRC-32C before the receiver says COMPLETE. BIN_DIR holds receiver, sender and bench.
 # RECEIVER_FLAGS adds receiver flags (e.g. "--steering address"), SENDER_FLAGS the sender's
 # (e.g. "--no-split"), RAW_SERVER_FLAGS the raw quinn server's. With one tensor
@@ -51,21 +52,30 @@ cat "$work/sender.log"
 grep -o "peak credit held.*" "$work/receiver.log" || true
 total_mib=$((tensors * mib))
 gbit=$(awk -v b="$total_mib" -v s="$start" -v e="$end" 'BEGIN { print b * 1048576 * 8 / (e - s) / 1e9 }')
-raw=$("$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
-  --mib $((total_mib / connections)) 2>&1 | awk '/^ *raw quinn/ { print $4; exit }')
-raw=${raw:-0}
+# Raw quinn sends the same file, mapped as `sender` maps it (each connection its own part),
+# and, for comparison with figures before 2026-11-25, one 4 MiB buffer again and again, which
+# stays in the CPU's cache ("hot").
+"$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
+  --mib $((total_mib / connections)) --source "$work/model.safetensors" > "$work/bench.log" 2>&1 || true
+raw=$(awk '/^ *raw quinn +[0-9]/ { print $4; exit }' "$work/bench.log")
+raw_hot=$(awk '/^ *raw quinn, hot +[0-9]/ { print $5; exit }' "$work/bench.log")
 # Raw quinn with every endpoint's work on one shared runtime (`--endpoint-threads caller`).
-raw_shared=$("$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
-  --mib $((total_mib / connections)) --endpoint-threads caller 2>&1 | awk '/^ *raw quinn/ { print $4; exit }')
-printf 'raw quinn, %d connections, endpoints on one shared runtime: %s Gbit/s; ratio %s\n' \
-  "$connections" "${raw_shared:-0}" \
-  "$(awk -v g="$gbit" -v r="${raw_shared:-0}" 'BEGIN{ if (r > 0) printf "%.2f", g / r; else print "n/a" }')"
+"$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
+  --mib $((total_mib / connections)) --endpoint-threads caller --source "$work/model.safetensors" \
+  > "$work/bench-shared.log" 2>&1 || true
+raw_shared=$(awk '/^ *raw quinn +[0-9]/ { print $4; exit }' "$work/bench-shared.log")
+raw_shared_hot=$(awk '/^ *raw quinn, hot +[0-9]/ { print $5; exit }' "$work/bench-shared.log")
 # Raw quinn the way the programs run: one client process opening all the connections.
-raw_procs=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" $((total_mib / connections)))
-printf 'raw quinn as processes (1 server, 1 client, %d connections): %.1f Gbit/s; ratio %.2f\n' \
-  "$connections" "$raw_procs" "$(awk -v g="$gbit" -v r="$raw_procs" 'BEGIN { print g / r }')"
+raw_procs=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" $((total_mib / connections)) "$work/model.safetensors")
+raw_procs_hot=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" $((total_mib / connections)) hot)
+ratio() { awk -v g="$gbit" -v r="${1:-0}" 'BEGIN { if (r > 0) printf "%.2f", g / r; else print "n/a" }'; }
+printf 'raw quinn, %d connections, sending the same file (hot): in one process %s (%s) Gbit/s, on one shared runtime %s (%s), as processes (1 server, 1 client) %s (%s)\n' \
+  "$connections" "${raw:-n/a}" "${raw_hot:-n/a}" "${raw_shared:-n/a}" "${raw_shared_hot:-n/a}" "$raw_procs" "$raw_procs_hot"
+printf 'one sender / raw quinn sending the same file: %s in one process, %s on one shared runtime, %s as processes\n' \
+  "$(ratio "$raw")" "$(ratio "$raw_shared")" "$(ratio "$raw_procs")"
+printf 'one sender / raw quinn, hot: %s in one process, %s on one shared runtime, %s as processes\n' \
+  "$(ratio "$raw_hot")" "$(ratio "$raw_shared_hot")" "$(ratio "$raw_procs_hot")"
 printf 'one sender, %d connections -> receiver (%s): %d x %d MiB in %.2f s: %.1f Gbit/s (%.2f GB/s); raw quinn %d connections: %s Gbit/s; ratio %s; %d failed\n' \
   "$connections" "$device" "$tensors" "$mib" "$(awk -v s="$start" -v e="$end" 'BEGIN{print e-s}')" \
-  "$gbit" "$(awk -v g="$gbit" 'BEGIN{print g/8}')" "$connections" "$raw" \
-  "$(awk -v g="$gbit" -v r="$raw" 'BEGIN{ if (r > 0) printf "%.2f", g / r; else print "n/a" }')" "$failed"
+  "$gbit" "$(awk -v g="$gbit" 'BEGIN{print g/8}')" "$connections" "${raw:-n/a}" "$(ratio "$raw")" "$failed"
 [ "$failed" -eq 0 ]

@@ -12,7 +12,8 @@
 # per measurement: the rate, each side's CPU seconds per GiB, how busy the machine was, and
 # UDP datagrams the kernel dropped for want of socket buffer; then raw quinn's rate and CPU,
 # both sides in one process (bench: endpoints on threads of their own, then on one shared
-# runtime), and as processes like the programs'; last, the programs' ratio to each.
+# runtime), and as processes like the programs', each sending the same files and, as the
+# anchors of earlier figures did, a cache-hot buffer; last, the programs' ratio to each.
 set -euo pipefail
 . "$(dirname "$0")/common.sh"
 bin=$(cd "$1" && pwd)
@@ -67,22 +68,35 @@ fi
 grep -h "failed:" "$work"/sender-*.log || true
 grep -o "peak credit held.*" "$work/receiver.log" || true
 grep -E "tensors land|Error|error" "$work/receiver.log" | head -5 || true
+# Raw quinn sends the senders' files, mapped as `sender` maps them (in one process, each
+# connection its own part of the first file), and, for comparison with figures before
+# 2026-11-25, one 4 MiB buffer again and again, which stays in the CPU's cache ("hot").
 ( time "$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
-  > "$work/bench.log" 2>&1 ) 2> "$work/bench.time"
+  --source "$work/t1.bin" > "$work/bench.log" 2>&1 ) 2> "$work/bench.time"
 raw_one=$(awk '/^ *raw quinn +[0-9]/ { print $4; exit }' "$work/bench.log")
-printf 'raw quinn, both sides in one process, endpoints on threads of their own: %s Gbit/s\n' "${raw_one:-n/a}"
+raw_one_hot=$(awk '/^ *raw quinn, hot +[0-9]/ { print $5; exit }' "$work/bench.log")
+printf 'raw quinn, both sides in one process, endpoints on threads of their own: %s Gbit/s; hot %s\n' \
+  "${raw_one:-n/a}" "${raw_one_hot:-n/a}"
 # Raw quinn with every endpoint's work on the bench's one runtime (`--endpoint-threads
 # caller`), as quinn applications often run it: the faster anchor on some hosts.
-raw_shared=$("$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
-  --endpoint-threads caller 2>&1 | awk '/^ *raw quinn +[0-9]/ { print $4; exit }')
-printf 'raw quinn, endpoints on one shared runtime: %s Gbit/s\n' "${raw_shared:-n/a}"
-awk -v g="$gib" '{ printf "CPU: raw quinn, both sides in one process %.2f s (%.2f per GiB, setup included)\n", $2 + $3, ($2 + $3) / g }' "$work/bench.time"
+"$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
+  --endpoint-threads caller --source "$work/t1.bin" > "$work/bench-shared.log" 2>&1 || true
+raw_shared=$(awk '/^ *raw quinn +[0-9]/ { print $4; exit }' "$work/bench-shared.log")
+raw_shared_hot=$(awk '/^ *raw quinn, hot +[0-9]/ { print $5; exit }' "$work/bench-shared.log")
+printf 'raw quinn, endpoints on one shared runtime: %s Gbit/s; hot %s\n' \
+  "${raw_shared:-n/a}" "${raw_shared_hot:-n/a}"
+awk -v g="$gib" '{ printf "CPU: raw quinn, both sides in one process, both sources %.2f s (%.2f per GiB, setup included)\n", $2 + $3, ($2 + $3) / g / 2 }' "$work/bench.time"
 
 # Raw quinn the way the programs run: one client process per sender, timed the same way.
-raw_gbit=$(raw_quinn_as_processes "$bin" "$work" "$senders" 1 "$mib")
-printf 'raw quinn as processes: 1 server (%d endpoints) <- %d clients x %d MiB: %.1f Gbit/s\n' \
-  "$senders" "$senders" "$mib" "$raw_gbit"
+files=()
+for i in $(seq "$senders"); do files+=("$work/t$i.bin"); done
+raw_gbit=$(raw_quinn_as_processes "$bin" "$work" "$senders" 1 "$mib" "${files[@]}")
+raw_gbit_hot=$(raw_quinn_as_processes "$bin" "$work" "$senders" 1 "$mib" hot)
+printf 'raw quinn as processes: 1 server (%d endpoints) <- %d clients x %d MiB: %.1f Gbit/s; hot %.1f\n' \
+  "$senders" "$senders" "$mib" "$raw_gbit" "$raw_gbit_hot"
 ratio() { awk -v t="$gbit" -v r="${1:-0}" 'BEGIN { if (r > 0) printf "%.2f", t / r; else print "n/a" }'; }
-printf 'programs / raw quinn: %s in one process, %s on one shared runtime, %s as processes\n' \
+printf 'programs / raw quinn sending the same files: %s in one process, %s on one shared runtime, %s as processes\n' \
   "$(ratio "$raw_one")" "$(ratio "$raw_shared")" "$(ratio "$raw_gbit")"
+printf 'programs / raw quinn, hot: %s in one process, %s on one shared runtime, %s as processes\n' \
+  "$(ratio "$raw_one_hot")" "$(ratio "$raw_shared_hot")" "$(ratio "$raw_gbit_hot")"
 [ "$failed" -eq 0 ]

@@ -91,6 +91,133 @@ struct Args {
     /// `receiver` does by default) or address (the kernel's hash).
     #[arg(long, default_value = "connection-id", requires = "raw_server")]
     steering: tensorwire::quic::Steering,
+    /// What raw quinn and TCP + TLS send: by default a buffer in memory of `--tensor-mib`,
+    /// as large as each tensor of tensorwire's run, so all three read the same memory;
+    /// `hot`, one 4 MiB buffer sent again and again, which stays in the CPU's cache (the
+    /// anchor of figures before 2026-11-25); or a file's bytes, mapped read-only as
+    /// `sender` maps the files it sends (cycled through where `--mib` is larger).
+    #[arg(long, value_name = "hot|FILE")]
+    source: Option<RawSource>,
+}
+
+/// What the raw transports send (`--source`).
+#[derive(Clone, Debug)]
+enum RawSource {
+    /// One `CHUNK` buffer, again and again: stays in the CPU's cache.
+    Hot,
+    /// A file's bytes, mapped read-only.
+    File(std::path::PathBuf),
+}
+
+impl std::str::FromStr for RawSource {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "hot" => RawSource::Hot,
+            path => RawSource::File(path.into()),
+        })
+    }
+}
+
+impl RawSource {
+    /// The bytes to send; `None` is a buffer of `tensor_bytes`, as tensorwire's run sends.
+    fn load(source: Option<&RawSource>, tensor_bytes: u64) -> anyhow::Result<Loaded> {
+        match source {
+            None => Ok(Loaded::Memory(payload(tensor_bytes as usize))),
+            Some(RawSource::Hot) => Ok(Loaded::Memory(payload(CHUNK))),
+            Some(RawSource::File(path)) => {
+                let file = std::fs::File::open(path)
+                    .map_err(|e| anyhow::anyhow!("--source {}: {e}", path.display()))?;
+                anyhow::ensure!(
+                    file.metadata()?.len() > 0,
+                    "--source {}: empty",
+                    path.display()
+                );
+                #[allow(unsafe_code)]
+                // SAFETY: a read-only private mapping of the benchmark's own input file, which
+                // nothing writes while the benchmark runs.
+                let map = unsafe { memmap2::Mmap::map(&file)? };
+                let _ = map.advise(memmap2::Advice::Sequential);
+                Ok(Loaded::Mapped(Bytes::from_owner(map)))
+            }
+        }
+    }
+}
+
+/// The bytes the raw transports send, and where they lie.
+#[derive(Clone)]
+enum Loaded {
+    /// In this process's memory.
+    Memory(Bytes),
+    /// A file's read-only mapping, faulted in as it is sent.
+    Mapped(Bytes),
+}
+
+impl Loaded {
+    /// The pieces the `k`th of `n` connections sends, `bytes` in all: from its own `k/n` of
+    /// these bytes, so that no two connections read the same memory at once, going round
+    /// as often as needed.
+    fn pieces(&self, (k, n): (usize, usize), bytes: u64) -> Pieces {
+        let (Loaded::Memory(data) | Loaded::Mapped(data)) = self;
+        let mut pieces = Pieces {
+            data: data.clone(),
+            at: (data.len() / n.max(1) * k) & !4095,
+            left: bytes,
+            upcoming: None,
+            faulting: None,
+            fault_ahead: matches!(self, Loaded::Mapped(_)),
+        };
+        pieces.upcoming = pieces.cut();
+        pieces
+    }
+}
+
+/// Pieces of at most `CHUNK` for one connection (`Loaded::pieces`). A mapping's pages are
+/// faulted in one piece ahead on the blocking pool, as `sender` does, so that no fault
+/// stalls the sending task.
+struct Pieces {
+    data: Bytes,
+    at: usize,
+    left: u64,
+    upcoming: Option<Bytes>,
+    faulting: Option<tokio::task::JoinHandle<u8>>,
+    fault_ahead: bool,
+}
+
+impl Pieces {
+    /// The next piece to send, its pages in memory; `None` after the last.
+    async fn next(&mut self) -> anyhow::Result<Option<Bytes>> {
+        let Some(piece) = self.upcoming.take() else {
+            return Ok(None);
+        };
+        if let Some(faulting) = self.faulting.take() {
+            faulting.await?;
+        }
+        self.upcoming = self.cut();
+        if let (true, Some(upcoming)) = (self.fault_ahead, &self.upcoming) {
+            let upcoming = upcoming.clone();
+            // Reading a byte of each page faults it in.
+            self.faulting = Some(tokio::task::spawn_blocking(move || {
+                std::hint::black_box(upcoming.iter().step_by(4096).fold(0, |a, b| a ^ b))
+            }));
+        }
+        Ok(Some(piece))
+    }
+
+    fn cut(&mut self) -> Option<Bytes> {
+        if self.left == 0 {
+            return None;
+        }
+        let n = self
+            .left
+            .min(CHUNK as u64)
+            .min((self.data.len() - self.at) as u64) as usize;
+        let piece = self.data.slice(self.at..self.at + n);
+        self.at = (self.at + n) % self.data.len();
+        self.left -= n as u64;
+        Some(piece)
+    }
 }
 
 /// Write granularity for the raw transports, like tensorwire's DATA payloads.
@@ -132,7 +259,10 @@ struct Report {
     cores: usize,
     mtu: u16,
     throughput: Vec<Throughput>,
+    /// (connections, tensorwire's rate / raw quinn's from `--source`)
     ratio_tensorwire_over_quinn: Vec<(usize, f64)>,
+    /// (connections, tensorwire's rate / raw quinn's from a cache-hot 4 MiB buffer)
+    ratio_tensorwire_over_hot_quinn: Vec<(usize, f64)>,
     latency: Vec<Latency>,
     gpu: Option<GpuReport>,
 }
@@ -210,15 +340,18 @@ async fn raw_quinn_serve(conn: quinn::Connection) -> anyhow::Result<u64> {
     Ok(got)
 }
 
-/// Sends `bytes` on one stream of `conn` in `CHUNK` writes of `data` (cached), finishes
-/// it, and checks the server's count.
-async fn raw_quinn_send(conn: &quinn::Connection, data: &Bytes, bytes: u64) -> anyhow::Result<()> {
+/// Sends `bytes` of `data` on one stream of `conn`, the `part.0`th of `part.1` connections,
+/// in `CHUNK` writes, finishes it, and checks the server's count.
+async fn raw_quinn_send(
+    conn: &quinn::Connection,
+    data: &Loaded,
+    part: (usize, usize),
+    bytes: u64,
+) -> anyhow::Result<()> {
     let (mut send, mut recv) = conn.open_bi().await?;
-    let mut left = bytes;
-    while left > 0 {
-        let n = left.min(CHUNK as u64) as usize;
-        send.write_chunk(data.slice(..n)).await?;
-        left -= n as u64;
+    let mut pieces = data.pieces(part, bytes);
+    while let Some(piece) = pieces.next().await? {
+        send.write_chunk(piece).await?;
     }
     send.finish()?;
     let mut ack = [0u8; 8];
@@ -234,13 +367,13 @@ type RawClient = (quinn::Endpoint, tokio::runtime::Handle, quinn::Connection);
 /// connection (its endpoint's runtime, as tensorwire's sends run).
 async fn raw_quinn_send_on_each(
     clients: &[RawClient],
-    data: &Bytes,
+    data: &Loaded,
     bytes: u64,
 ) -> anyhow::Result<()> {
     let mut sends = Vec::new();
-    for (_, runtime, conn) in clients {
-        let (conn, data) = (conn.clone(), data.clone());
-        sends.push(runtime.spawn(async move { raw_quinn_send(&conn, &data, bytes).await }));
+    for (k, (_, runtime, conn)) in clients.iter().enumerate() {
+        let (conn, data, part) = (conn.clone(), data.clone(), (k, clients.len()));
+        sends.push(runtime.spawn(async move { raw_quinn_send(&conn, &data, part, bytes).await }));
     }
     for send in sends {
         send.await??;
@@ -297,9 +430,9 @@ async fn raw_quinn_client_process(
     connections: usize,
     bytes: u64,
     mtu: u16,
+    data: Loaded,
 ) -> anyhow::Result<()> {
     let cert = rustls::pki_types::CertificateDer::from(std::fs::read(cert_file)?);
-    let data = payload(CHUNK);
     let mut clients = Vec::new();
     for _ in 0..connections.max(1) {
         let (client, runtime, config) = quinn_client(mtu, &cert)?;
@@ -349,8 +482,12 @@ fn quinn_client(
     Ok((endpoint, runtime, config))
 }
 
-async fn raw_quinn(connections: usize, bytes_per_conn: u64, mtu: u16) -> anyhow::Result<f64> {
-    let data = payload(CHUNK);
+async fn raw_quinn(
+    connections: usize,
+    bytes_per_conn: u64,
+    mtu: u16,
+    data: &Loaded,
+) -> anyhow::Result<f64> {
     let mut servers = Vec::new();
     let mut clients = Vec::new();
     for _ in 0..connections {
@@ -370,7 +507,7 @@ async fn raw_quinn(connections: usize, bytes_per_conn: u64, mtu: u16) -> anyhow:
         clients.push((client, client_runtime, conn));
     }
     let started = Instant::now();
-    raw_quinn_send_on_each(&clients, &data, bytes_per_conn).await?;
+    raw_quinn_send_on_each(&clients, data, bytes_per_conn).await?;
     let seconds = started.elapsed().as_secs_f64();
     for (client, _, conn) in clients {
         if std::env::var_os("BENCH_STATS").is_some() {
@@ -569,7 +706,7 @@ async fn tensorwire_run(
 
 // ---------------------------------------------------------------- (c) TCP + TLS
 
-async fn tcp_tls(connections: usize, bytes_per_conn: u64) -> anyhow::Result<f64> {
+async fn tcp_tls(connections: usize, bytes_per_conn: u64, data: &Loaded) -> anyhow::Result<f64> {
     let cert = tensorwire::quic::tls::DevCertificate::generate()?;
     let key = rustls::pki_types::PrivateKeyDer::try_from(cert.key_der())
         .map_err(|e| anyhow::anyhow!("key: {e}"))?;
@@ -621,17 +758,14 @@ async fn tcp_tls(connections: usize, bytes_per_conn: u64) -> anyhow::Result<f64>
         tcp.set_nodelay(true)?;
         streams.push(connector.connect("localhost".try_into()?, tcp).await?);
     }
-    let data = payload(CHUNK);
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for mut tls in streams {
+    for (k, mut tls) in streams.into_iter().enumerate() {
         let data = data.clone();
         tasks.push(tokio::spawn(async move {
-            let mut left = bytes_per_conn;
-            while left > 0 {
-                let n = left.min(CHUNK as u64) as usize;
-                tls.write_all(&data[..n]).await?;
-                left -= n as u64;
+            let mut pieces = data.pieces((k, connections), bytes_per_conn);
+            while let Some(piece) = pieces.next().await? {
+                tls.write_all(&piece).await?;
             }
             tls.shutdown().await?; // close_notify, then the TCP write half
             let mut ack = [0u8; 8];
@@ -1027,22 +1161,35 @@ async fn main() -> anyhow::Result<()> {
         let count = args.connections.first().copied().unwrap_or(1);
         return raw_quinn_server_process(cert, count, args.mtu, args.steering).await;
     }
-    if let (Some(addr), Some(cert)) = (args.raw_client, &args.cert) {
-        let connections = args.connections.first().copied().unwrap_or(1);
-        return raw_quinn_client_process(addr, cert, connections, mib << 20, args.mtu).await;
-    }
-    let runs = if args.quick { 1 } else { args.runs };
     let bytes = mib << 20;
     let tensor_bytes = (args.tensor_mib << 20).min(bytes);
+    let source = RawSource::load(args.source.as_ref(), tensor_bytes)?;
+    if let (Some(addr), Some(cert)) = (args.raw_client, &args.cert) {
+        let connections = args.connections.first().copied().unwrap_or(1);
+        return raw_quinn_client_process(addr, cert, connections, bytes, args.mtu, source).await;
+    }
+    let runs = if args.quick { 1 } else { args.runs };
+    // The anchor of earlier figures, beside the like-for-like one.
+    let hot = match args.source {
+        Some(RawSource::Hot) => None,
+        _ => Some(Loaded::Memory(payload(CHUNK))),
+    };
     let mut throughput = Vec::new();
     let mut ratios = Vec::new();
+    let mut hot_ratios = Vec::new();
     for &n in &args.connections {
         let wanted = |name: &str| args.only.as_deref().is_none_or(|only| only == name);
         let skipped = f64::NAN;
         let quinn_s = if wanted("raw-quinn") {
-            best_of(runs, async || raw_quinn(n, bytes, args.mtu).await).await?
+            best_of(runs, async || raw_quinn(n, bytes, args.mtu, &source).await).await?
         } else {
             skipped
+        };
+        let hot_quinn_s = match &hot {
+            Some(hot) if wanted("raw-quinn") => {
+                best_of(runs, async || raw_quinn(n, bytes, args.mtu, hot).await).await?
+            }
+            _ => skipped,
         };
         let tw_s = if wanted("tensorwire") {
             {
@@ -1061,16 +1208,20 @@ async fn main() -> anyhow::Result<()> {
             skipped
         };
         let tcp_s = if wanted("tcp-tls") {
-            best_of(runs, async || tcp_tls(n, bytes).await).await?
+            best_of(runs, async || tcp_tls(n, bytes, &source).await).await?
         } else {
             skipped
         };
         let total = bytes * n as u64;
         for (transport, seconds) in [
             ("raw quinn", quinn_s),
+            ("raw quinn, hot", hot_quinn_s),
             ("tensorwire", tw_s),
             ("TCP+TLS", tcp_s),
         ] {
+            if transport == "raw quinn, hot" && hot.is_none() {
+                continue;
+            }
             let gbit_per_s = total as f64 * 8.0 / seconds / 1e9;
             throughput.push(Throughput {
                 transport,
@@ -1081,6 +1232,7 @@ async fn main() -> anyhow::Result<()> {
             });
         }
         ratios.push((n, quinn_s / tw_s));
+        hot_ratios.push((n, hot_quinn_s / tw_s));
     }
     let samples = match (args.only.as_deref(), args.quick) {
         (Some("latency"), true) => 300,
@@ -1122,18 +1274,35 @@ async fn main() -> anyhow::Result<()> {
         "throughput, loopback, MTU {} ({mib} MiB per connection, best of {runs}):",
         args.mtu
     );
+    let source_name = match &args.source {
+        None => format!(
+            "a {} MiB buffer, as tensorwire's tensors",
+            tensor_bytes >> 20
+        ),
+        Some(RawSource::Hot) => "one 4 MiB buffer again and again (cache-hot)".to_owned(),
+        Some(RawSource::File(path)) => format!("{}, mapped", path.display()),
+    };
+    println!("  raw quinn and TCP+TLS send from {source_name}");
+    if hot.is_some() {
+        println!("  \"raw quinn, hot\" sends one 4 MiB buffer again and again (cache-hot)");
+    }
     println!(
-        "  {:<12} {:>5} {:>12} {:>10}",
+        "  {:<15} {:>5} {:>12} {:>10}",
         "transport", "conns", "Gbit/s", "seconds"
     );
     for t in &throughput {
         println!(
-            "  {:<12} {:>5} {:>12.2} {:>10.3}",
+            "  {:<15} {:>5} {:>12.2} {:>10.3}",
             t.transport, t.connections, t.gbit_per_s, t.seconds
         );
     }
-    for (n, ratio) in &ratios {
-        println!("  tensorwire / raw quinn, {n} connection(s): {ratio:.3}");
+    for ((n, ratio), (_, hot_ratio)) in ratios.iter().zip(&hot_ratios) {
+        match hot {
+            Some(_) => println!(
+                "  tensorwire / raw quinn, {n} connection(s): {ratio:.3}; / raw quinn, hot: {hot_ratio:.3}"
+            ),
+            None => println!("  tensorwire / raw quinn, {n} connection(s): {ratio:.3}"),
+        }
     }
     println!("latency, one {size}-byte message at a time ({samples} samples):");
     for l in &latency {
@@ -1181,6 +1350,7 @@ async fn main() -> anyhow::Result<()> {
         mtu: args.mtu,
         throughput,
         ratio_tensorwire_over_quinn: ratios,
+        ratio_tensorwire_over_hot_quinn: hot_ratios,
         latency,
         gpu,
     };
