@@ -17,7 +17,7 @@ listening_address() {
 # client's start to the last one's exit. RAW_SERVER_FLAGS adds server flags (e.g.
 # "--steering address"). Client i sends the ith SOURCE (the last one where fewer are given):
 # a file, mapped as `sender` maps the files it sends, or `hot`, one 4 MiB buffer again and
-# again, which stays in the CPU's cache (the anchor of figures before 2026-11-25).
+# again, which stays in the CPU's cache (the anchor of earlier figures).
 #
 #   raw_quinn_as_processes BIN_DIR WORK_DIR PROCESSES CONNECTIONS_EACH MIB_EACH SOURCE...
 raw_quinn_as_processes() {

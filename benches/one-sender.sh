@@ -53,8 +53,8 @@ grep -o "peak credit held.*" "$work/receiver.log" || true
 total_mib=$((tensors * mib))
 gbit=$(awk -v b="$total_mib" -v s="$start" -v e="$end" 'BEGIN { print b * 1048576 * 8 / (e - s) / 1e9 }')
 # Raw quinn sends the same file, mapped as `sender` maps it (each connection its own part),
-# and, for comparison with figures before 2026-11-25, one 4 MiB buffer again and again, which
-# stays in the CPU's cache ("hot").
+# and, as the anchors of earlier figures did, one 4 MiB buffer again and again, which stays
+# in the CPU's cache ("hot").
 "$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
   --mib $((total_mib / connections)) --source "$work/model.safetensors" > "$work/bench.log" 2>&1 || true
 raw=$(awk '/^ *raw quinn +[0-9]/ { print $4; exit }' "$work/bench.log")

@@ -69,8 +69,8 @@ grep -h "failed:" "$work"/sender-*.log || true
 grep -o "peak credit held.*" "$work/receiver.log" || true
 grep -E "tensors land|Error|error" "$work/receiver.log" | head -5 || true
 # Raw quinn sends the senders' files, mapped as `sender` maps them (in one process, each
-# connection its own part of the first file), and, for comparison with figures before
-# 2026-11-25, one 4 MiB buffer again and again, which stays in the CPU's cache ("hot").
+# connection its own part of the first file), and, as the anchors of earlier figures did,
+# one 4 MiB buffer again and again, which stays in the CPU's cache ("hot").
 ( time "$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
   --source "$work/t1.bin" > "$work/bench.log" 2>&1 ) 2> "$work/bench.time"
 raw_one=$(awk '/^ *raw quinn +[0-9]/ { print $4; exit }' "$work/bench.log")

@@ -94,7 +94,7 @@ struct Args {
     /// What raw quinn and TCP + TLS send: by default a buffer in memory of `--tensor-mib`,
     /// as large as each tensor of tensorwire's run, so all three read the same memory;
     /// `hot`, one 4 MiB buffer sent again and again, which stays in the CPU's cache (the
-    /// anchor of figures before 2026-11-25); or a file's bytes, mapped read-only as
+    /// anchor of earlier figures); or a file's bytes, mapped read-only as
     /// `sender` maps the files it sends (cycled through where `--mib` is larger).
     #[arg(long, value_name = "hot|FILE")]
     source: Option<RawSource>,
