@@ -130,8 +130,6 @@ pub struct TensorSender {
     crc: u32,
     outgoing: VecDeque<Frame>,
     ending: Option<ProtocolError>,
-    /// Sent early (spec §7.6), whatever the state now.
-    early: bool,
 }
 
 impl TensorSender {
@@ -149,7 +147,6 @@ impl TensorSender {
             crc: 0,
             outgoing,
             ending: None,
-            early: false,
         })
     }
 
@@ -171,18 +168,6 @@ impl TensorSender {
     /// Payload bytes sent so far.
     pub fn sent(&self) -> u64 {
         self.sent
-    }
-
-    /// Whether END is queued and our half of the stream ends with it (spec §4 lets a sender
-    /// finish right after END). A tensor sent early does: its whole exchange is one round
-    /// trip, and a FIN of its own after COMPLETE would cost each side a packet per tensor.
-    /// A CANCEL can no longer follow; stopping the receiver's half says it instead (§4).
-    pub fn ends_half_with_end(&self) -> bool {
-        self.early
-            && matches!(
-                self.state,
-                SenderState::FinishedEarly | SenderState::AwaitingComplete
-            )
     }
 
     /// Bytes granted and not yet sent.
@@ -217,7 +202,6 @@ impl TensorSender {
         }
         self.outgoing.push_front(Frame::Early(Early));
         self.state = SenderState::SendingEarly;
-        self.early = true;
         self.granted = self.meta.byte_len();
         self.max_data_payload = max_data_payload.into();
         Ok(())

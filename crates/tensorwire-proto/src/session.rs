@@ -511,12 +511,6 @@ impl Session {
         self.outgoing(id)?.finish()
     }
 
-    /// Whether our half of stream `id` ends with the END now queued on it: see
-    /// [`TensorSender::ends_half_with_end`].
-    pub fn ends_half_with_end(&self, id: StreamId) -> bool {
-        matches!(self.tensors.get(&id), Some(Tensor::Outgoing(t)) if t.ends_half_with_end())
-    }
-
     /// Whether our tensor on `id` may send DATA (accepted, or sent early) and has not
     /// finished.
     pub fn is_sending(&self, id: StreamId) -> bool {

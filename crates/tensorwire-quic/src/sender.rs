@@ -653,13 +653,8 @@ impl OutgoingTensor {
                     session.finish(id)?;
                 }
             }
+            // Our half stays open after END, so that a CANCEL can still follow it (spec §4).
             self.flush().await?;
-            // A tensor sent early finishes its half right after END, so the FIN leaves in
-            // END's packet; any other keeps it open, so that a CANCEL can still follow END
-            // while the receiver lands the tensor (spec §4).
-            if self.session.lock().ends_half_with_end(id) {
-                self.stream.finish();
-            }
             let frame = tokio::select! {
                 frame = next_frame_while_progressing(&mut self.stream, connection, progress_timeout) => frame?,
                 _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),

@@ -577,40 +577,6 @@ async fn early_credit_is_topped_up_as_tensors_use_it() {
     tx.close().await;
 }
 
-/// Spec §4: a tensor sent early finishes its half right after END, so its FIN leaves in the
-/// same STREAM frame as its bytes: one frame per tensor, not a second one carrying only the
-/// FIN after COMPLETE (a packet each way per tensor).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_early_tensor_ends_its_half_with_its_end() {
-    let (mut rx, addr) = receiver(receiver_config()).await;
-    let tx = sender(addr).await;
-    for _ in 0..500 {
-        if tx.early_allowance().is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(tx.early_allowance(), Some(receiver_config().early_credit));
-    let frames_before = tx.connection_stats().frame_tx.stream;
-    let tensors = 20;
-    for i in 0..tensors {
-        let send = tx.send(u8_meta("small", 4096), pattern(4096, i));
-        let (_, bytes) = land_host(rx.next().await.unwrap()).await;
-        assert_eq!(bytes, pattern(4096, i));
-        send.finished().await.unwrap();
-        // Whatever the sender still had to send for this tensor has gone out.
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let frames = tx.connection_stats().frame_tx.stream - frames_before;
-    // One frame each; a FIN of its own would make it two. (A FIN can still miss its frame
-    // where the connection's driver sends the bytes before the stream is finished.)
-    assert!(
-        frames * 2 < tensors * 3,
-        "{frames} STREAM frames for {tensors} early tensors"
-    );
-    tx.close().await;
-}
-
 /// The credit `rx` holds once it reaches `bytes`, or after 5 s, whichever comes first: bytes
 /// held before the application decided came early (spec §7.6).
 async fn held_within_5s(rx: &tensorwire_quic::Receiver, bytes: u64) -> u64 {
