@@ -133,6 +133,49 @@ async fn the_sender_cancels_while_awaiting_complete() {
     cancel_sender_and_check(send, handle, &rx).await;
 }
 
+/// Spec §4, §7.6: a tensor sent early keeps its half open after END, so a cancel after END
+/// still goes as CANCEL, and the sender reports it only once the receiver has it. The
+/// receiver, still deciding, finds it on ACCEPT, and the early bytes return to the budget.
+/// (A sender that finished its half with END could only stop the receiver's, unacknowledged:
+/// the receiver could land the tensor after the sender reported it cancelled.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sender_cancels_an_early_tensor_after_its_end() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let tx = sender(addr).await;
+    for _ in 0..500 {
+        if tx.early_allowance().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(tx.early_allowance().is_some(), "no early credit offered");
+    let send = tx.send(u8_meta("early", 4096), pattern(4096, 1));
+    let incoming = rx.next().await.unwrap();
+    while rx.budget().held < 4096 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(send.sent_bytes(), 4096, "sent early, END included");
+    send.cancel();
+    assert_eq!(
+        send.finished().await.unwrap_err().code(),
+        Some(ErrorCode::CANCELLED)
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await; // the stop reaches the receiver
+    let received = incoming
+        .accept_host()
+        .await
+        .unwrap()
+        .finished()
+        .await
+        .unwrap_err();
+    assert_eq!(
+        remote_code(&received),
+        Some(ErrorCode::CANCELLED),
+        "{received}"
+    );
+    assert_budget_returned(&rx).await;
+}
+
 #[tokio::test]
 async fn the_receiver_rejects_with_a_code_and_reason() {
     let (mut rx, addr) = receiver(receiver_config()).await;
