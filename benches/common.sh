@@ -46,3 +46,19 @@ raw_quinn_as_processes() {
   awk -v b="$((connections * mib))" -v s="$start" -v e="$end" \
     'BEGIN { printf "%.1f\n", b * 1048576 * 8 / (e - s) / 1e9 }'
 }
+
+# Raw quinn with both sides in one process (`bench --only raw-quinn`, one run): CONNECTIONS
+# connections of MIB_EACH MiB sending SOURCE (a file, each connection its own part), then,
+# beside it, one 4 MiB buffer that stays in the CPU's cache. Prints both rates in Gbit/s,
+# "SAME HOT", n/a for a rate that did not come. BENCH_ARGS go to bench as they are (e.g.
+# --endpoint-threads caller).
+#
+#   raw_quinn_in_process BIN_DIR CONNECTIONS MIB_EACH SOURCE [BENCH_ARGS...]
+raw_quinn_in_process() {
+  local bin=$1 connections=$2 mib=$3 source=$4 log
+  shift 4
+  log=$("$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
+    --mib "$mib" --source "$source" "$@" 2>&1) || true
+  awk '/^ *raw quinn +[0-9]/ { same = $4 } /^ *raw quinn, hot +[0-9]/ { hot = $5 }
+    END { print (same == "" ? "n/a" : same), (hot == "" ? "n/a" : hot) }' <<< "$log"
+}

@@ -55,22 +55,17 @@ gbit=$(awk -v b="$total_mib" -v s="$start" -v e="$end" 'BEGIN { print b * 104857
 # Raw quinn sends the same file, mapped as `sender` maps it (each connection its own part),
 # and, as the anchors of earlier figures did, one 4 MiB buffer again and again, which stays
 # in the CPU's cache ("hot").
-"$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
-  --mib $((total_mib / connections)) --source "$work/model.safetensors" > "$work/bench.log" 2>&1 || true
-raw=$(awk '/^ *raw quinn +[0-9]/ { print $4; exit }' "$work/bench.log")
-raw_hot=$(awk '/^ *raw quinn, hot +[0-9]/ { print $5; exit }' "$work/bench.log")
+each=$((total_mib / connections))
+read -r raw raw_hot < <(raw_quinn_in_process "$bin" "$connections" "$each" "$work/model.safetensors")
 # Raw quinn with every endpoint's work on one shared runtime (`--endpoint-threads caller`).
-"$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
-  --mib $((total_mib / connections)) --endpoint-threads caller --source "$work/model.safetensors" \
-  > "$work/bench-shared.log" 2>&1 || true
-raw_shared=$(awk '/^ *raw quinn +[0-9]/ { print $4; exit }' "$work/bench-shared.log")
-raw_shared_hot=$(awk '/^ *raw quinn, hot +[0-9]/ { print $5; exit }' "$work/bench-shared.log")
+read -r raw_shared raw_shared_hot < <(raw_quinn_in_process "$bin" "$connections" "$each" \
+  "$work/model.safetensors" --endpoint-threads caller)
 # Raw quinn the way the programs run: one client process opening all the connections.
-raw_procs=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" $((total_mib / connections)) "$work/model.safetensors")
-raw_procs_hot=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" $((total_mib / connections)) hot)
-ratio() { awk -v g="$gbit" -v r="${1:-0}" 'BEGIN { if (r > 0) printf "%.2f", g / r; else print "n/a" }'; }
+raw_procs=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" "$work/model.safetensors")
+raw_procs_hot=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" hot)
+ratio() { awk -v g="$gbit" -v r="${1:-0}" 'BEGIN { if (r + 0 > 0) printf "%.2f", g / r; else print "n/a" }'; }
 printf 'raw quinn, %d connections, sending the same file (hot): in one process %s (%s) Gbit/s, on one shared runtime %s (%s), as processes (1 server, 1 client) %s (%s)\n' \
-  "$connections" "${raw:-n/a}" "${raw_hot:-n/a}" "${raw_shared:-n/a}" "${raw_shared_hot:-n/a}" "$raw_procs" "$raw_procs_hot"
+  "$connections" "$raw" "$raw_hot" "$raw_shared" "$raw_shared_hot" "$raw_procs" "$raw_procs_hot"
 printf 'one sender / raw quinn sending the same file: %s in one process, %s on one shared runtime, %s as processes\n' \
   "$(ratio "$raw")" "$(ratio "$raw_shared")" "$(ratio "$raw_procs")"
 printf 'one sender / raw quinn, hot: %s in one process, %s on one shared runtime, %s as processes\n' \

@@ -71,20 +71,17 @@ grep -E "tensors land|Error|error" "$work/receiver.log" | head -5 || true
 # Raw quinn sends the senders' files, mapped as `sender` maps them (in one process, each
 # connection its own part of the first file), and, as the anchors of earlier figures did,
 # one 4 MiB buffer again and again, which stays in the CPU's cache ("hot").
-( time "$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
-  --source "$work/t1.bin" > "$work/bench.log" 2>&1 ) 2> "$work/bench.time"
-raw_one=$(awk '/^ *raw quinn +[0-9]/ { print $4; exit }' "$work/bench.log")
-raw_one_hot=$(awk '/^ *raw quinn, hot +[0-9]/ { print $5; exit }' "$work/bench.log")
+( time raw_quinn_in_process "$bin" "$senders" "$mib" "$work/t1.bin" > "$work/raw-one" ) \
+  2> "$work/bench.time"
+read -r raw_one raw_one_hot < "$work/raw-one"
 printf 'raw quinn, both sides in one process, endpoints on threads of their own: %s Gbit/s; hot %s\n' \
-  "${raw_one:-n/a}" "${raw_one_hot:-n/a}"
+  "$raw_one" "$raw_one_hot"
 # Raw quinn with every endpoint's work on the bench's one runtime (`--endpoint-threads
 # caller`), as quinn applications often run it: the faster anchor on some hosts.
-"$bin/bench" --only raw-quinn --connections "$senders" --mtu 6000 --runs 1 --mib "$mib" \
-  --endpoint-threads caller --source "$work/t1.bin" > "$work/bench-shared.log" 2>&1 || true
-raw_shared=$(awk '/^ *raw quinn +[0-9]/ { print $4; exit }' "$work/bench-shared.log")
-raw_shared_hot=$(awk '/^ *raw quinn, hot +[0-9]/ { print $5; exit }' "$work/bench-shared.log")
+read -r raw_shared raw_shared_hot < <(raw_quinn_in_process "$bin" "$senders" "$mib" \
+  "$work/t1.bin" --endpoint-threads caller)
 printf 'raw quinn, endpoints on one shared runtime: %s Gbit/s; hot %s\n' \
-  "${raw_shared:-n/a}" "${raw_shared_hot:-n/a}"
+  "$raw_shared" "$raw_shared_hot"
 awk -v g="$gib" '{ printf "CPU: raw quinn, both sides in one process, both sources %.2f s (%.2f per GiB, setup included)\n", $2 + $3, ($2 + $3) / g / 2 }' "$work/bench.time"
 
 # Raw quinn the way the programs run: one client process per sender, timed the same way.
@@ -94,7 +91,7 @@ raw_gbit=$(raw_quinn_as_processes "$bin" "$work" "$senders" 1 "$mib" "${files[@]
 raw_gbit_hot=$(raw_quinn_as_processes "$bin" "$work" "$senders" 1 "$mib" hot)
 printf 'raw quinn as processes: 1 server (%d endpoints) <- %d clients x %d MiB: %.1f Gbit/s; hot %.1f\n' \
   "$senders" "$senders" "$mib" "$raw_gbit" "$raw_gbit_hot"
-ratio() { awk -v t="$gbit" -v r="${1:-0}" 'BEGIN { if (r > 0) printf "%.2f", t / r; else print "n/a" }'; }
+ratio() { awk -v t="$gbit" -v r="${1:-0}" 'BEGIN { if (r + 0 > 0) printf "%.2f", t / r; else print "n/a" }'; }
 printf 'programs / raw quinn sending the same files: %s in one process, %s on one shared runtime, %s as processes\n' \
   "$(ratio "$raw_one")" "$(ratio "$raw_shared")" "$(ratio "$raw_gbit")"
 printf 'programs / raw quinn, hot: %s in one process, %s on one shared runtime, %s as processes\n' \

@@ -1185,11 +1185,13 @@ async fn main() -> anyhow::Result<()> {
         } else {
             skipped
         };
+        // None where `--source hot` made the first anchor the hot one.
         let hot_quinn_s = match &hot {
             Some(hot) if wanted("raw-quinn") => {
-                best_of(runs, async || raw_quinn(n, bytes, args.mtu, hot).await).await?
+                Some(best_of(runs, async || raw_quinn(n, bytes, args.mtu, hot).await).await?)
             }
-            _ => skipped,
+            Some(_) => Some(skipped),
+            None => None,
         };
         let tw_s = if wanted("tensorwire") {
             {
@@ -1213,15 +1215,13 @@ async fn main() -> anyhow::Result<()> {
             skipped
         };
         let total = bytes * n as u64;
-        for (transport, seconds) in [
-            ("raw quinn", quinn_s),
-            ("raw quinn, hot", hot_quinn_s),
-            ("tensorwire", tw_s),
-            ("TCP+TLS", tcp_s),
-        ] {
-            if transport == "raw quinn, hot" && hot.is_none() {
-                continue;
-            }
+        let rows = [
+            Some(("raw quinn", quinn_s)),
+            hot_quinn_s.map(|s| ("raw quinn, hot", s)),
+            Some(("tensorwire", tw_s)),
+            Some(("TCP+TLS", tcp_s)),
+        ];
+        for (transport, seconds) in rows.into_iter().flatten() {
             let gbit_per_s = total as f64 * 8.0 / seconds / 1e9;
             throughput.push(Throughput {
                 transport,
@@ -1232,7 +1232,9 @@ async fn main() -> anyhow::Result<()> {
             });
         }
         ratios.push((n, quinn_s / tw_s));
-        hot_ratios.push((n, hot_quinn_s / tw_s));
+        if let Some(hot_quinn_s) = hot_quinn_s {
+            hot_ratios.push((n, hot_quinn_s / tw_s));
+        }
     }
     let samples = match (args.only.as_deref(), args.quick) {
         (Some("latency"), true) => 300,
@@ -1296,9 +1298,10 @@ async fn main() -> anyhow::Result<()> {
             t.transport, t.connections, t.gbit_per_s, t.seconds
         );
     }
-    for ((n, ratio), (_, hot_ratio)) in ratios.iter().zip(&hot_ratios) {
+    for (n, ratio) in &ratios {
+        let hot = hot_ratios.iter().find(|(m, _)| m == n);
         match hot {
-            Some(_) => println!(
+            Some((_, hot_ratio)) => println!(
                 "  tensorwire / raw quinn, {n} connection(s): {ratio:.3}; / raw quinn, hot: {hot_ratio:.3}"
             ),
             None => println!("  tensorwire / raw quinn, {n} connection(s): {ratio:.3}"),
