@@ -239,6 +239,8 @@ struct Latency {
     samples: u64,
     p50_us: u64,
     p99_us: u64,
+    /// The whole process's CPU time per message, both ends included (Linux only).
+    cpu_us_per_message: Option<f64>,
 }
 
 #[derive(Serialize, Debug)]
@@ -804,108 +806,149 @@ enum Admission {
     Inline,
 }
 
-/// One tensor at a time, METADATA → COMPLETE, on one connection: in one round trip once the
-/// receiver's early credit (spec §7.6) has arrived, which is awaited first.
+/// One tensorwire connection for the latency runs: one tensor at a time, METADATA →
+/// COMPLETE, in one round trip once the receiver's early credit (spec §7.6) has arrived,
+/// which [`start`](Self::start) awaits.
+struct TensorwireLatency {
+    sender: Arc<Sender>,
+    server: tokio::task::JoinHandle<anyhow::Result<Receiver>>,
+    admission: Admission,
+    meta: TensorMeta,
+    data: Bytes,
+    samples: u64,
+}
+
+impl TensorwireLatency {
+    /// A receiver and a connected sender, for `samples` tensors of `size` bytes.
+    async fn start(
+        samples: u64,
+        size: usize,
+        mtu: u16,
+        admission: Admission,
+    ) -> anyhow::Result<Self> {
+        let mut config = ReceiverConfig::new(
+            "127.0.0.1:0".parse()?,
+            tensorwire::quic::ServerTls::Development,
+        );
+        config.transport = transport(mtu);
+        config.endpoints = 1;
+        let mut receiver = Receiver::bind(config).await?;
+        let addr = receiver.local_addr()?;
+        // Accepting starts the receive on the tensor's own task, which goes on with the
+        // handle dropped: the receiver's counts say at the end whether every tensor landed,
+        // so nothing is spawned or kept per tensor on the measured path.
+        if admission == Admission::Inline {
+            receiver.admit_with(|incoming| drop(incoming.accept(DiscardSink)))?;
+        }
+        let server = tokio::spawn(async move {
+            if admission == Admission::Queued {
+                for _ in 0..samples {
+                    let incoming = receiver
+                        .next()
+                        .await
+                        .ok_or_else(|| anyhow::anyhow!("closed"))?;
+                    drop(incoming.accept(DiscardSink));
+                }
+            }
+            anyhow::Ok(receiver)
+        });
+        let sender = Sender::connect(
+            addr,
+            SenderConfig {
+                transport: transport(mtu),
+                ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
+            },
+        )
+        .await?;
+        for _ in 0..1000 {
+            if sender.early_allowance().is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        match sender.early_allowance() {
+            Some(bytes) if bytes >= size as u64 => {
+                println!("tensorwire latency: {size}-byte tensors go early, in one round trip");
+            }
+            other => println!("tensorwire latency: no early credit for {size} bytes ({other:?})"),
+        }
+        Ok(Self {
+            sender: Arc::new(sender),
+            server,
+            admission,
+            meta: TensorMeta::new([size as u64], DType::U8)?.with_name("small"),
+            data: payload(size),
+            samples,
+        })
+    }
+
+    /// Sends `count` tensors one after another on the connection's own runtime (where a
+    /// latency-sensitive application runs its sends) and records each one's time.
+    async fn run(&self, count: u64) -> anyhow::Result<Histogram<u64>> {
+        let (sender, meta, data, admission) = (
+            self.sender.clone(),
+            self.meta.clone(),
+            self.data.clone(),
+            self.admission,
+        );
+        self.sender
+            .runtime()
+            .spawn(async move {
+                let mut h = histogram();
+                for _ in 0..count {
+                    let started = Instant::now();
+                    match admission {
+                        Admission::Queued => {
+                            sender.send(meta.clone(), data.clone()).finished().await?
+                        }
+                        Admission::Inline => sender.send_inline(meta.clone(), data.clone()).await?,
+                    };
+                    h.saturating_record(started.elapsed().as_micros() as u64);
+                }
+                anyhow::Ok(h)
+            })
+            .await?
+    }
+
+    /// Closes both ends and checks that every tensor was admitted and landed.
+    async fn finish(self) -> anyhow::Result<()> {
+        print_datagrams("tensorwire", &self.sender.connection_stats(), self.samples);
+        Arc::into_inner(self.sender)
+            .ok_or_else(|| anyhow::anyhow!("sender still shared"))?
+            .close()
+            .await;
+        let receiver = self.server.await??;
+        // A tensor's stream task counts it right after sending COMPLETE.
+        let mut landed = receiver.metrics();
+        for _ in 0..100 {
+            if landed.tensors_completed + landed.tensors_failed >= self.samples {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            landed = receiver.metrics();
+        }
+        anyhow::ensure!(
+            landed.tensors_completed == self.samples && landed.tensors_failed == 0,
+            "{} of {} tensors landed, {} failed",
+            landed.tensors_completed,
+            self.samples,
+            landed.tensors_failed
+        );
+        receiver.close().await;
+        Ok(())
+    }
+}
+
+/// One tensor at a time over tensorwire, `samples` of them in a row.
 async fn tensorwire_latency(
     samples: u64,
     size: usize,
     mtu: u16,
     admission: Admission,
 ) -> anyhow::Result<Histogram<u64>> {
-    let mut config = ReceiverConfig::new(
-        "127.0.0.1:0".parse()?,
-        tensorwire::quic::ServerTls::Development,
-    );
-    config.transport = transport(mtu);
-    config.endpoints = 1;
-    let mut receiver = Receiver::bind(config).await?;
-    let addr = receiver.local_addr()?;
-    // Accepting starts the receive on the tensor's own task; the handles are checked after
-    // the run, so no task is spawned per tensor on the measured path.
-    let handles = Arc::new(std::sync::Mutex::new(Vec::with_capacity(samples as usize)));
-    if admission == Admission::Inline {
-        let handles = handles.clone();
-        receiver.admit_with(move |incoming| {
-            let handle = incoming.accept(DiscardSink);
-            handles
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(handle);
-        })?;
-    }
-    let queued = handles.clone();
-    let server = tokio::spawn(async move {
-        if admission == Admission::Queued {
-            for _ in 0..samples {
-                let incoming = receiver
-                    .next()
-                    .await
-                    .ok_or_else(|| anyhow::anyhow!("closed"))?;
-                let handle = incoming.accept(DiscardSink);
-                queued
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(handle);
-            }
-        }
-        anyhow::Ok(receiver)
-    });
-    let sender = Sender::connect(
-        addr,
-        SenderConfig {
-            transport: transport(mtu),
-            ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
-        },
-    )
-    .await?;
-    let data = payload(size);
-    let meta = TensorMeta::new([size as u64], DType::U8)?.with_name("small");
-    for _ in 0..1000 {
-        if sender.early_allowance().is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    match sender.early_allowance() {
-        Some(bytes) if bytes >= size as u64 => {
-            println!("tensorwire latency: {size}-byte tensors go early, in one round trip");
-        }
-        other => println!("tensorwire latency: no early credit for {size} bytes ({other:?})"),
-    }
-    // On the connection's own runtime, where a latency-sensitive application runs its sends.
-    let sender = Arc::new(sender);
-    let client = sender.clone();
-    let h = sender
-        .runtime()
-        .spawn(async move {
-            let mut h = histogram();
-            for _ in 0..samples {
-                let started = Instant::now();
-                match admission {
-                    Admission::Queued => client.send(meta.clone(), data.clone()).finished().await?,
-                    Admission::Inline => client.send_inline(meta.clone(), data.clone()).await?,
-                };
-                h.saturating_record(started.elapsed().as_micros() as u64);
-            }
-            anyhow::Ok(h)
-        })
-        .await??;
-    print_datagrams("tensorwire", &sender.connection_stats(), samples);
-    Arc::into_inner(sender)
-        .ok_or_else(|| anyhow::anyhow!("sender still shared"))?
-        .close()
-        .await;
-    let receiver = server.await??;
-    let handles = std::mem::take(&mut *handles.lock().unwrap_or_else(|e| e.into_inner()));
-    anyhow::ensure!(
-        handles.len() as u64 == samples,
-        "{} of {samples} tensors admitted",
-        handles.len()
-    );
-    for handle in handles {
-        handle.finished().await?;
-    }
-    receiver.close().await;
+    let run = TensorwireLatency::start(samples, size, mtu, admission).await?;
+    let h = run.run(samples).await?;
+    run.finish().await?;
     Ok(h)
 }
 
@@ -920,66 +963,141 @@ enum Exchange {
     TwoRoundTrips,
 }
 
-/// One message at a time over raw quinn, each on a fresh stream, as `exchange` says.
+/// One raw quinn connection for the latency runs: each message on a fresh stream, as
+/// `exchange` says.
+struct QuinnLatency {
+    conn: quinn::Connection,
+    client: quinn::Endpoint,
+    client_runtime: tokio::runtime::Handle,
+    server_task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    exchange: Exchange,
+    data: Bytes,
+    samples: u64,
+}
+
+impl QuinnLatency {
+    async fn start(
+        samples: u64,
+        size: usize,
+        mtu: u16,
+        exchange: Exchange,
+    ) -> anyhow::Result<Self> {
+        let (server, server_runtime, cert) = quinn_server(mtu)?;
+        let addr: SocketAddr = server.local_addr()?;
+        let server_task = server_runtime.spawn(async move {
+            let conn = server
+                .accept()
+                .await
+                .ok_or_else(|| anyhow::anyhow!("no connection"))?
+                .await?;
+            while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                tokio::spawn(async move {
+                    if exchange == Exchange::TwoRoundTrips {
+                        let mut header = [0u8; 64];
+                        recv.read_exact(&mut header).await?;
+                        send.write_all(&[1]).await?;
+                    }
+                    let _ = recv.read_to_end(usize::MAX).await?;
+                    send.write_all(&[2]).await?;
+                    send.finish()?;
+                    anyhow::Ok(())
+                });
+            }
+            anyhow::Ok(())
+        });
+        let (client, client_runtime, config) = quinn_client(mtu, &cert)?;
+        let conn = client.connect_with(config, addr, "localhost")?.await?;
+        Ok(Self {
+            conn,
+            client,
+            client_runtime,
+            server_task,
+            exchange,
+            data: payload(size),
+            samples,
+        })
+    }
+
+    /// Exchanges `count` messages one after another on the client endpoint's runtime (as
+    /// tensorwire's client runs) and records each one's time.
+    async fn run(&self, count: u64) -> anyhow::Result<Histogram<u64>> {
+        let (conn, data, exchange) = (self.conn.clone(), self.data.clone(), self.exchange);
+        self.client_runtime
+            .spawn(async move {
+                let mut h = histogram();
+                let mut answer = [0u8; 1];
+                for _ in 0..count {
+                    let started = Instant::now();
+                    let (mut send, mut recv) = conn.open_bi().await?;
+                    if exchange == Exchange::TwoRoundTrips {
+                        send.write_all(&[0u8; 64]).await?;
+                        recv.read_exact(&mut answer).await?;
+                    }
+                    send.write_chunk(data.clone()).await?;
+                    send.finish()?;
+                    let _ = recv.read_to_end(16).await?;
+                    h.saturating_record(started.elapsed().as_micros() as u64);
+                }
+                anyhow::Ok(h)
+            })
+            .await?
+    }
+
+    async fn finish(self) -> anyhow::Result<()> {
+        print_datagrams("raw quinn", &self.conn.stats(), self.samples);
+        self.conn.close(0u32.into(), b"done");
+        self.client.wait_idle().await;
+        self.server_task.abort();
+        Ok(())
+    }
+}
+
+/// One message at a time over raw quinn, `samples` of them in a row.
 async fn quinn_latency(
     samples: u64,
     size: usize,
     mtu: u16,
     exchange: Exchange,
 ) -> anyhow::Result<Histogram<u64>> {
-    let (server, server_runtime, cert) = quinn_server(mtu)?;
-    let addr: SocketAddr = server.local_addr()?;
-    let server_task = server_runtime.spawn(async move {
-        let conn = server
-            .accept()
-            .await
-            .ok_or_else(|| anyhow::anyhow!("no connection"))?
-            .await?;
-        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-            tokio::spawn(async move {
-                if exchange == Exchange::TwoRoundTrips {
-                    let mut header = [0u8; 64];
-                    recv.read_exact(&mut header).await?;
-                    send.write_all(&[1]).await?;
-                }
-                let _ = recv.read_to_end(usize::MAX).await?;
-                send.write_all(&[2]).await?;
-                send.finish()?;
-                anyhow::Ok(())
-            });
-        }
-        anyhow::Ok(())
-    });
-    let (client, client_runtime, config) = quinn_client(mtu, &cert)?;
-    let conn = client.connect_with(config, addr, "localhost")?.await?;
-    let data = payload(size);
-    // On the client endpoint's runtime, as tensorwire's client runs.
-    let exchanges = conn.clone();
-    let h = client_runtime
-        .spawn(async move {
-            let conn = exchanges;
-            let mut h = histogram();
-            let mut answer = [0u8; 1];
-            for _ in 0..samples {
-                let started = Instant::now();
-                let (mut send, mut recv) = conn.open_bi().await?;
-                if exchange == Exchange::TwoRoundTrips {
-                    send.write_all(&[0u8; 64]).await?;
-                    recv.read_exact(&mut answer).await?;
-                }
-                send.write_chunk(data.clone()).await?;
-                send.finish()?;
-                let _ = recv.read_to_end(16).await?;
-                h.saturating_record(started.elapsed().as_micros() as u64);
-            }
-            anyhow::Ok(h)
-        })
-        .await??;
-    print_datagrams("raw quinn", &conn.stats(), samples);
-    conn.close(0u32.into(), b"done");
-    client.wait_idle().await;
-    server_task.abort();
+    let run = QuinnLatency::start(samples, size, mtu, exchange).await?;
+    let h = run.run(samples).await?;
+    run.finish().await?;
     Ok(h)
+}
+
+/// The latency row of tensorwire in [`alternated_latency`].
+const ALTERNATED_TENSORWIRE: &str = "tensorwire, inline, alt.";
+/// The latency row of raw quinn in [`alternated_latency`].
+const ALTERNATED_QUINN: &str = "raw quinn, alternated";
+
+/// tensorwire (inline) and raw quinn's request/response with both connections up, taking
+/// turns ten messages at a time (which goes first swapped every turn), so that both meet
+/// the same state of the host: on a loaded or virtualised host one end-to-end wake-up costs
+/// anywhere from a few to tens of µs, from one minute to the next.
+async fn alternated_latency(
+    samples: u64,
+    size: usize,
+    mtu: u16,
+) -> anyhow::Result<(Histogram<u64>, Histogram<u64>)> {
+    const TURN: u64 = 10;
+    let tensorwire = TensorwireLatency::start(samples, size, mtu, Admission::Inline).await?;
+    let quinn = QuinnLatency::start(samples, size, mtu, Exchange::OneRoundTrip).await?;
+    let (mut tw, mut raw) = (histogram(), histogram());
+    let mut done = 0;
+    while done < samples {
+        let n = TURN.min(samples - done);
+        if (done / TURN).is_multiple_of(2) {
+            tw.add(tensorwire.run(n).await?)?;
+            raw.add(quinn.run(n).await?)?;
+        } else {
+            raw.add(quinn.run(n).await?)?;
+            tw.add(tensorwire.run(n).await?)?;
+        }
+        done += n;
+    }
+    tensorwire.finish().await?;
+    quinn.finish().await?;
+    Ok((tw, raw))
 }
 
 /// UDP datagrams the client sent and received per message, handshake included: one each way
@@ -993,14 +1111,46 @@ fn print_datagrams(who: &str, stats: &quinn::ConnectionStats, samples: u64) {
     );
 }
 
-fn latency_row(transport: &'static str, size: usize, h: &Histogram<u64>) -> Latency {
+fn latency_row(
+    transport: &'static str,
+    size: usize,
+    h: &Histogram<u64>,
+    cpu_us_per_message: Option<f64>,
+) -> Latency {
     Latency {
         transport,
         message_bytes: size,
         samples: h.len(),
         p50_us: h.value_at_quantile(0.5),
         p99_us: h.value_at_quantile(0.99),
+        cpu_us_per_message,
     }
+}
+
+/// Runs one latency measurement on a runtime worker and makes its row, with the process's
+/// CPU time per message over the run (both ends live in this process; set-up included).
+async fn measured_row(
+    transport: &'static str,
+    size: usize,
+    run: impl Future<Output = anyhow::Result<Histogram<u64>>> + Send + 'static,
+) -> anyhow::Result<Latency> {
+    let cpu_before = process_cpu_seconds();
+    let h = on_worker(run).await?;
+    let cpu = cpu_before
+        .zip(process_cpu_seconds())
+        .map(|(before, after)| (after - before) * 1e6 / h.len().max(1) as f64);
+    Ok(latency_row(transport, size, &h, cpu))
+}
+
+/// User and system CPU seconds of this process so far, from `/proc/self/stat` (Linux).
+fn process_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) end with ')'.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // USER_HZ is 100 on every Linux ABI this runs on.
+    Some(ticks as f64 / 100.0)
 }
 
 // ---------------------------------------------------------------- GPU
@@ -1248,27 +1398,35 @@ async fn main() -> anyhow::Result<()> {
     let latency = if samples == 0 {
         Vec::new()
     } else {
+        let (alternated_tw, alternated_raw) =
+            tokio::spawn(alternated_latency(samples, size, mtu)).await??;
         vec![
-            latency_row(
+            measured_row(
                 "tensorwire, queued",
                 size,
-                &on_worker(tensorwire_latency(samples, size, mtu, Admission::Queued)).await?,
-            ),
-            latency_row(
+                tensorwire_latency(samples, size, mtu, Admission::Queued),
+            )
+            .await?,
+            measured_row(
                 "tensorwire, inline",
                 size,
-                &on_worker(tensorwire_latency(samples, size, mtu, Admission::Inline)).await?,
-            ),
-            latency_row(
+                tensorwire_latency(samples, size, mtu, Admission::Inline),
+            )
+            .await?,
+            measured_row(
                 "raw quinn",
                 size,
-                &on_worker(quinn_latency(samples, size, mtu, Exchange::OneRoundTrip)).await?,
-            ),
-            latency_row(
+                quinn_latency(samples, size, mtu, Exchange::OneRoundTrip),
+            )
+            .await?,
+            measured_row(
                 "raw quinn, 2 round trips",
                 size,
-                &on_worker(quinn_latency(samples, size, mtu, Exchange::TwoRoundTrips)).await?,
-            ),
+                quinn_latency(samples, size, mtu, Exchange::TwoRoundTrips),
+            )
+            .await?,
+            latency_row(ALTERNATED_TENSORWIRE, size, &alternated_tw, None),
+            latency_row(ALTERNATED_QUINN, size, &alternated_raw, None),
         ]
     };
 
@@ -1309,10 +1467,27 @@ async fn main() -> anyhow::Result<()> {
     }
     println!("latency, one {size}-byte message at a time ({samples} samples):");
     for l in &latency {
+        let cpu = l
+            .cpu_us_per_message
+            .map_or_else(|| "n/a".into(), |us| format!("{us:.0} µs"));
         println!(
-            "  {:<25} p50 {:>6} µs   p99 {:>6} µs",
+            "  {:<25} p50 {:>6} µs   p99 {:>6} µs   CPU per message {cpu}",
             l.transport, l.p50_us, l.p99_us
         );
+    }
+    let row = |name: &str| latency.iter().find(|l| l.transport == name);
+    for (how, tw, raw) in [
+        ("one after the other", "tensorwire, inline", "raw quinn"),
+        ("alternated", ALTERNATED_TENSORWIRE, ALTERNATED_QUINN),
+    ] {
+        if let (Some(tw), Some(raw)) = (row(tw), row(raw)) {
+            let times = |a: u64, b: u64| a as f64 / b.max(1) as f64;
+            println!(
+                "  tensorwire inline / raw quinn, {how}: p50 {:.2}×, p99 {:.2}×",
+                times(tw.p50_us, raw.p50_us),
+                times(tw.p99_us, raw.p99_us)
+            );
+        }
     }
     let gpu = if args.gpu {
         Some(gpu_section(&args, bytes, tensor_bytes, runs).await?)
