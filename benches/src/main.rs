@@ -239,8 +239,10 @@ struct Latency {
     samples: u64,
     p50_us: u64,
     p99_us: u64,
-    /// The whole process's CPU time per message, both ends included (Linux only).
+    /// The whole process's CPU time per message, both ends included.
     cpu_us_per_message: Option<f64>,
+    /// The whole process's context switches per message, both ends included.
+    context_switches_per_message: Option<f64>,
 }
 
 #[derive(Serialize, Debug)]
@@ -1124,33 +1126,52 @@ fn latency_row(
         p50_us: h.value_at_quantile(0.5),
         p99_us: h.value_at_quantile(0.99),
         cpu_us_per_message,
+        context_switches_per_message: None,
     }
 }
 
 /// Runs one latency measurement on a runtime worker and makes its row, with the process's
-/// CPU time per message over the run (both ends live in this process; set-up included).
+/// CPU time and context switches per message over the run (both ends live in this process;
+/// set-up included).
 async fn measured_row(
     transport: &'static str,
     size: usize,
     run: impl Future<Output = anyhow::Result<Histogram<u64>>> + Send + 'static,
 ) -> anyhow::Result<Latency> {
-    let cpu_before = process_cpu_seconds();
+    let before = ProcessUsage::now();
     let h = on_worker(run).await?;
-    let cpu = cpu_before
-        .zip(process_cpu_seconds())
-        .map(|(before, after)| (after - before) * 1e6 / h.len().max(1) as f64);
-    Ok(latency_row(transport, size, &h, cpu))
+    let used = before.zip(ProcessUsage::now()).map(|(b, a)| a.since(&b));
+    let per = |n: f64| n / h.len().max(1) as f64;
+    let mut row = latency_row(transport, size, &h, used.map(|u| per(u.cpu_seconds * 1e6)));
+    row.context_switches_per_message = used.map(|u| per(u.context_switches as f64));
+    Ok(row)
 }
 
-/// User and system CPU seconds of this process so far, from `/proc/self/stat` (Linux).
-fn process_cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the command name (which may hold spaces) end with ')'.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
-    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    // USER_HZ is 100 on every Linux ABI this runs on.
-    Some(ticks as f64 / 100.0)
+/// This process's CPU time and context switches so far, every thread's (ended ones too).
+#[derive(Clone, Copy)]
+struct ProcessUsage {
+    cpu_seconds: f64,
+    context_switches: i64,
+}
+
+impl ProcessUsage {
+    fn now() -> Option<Self> {
+        use nix::sys::resource::{UsageWho, getrusage};
+        let usage = getrusage(UsageWho::RUSAGE_SELF).ok()?;
+        let seconds = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
+        Some(Self {
+            cpu_seconds: seconds(usage.user_time()) + seconds(usage.system_time()),
+            context_switches: usage.voluntary_context_switches()
+                + usage.involuntary_context_switches(),
+        })
+    }
+
+    fn since(&self, before: &Self) -> Self {
+        Self {
+            cpu_seconds: self.cpu_seconds - before.cpu_seconds,
+            context_switches: self.context_switches - before.context_switches,
+        }
+    }
 }
 
 // ---------------------------------------------------------------- GPU
@@ -1467,11 +1488,14 @@ async fn main() -> anyhow::Result<()> {
     }
     println!("latency, one {size}-byte message at a time ({samples} samples):");
     for l in &latency {
-        let cpu = l
+        let usage = l
             .cpu_us_per_message
-            .map_or_else(|| "n/a".into(), |us| format!("{us:.0} µs"));
+            .zip(l.context_switches_per_message)
+            .map_or_else(String::new, |(us, switches)| {
+                format!("   per message: CPU {us:.0} µs, {switches:.1} context switches")
+            });
         println!(
-            "  {:<25} p50 {:>6} µs   p99 {:>6} µs   CPU per message {cpu}",
+            "  {:<25} p50 {:>6} µs   p99 {:>6} µs{usage}",
             l.transport, l.p50_us, l.p99_us
         );
     }
