@@ -251,6 +251,8 @@ struct GpuReport {
     pinned_h2d_gb_per_s: f64,
     /// (sinks fed at once, GB/s)
     ingest_from_memory: Vec<(usize, f64)>,
+    /// (threads, GB/s): plain memory copies as ingest's into staging, no GPU involved
+    host_copy: Vec<(usize, f64)>,
     /// (connections, network→host Gbit/s, network→GPU Gbit/s, GPU / host)
     network: Vec<(usize, f64, f64, f64)>,
     staging_hit_rate: f64,
@@ -1176,6 +1178,44 @@ impl ProcessUsage {
 
 // ---------------------------------------------------------------- GPU
 
+/// Plain memory copies as ingest from memory makes them, without the GPU: `threads` threads
+/// copy 1 MiB pieces of one 64 MiB source into a ring of their own, together the size of the
+/// default staging pool (128 MiB), for about a second. What the copies alone can do, beside
+/// what they do while the GPU reads the staging buffers.
+fn host_copy_rate(threads: usize) -> f64 {
+    const PIECE: usize = 1 << 20;
+    const SOURCE: usize = 64 << 20;
+    let source = payload(SOURCE);
+    let ring = ((128 << 20) / threads).max(PIECE) / PIECE * PIECE;
+    std::thread::scope(|scope| {
+        let copiers: Vec<_> = (0..threads)
+            .map(|t| {
+                let source = &source;
+                scope.spawn(move || {
+                    let mut ring = vec![0u8; ring];
+                    let started = Instant::now();
+                    let (mut copied, mut i) = (0usize, t * 7);
+                    while started.elapsed() < Duration::from_secs(1) {
+                        for _ in 0..16 {
+                            let from = (i * PIECE) % SOURCE;
+                            let to = (i * PIECE) % ring.len();
+                            ring[to..to + PIECE].copy_from_slice(&source[from..from + PIECE]);
+                            (copied, i) = (copied + PIECE, i + 1);
+                        }
+                    }
+                    std::hint::black_box(&ring);
+                    copied as f64 / started.elapsed().as_secs_f64()
+                })
+            })
+            .collect();
+        copiers
+            .into_iter()
+            .map(|c| c.join().unwrap_or(0.0))
+            .sum::<f64>()
+            / 1e9
+    })
+}
+
 /// Pinned host → device copies of 256 MiB, the ceiling for every GPU figure.
 fn pinned_h2d_peak() -> anyhow::Result<f64> {
     use tensorwire::gpu::{DeviceAllocation, GpuDevice, PinnedAllocation};
@@ -1273,8 +1313,13 @@ async fn gpu_section(
     // Each sink's copy into pinned staging runs on one core: more sinks at once (as more
     // connections bring) show whether the copies or the host → device link set the rate.
     let mut ingest = Vec::new();
+    let mut host_copy = Vec::new();
     for sinks in [4, 8, 16] {
         ingest.push((sinks, ingest_from_memory(&gpu, sinks, 64 << 20).await?));
+        host_copy.push((
+            sinks,
+            tokio::task::spawn_blocking(move || host_copy_rate(sinks)).await?,
+        ));
     }
     let mut network = Vec::new();
     for &n in &args.connections {
@@ -1304,6 +1349,7 @@ async fn gpu_section(
         device: gpu.describe(),
         pinned_h2d_gb_per_s,
         ingest_from_memory: ingest,
+        host_copy,
         network,
         staging_hit_rate: hit_rate_since(staging_before, pools.staging_stats()),
         device_pool_hit_rate: hit_rate_since(device_before, pools.memory_stats()),
@@ -1525,7 +1571,14 @@ async fn main() -> anyhow::Result<()> {
             g.pinned_h2d_gb_per_s
         );
         for (sinks, gb_per_s) in &g.ingest_from_memory {
-            println!("  ingest from memory, {sinks} tensors of 64 MiB at once: {gb_per_s:.1} GB/s");
+            let alone = g
+                .host_copy
+                .iter()
+                .find(|(threads, _)| threads == sinks)
+                .map_or(f64::NAN, |(_, rate)| *rate);
+            println!(
+                "  ingest from memory, {sinks} tensors of 64 MiB at once: {gb_per_s:.1} GB/s (the same copies without the GPU, {sinks} threads: {alone:.1} GB/s)"
+            );
         }
         for (n, host, gpu, ratio) in &g.network {
             println!(
