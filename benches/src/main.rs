@@ -488,6 +488,15 @@ fn quinn_client(
     Ok((endpoint, runtime, config))
 }
 
+/// The first connection a raw quinn server endpoint accepts, once its handshake is done.
+async fn first_connection(server: quinn::Endpoint) -> anyhow::Result<quinn::Connection> {
+    Ok(server
+        .accept()
+        .await
+        .ok_or_else(|| anyhow::anyhow!("no connection"))?
+        .await?)
+}
+
 async fn raw_quinn(
     connections: usize,
     bytes_per_conn: u64,
@@ -500,14 +509,8 @@ async fn raw_quinn(
         let (server, server_runtime, cert) = quinn_server(mtu)?;
         let addr = server.local_addr()?;
         let (client, client_runtime, config) = quinn_client(mtu, &cert)?;
-        let server_task = server_runtime.spawn(async move {
-            let conn = server
-                .accept()
-                .await
-                .ok_or_else(|| anyhow::anyhow!("no connection"))?
-                .await?;
-            raw_quinn_serve(conn).await
-        });
+        let server_task = server_runtime
+            .spawn(async move { raw_quinn_serve(first_connection(server).await?).await });
         let conn = client.connect_with(config, addr, "localhost")?.await?;
         servers.push(server_task);
         clients.push((client, client_runtime, conn));
@@ -885,9 +888,11 @@ impl TensorwireLatency {
             samples,
         })
     }
+}
 
-    /// Sends `count` tensors one after another on the connection's own runtime (where a
-    /// latency-sensitive application runs its sends) and records each one's time.
+impl LatencyConnection for TensorwireLatency {
+    /// Sends the tensors on the connection's own runtime, where a latency-sensitive
+    /// application runs its sends.
     async fn run(&self, count: u64) -> anyhow::Result<Histogram<u64>> {
         let (sender, meta, data, admission) = (
             self.sender.clone(),
@@ -914,7 +919,7 @@ impl TensorwireLatency {
             .await?
     }
 
-    /// Closes both ends and checks that every tensor was admitted and landed.
+    /// Also checks that every tensor was admitted and landed.
     async fn finish(self) -> anyhow::Result<()> {
         print_datagrams("tensorwire", &self.sender.connection_stats(), self.samples);
         Arc::into_inner(self.sender)
@@ -943,16 +948,22 @@ impl TensorwireLatency {
     }
 }
 
-/// One tensor at a time over tensorwire, `samples` of them in a row.
-async fn tensorwire_latency(
+/// A connection of a latency run, up: it exchanges messages one at a time, then closes.
+trait LatencyConnection: Send + Sync + Sized + 'static {
+    /// Exchanges `count` messages one after another and records each one's time.
+    fn run(&self, count: u64) -> impl Future<Output = anyhow::Result<Histogram<u64>>> + Send;
+    /// Closes both ends (and checks what the run left behind).
+    fn finish(self) -> impl Future<Output = anyhow::Result<()>> + Send;
+}
+
+/// `samples` messages in a row over a connection `start` brings up, which is then closed.
+async fn in_a_row<C: LatencyConnection>(
     samples: u64,
-    size: usize,
-    mtu: u16,
-    admission: Admission,
+    start: impl Future<Output = anyhow::Result<C>>,
 ) -> anyhow::Result<Histogram<u64>> {
-    let run = TensorwireLatency::start(samples, size, mtu, admission).await?;
-    let h = run.run(samples).await?;
-    run.finish().await?;
+    let connection = start.await?;
+    let h = connection.run(samples).await?;
+    connection.finish().await?;
     Ok(h)
 }
 
@@ -989,11 +1000,7 @@ impl QuinnLatency {
         let (server, server_runtime, cert) = quinn_server(mtu)?;
         let addr: SocketAddr = server.local_addr()?;
         let server_task = server_runtime.spawn(async move {
-            let conn = server
-                .accept()
-                .await
-                .ok_or_else(|| anyhow::anyhow!("no connection"))?
-                .await?;
+            let conn = first_connection(server).await?;
             while let Ok((mut send, mut recv)) = conn.accept_bi().await {
                 tokio::spawn(async move {
                     if exchange == Exchange::TwoRoundTrips {
@@ -1021,9 +1028,10 @@ impl QuinnLatency {
             samples,
         })
     }
+}
 
-    /// Exchanges `count` messages one after another on the client endpoint's runtime (as
-    /// tensorwire's client runs) and records each one's time.
+impl LatencyConnection for QuinnLatency {
+    /// Exchanges the messages on the client endpoint's runtime, as tensorwire's client runs.
     async fn run(&self, count: u64) -> anyhow::Result<Histogram<u64>> {
         let (conn, data, exchange) = (self.conn.clone(), self.data.clone(), self.exchange);
         self.client_runtime
@@ -1054,19 +1062,6 @@ impl QuinnLatency {
         self.server_task.abort();
         Ok(())
     }
-}
-
-/// One message at a time over raw quinn, `samples` of them in a row.
-async fn quinn_latency(
-    samples: u64,
-    size: usize,
-    mtu: u16,
-    exchange: Exchange,
-) -> anyhow::Result<Histogram<u64>> {
-    let run = QuinnLatency::start(samples, size, mtu, exchange).await?;
-    let h = run.run(samples).await?;
-    run.finish().await?;
-    Ok(h)
 }
 
 /// The latency row of tensorwire in [`alternated_latency`].
@@ -1471,25 +1466,37 @@ async fn main() -> anyhow::Result<()> {
             measured_row(
                 "tensorwire, queued",
                 size,
-                tensorwire_latency(samples, size, mtu, Admission::Queued),
+                in_a_row(
+                    samples,
+                    TensorwireLatency::start(samples, size, mtu, Admission::Queued),
+                ),
             )
             .await?,
             measured_row(
                 "tensorwire, inline",
                 size,
-                tensorwire_latency(samples, size, mtu, Admission::Inline),
+                in_a_row(
+                    samples,
+                    TensorwireLatency::start(samples, size, mtu, Admission::Inline),
+                ),
             )
             .await?,
             measured_row(
                 "raw quinn",
                 size,
-                quinn_latency(samples, size, mtu, Exchange::OneRoundTrip),
+                in_a_row(
+                    samples,
+                    QuinnLatency::start(samples, size, mtu, Exchange::OneRoundTrip),
+                ),
             )
             .await?,
             measured_row(
                 "raw quinn, 2 round trips",
                 size,
-                quinn_latency(samples, size, mtu, Exchange::TwoRoundTrips),
+                in_a_row(
+                    samples,
+                    QuinnLatency::start(samples, size, mtu, Exchange::TwoRoundTrips),
+                ),
             )
             .await?,
             latency_row(ALTERNATED_TENSORWIRE, size, &alternated_tw, None),
