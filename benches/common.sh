@@ -62,3 +62,10 @@ raw_quinn_in_process() {
   awk '/^ *raw quinn +[0-9]/ { same = $4 } /^ *raw quinn, hot +[0-9]/ { hot = $5 }
     END { print (same == "" ? "n/a" : same), (hot == "" ? "n/a" : hot) }' <<< "$log"
 }
+
+# RATE / ANCHOR to two decimals, n/a where the anchor did not come (empty, n/a or 0).
+#
+#   ratio_to RATE ANCHOR
+ratio_to() {
+  awk -v t="$1" -v r="${2:-0}" 'BEGIN { if (r + 0 > 0) printf "%.2f", t / r; else print "n/a" }'
+}

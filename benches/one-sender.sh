@@ -63,14 +63,13 @@ read -r raw_shared raw_shared_hot < <(raw_quinn_in_process "$bin" "$connections"
 # Raw quinn the way the programs run: one client process opening all the connections.
 raw_procs=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" "$work/model.safetensors")
 raw_procs_hot=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" hot)
-ratio() { awk -v g="$gbit" -v r="${1:-0}" 'BEGIN { if (r + 0 > 0) printf "%.2f", g / r; else print "n/a" }'; }
 printf 'raw quinn, %d connections, sending the same file (hot): in one process %s (%s) Gbit/s, on one shared runtime %s (%s), as processes (1 server, 1 client) %s (%s)\n' \
   "$connections" "$raw" "$raw_hot" "$raw_shared" "$raw_shared_hot" "$raw_procs" "$raw_procs_hot"
 printf 'one sender / raw quinn sending the same file: %s in one process, %s on one shared runtime, %s as processes\n' \
-  "$(ratio "$raw")" "$(ratio "$raw_shared")" "$(ratio "$raw_procs")"
+  "$(ratio_to "$gbit" "$raw")" "$(ratio_to "$gbit" "$raw_shared")" "$(ratio_to "$gbit" "$raw_procs")"
 printf 'one sender / raw quinn, hot: %s in one process, %s on one shared runtime, %s as processes\n' \
-  "$(ratio "$raw_hot")" "$(ratio "$raw_shared_hot")" "$(ratio "$raw_procs_hot")"
+  "$(ratio_to "$gbit" "$raw_hot")" "$(ratio_to "$gbit" "$raw_shared_hot")" "$(ratio_to "$gbit" "$raw_procs_hot")"
 printf 'one sender, %d connections -> receiver (%s): %d x %d MiB in %.2f s: %.1f Gbit/s (%.2f GB/s); raw quinn %d connections: %s Gbit/s; ratio %s; %d failed\n' \
   "$connections" "$device" "$tensors" "$mib" "$(awk -v s="$start" -v e="$end" 'BEGIN{print e-s}')" \
-  "$gbit" "$(awk -v g="$gbit" 'BEGIN{print g/8}')" "$connections" "${raw:-n/a}" "$(ratio "$raw")" "$failed"
+  "$gbit" "$(awk -v g="$gbit" 'BEGIN{print g/8}')" "$connections" "${raw:-n/a}" "$(ratio_to "$gbit" "$raw")" "$failed"
 [ "$failed" -eq 0 ]

@@ -91,9 +91,8 @@ raw_gbit=$(raw_quinn_as_processes "$bin" "$work" "$senders" 1 "$mib" "${files[@]
 raw_gbit_hot=$(raw_quinn_as_processes "$bin" "$work" "$senders" 1 "$mib" hot)
 printf 'raw quinn as processes: 1 server (%d endpoints) <- %d clients x %d MiB: %.1f Gbit/s; hot %.1f\n' \
   "$senders" "$senders" "$mib" "$raw_gbit" "$raw_gbit_hot"
-ratio() { awk -v t="$gbit" -v r="${1:-0}" 'BEGIN { if (r + 0 > 0) printf "%.2f", t / r; else print "n/a" }'; }
 printf 'programs / raw quinn sending the same files: %s in one process, %s on one shared runtime, %s as processes\n' \
-  "$(ratio "$raw_one")" "$(ratio "$raw_shared")" "$(ratio "$raw_gbit")"
+  "$(ratio_to "$gbit" "$raw_one")" "$(ratio_to "$gbit" "$raw_shared")" "$(ratio_to "$gbit" "$raw_gbit")"
 printf 'programs / raw quinn, hot: %s in one process, %s on one shared runtime, %s as processes\n' \
-  "$(ratio "$raw_one_hot")" "$(ratio "$raw_shared_hot")" "$(ratio "$raw_gbit_hot")"
+  "$(ratio_to "$gbit" "$raw_one_hot")" "$(ratio_to "$gbit" "$raw_shared_hot")" "$(ratio_to "$gbit" "$raw_gbit_hot")"
 [ "$failed" -eq 0 ]

@@ -1110,20 +1110,23 @@ fn print_datagrams(who: &str, stats: &quinn::ConnectionStats, samples: u64) {
     );
 }
 
+/// A latency row; `used` is what the whole process spent over the run, if it was measured
+/// alone.
 fn latency_row(
     transport: &'static str,
     size: usize,
     h: &Histogram<u64>,
-    cpu_us_per_message: Option<f64>,
+    used: Option<ProcessUsage>,
 ) -> Latency {
+    let per_message = |n: f64| n / h.len().max(1) as f64;
     Latency {
         transport,
         message_bytes: size,
         samples: h.len(),
         p50_us: h.value_at_quantile(0.5),
         p99_us: h.value_at_quantile(0.99),
-        cpu_us_per_message,
-        context_switches_per_message: None,
+        cpu_us_per_message: used.map(|u| per_message(u.cpu_seconds * 1e6)),
+        context_switches_per_message: used.map(|u| per_message(u.context_switches as f64)),
     }
 }
 
@@ -1138,10 +1141,7 @@ async fn measured_row(
     let before = ProcessUsage::now();
     let h = on_worker(run).await?;
     let used = before.zip(ProcessUsage::now()).map(|(b, a)| a.since(&b));
-    let per = |n: f64| n / h.len().max(1) as f64;
-    let mut row = latency_row(transport, size, &h, used.map(|u| per(u.cpu_seconds * 1e6)));
-    row.context_switches_per_message = used.map(|u| per(u.context_switches as f64));
-    Ok(row)
+    Ok(latency_row(transport, size, &h, used))
 }
 
 /// This process's CPU time and context switches so far, every thread's (ended ones too).
