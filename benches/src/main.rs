@@ -68,9 +68,13 @@ struct Args {
     #[arg(long, default_value = "1")]
     endpoint_threads: EndpointThreads,
     /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile
-    /// it, or only the small-tensor latency (latency).
+    /// it, or only the small-tensor latency (latency); latency-inline or latency-raw measure
+    /// one latency row alone (tensorwire inline, raw quinn), for a profile of that path.
     #[arg(long)]
     only: Option<String>,
+    /// Small-tensor latency samples per row (default 2000, quick 300).
+    #[arg(long)]
+    samples: Option<u64>,
     /// Repeat each throughput run this many times and keep the best.
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -1375,7 +1379,17 @@ async fn main() -> anyhow::Result<()> {
     }
     let bytes = mib << 20;
     let tensor_bytes = (args.tensor_mib << 20).min(bytes);
-    let source = RawSource::load(args.source.as_ref(), tensor_bytes)?;
+    let latency_only = matches!(
+        args.only.as_deref(),
+        Some("latency" | "latency-inline" | "latency-raw")
+    );
+    // A latency run loads no throughput source: its setup stays out of the measurement (and
+    // of a profile of it).
+    let source = if latency_only && args.raw_client.is_none() {
+        Loaded::Memory(Bytes::new())
+    } else {
+        RawSource::load(args.source.as_ref(), tensor_bytes)?
+    };
     if let (Some(addr), Some(cert)) = (args.raw_client, &args.cert) {
         let connections = args.connections.first().copied().unwrap_or(1);
         return raw_quinn_client_process(addr, cert, connections, bytes, args.mtu, source).await;
@@ -1389,7 +1403,8 @@ async fn main() -> anyhow::Result<()> {
     let mut throughput = Vec::new();
     let mut ratios = Vec::new();
     let mut hot_ratios = Vec::new();
-    for &n in &args.connections {
+    let connections: &[usize] = if latency_only { &[] } else { &args.connections };
+    for &n in connections {
         let wanted = |name: &str| args.only.as_deref().is_none_or(|only| only == name);
         let skipped = f64::NAN;
         let quinn_s = if wanted("raw-quinn") {
@@ -1448,17 +1463,41 @@ async fn main() -> anyhow::Result<()> {
             hot_ratios.push((n, hot_quinn_s / tw_s));
         }
     }
-    let samples = match (args.only.as_deref(), args.quick) {
-        (Some("latency"), true) => 300,
-        (Some("latency"), false) => 2000,
-        (Some(_), _) => 0,
-        (None, true) => 300,
-        (None, false) => 2000,
+    let default_samples = if args.quick { 300 } else { 2000 };
+    let samples = match args.only.as_deref() {
+        None | Some("latency" | "latency-inline" | "latency-raw") => {
+            args.samples.unwrap_or(default_samples)
+        }
+        Some(_) => 0,
     };
     let size = 4096;
     let mtu = args.mtu;
     let latency = if samples == 0 {
         Vec::new()
+    } else if args.only.as_deref() == Some("latency-inline") {
+        vec![
+            measured_row(
+                "tensorwire, inline",
+                size,
+                in_a_row(
+                    samples,
+                    TensorwireLatency::start(samples, size, mtu, Admission::Inline),
+                ),
+            )
+            .await?,
+        ]
+    } else if args.only.as_deref() == Some("latency-raw") {
+        vec![
+            measured_row(
+                "raw quinn",
+                size,
+                in_a_row(
+                    samples,
+                    QuinnLatency::start(samples, size, mtu, Exchange::OneRoundTrip),
+                ),
+            )
+            .await?,
+        ]
     } else {
         let (alternated_tw, alternated_raw) =
             tokio::spawn(alternated_latency(samples, size, mtu)).await??;
@@ -1504,42 +1543,46 @@ async fn main() -> anyhow::Result<()> {
         ]
     };
 
-    println!(
-        "throughput, loopback, MTU {} ({mib} MiB per connection, best of {runs}):",
-        args.mtu
-    );
-    let source_name = match &args.source {
-        None => format!(
-            "a {} MiB buffer, as tensorwire's tensors",
-            tensor_bytes >> 20
-        ),
-        Some(RawSource::Hot) => "one 4 MiB buffer again and again (cache-hot)".to_owned(),
-        Some(RawSource::File(path)) => format!("{}, mapped", path.display()),
-    };
-    println!("  raw quinn and TCP+TLS send from {source_name}");
-    if hot.is_some() {
-        println!("  \"raw quinn, hot\" sends one 4 MiB buffer again and again (cache-hot)");
-    }
-    println!(
-        "  {:<15} {:>5} {:>12} {:>10}",
-        "transport", "conns", "Gbit/s", "seconds"
-    );
-    for t in &throughput {
+    if !latency_only {
         println!(
-            "  {:<15} {:>5} {:>12.2} {:>10.3}",
-            t.transport, t.connections, t.gbit_per_s, t.seconds
+            "throughput, loopback, MTU {} ({mib} MiB per connection, best of {runs}):",
+            args.mtu
         );
-    }
-    for (n, ratio) in &ratios {
-        let hot = hot_ratios.iter().find(|(m, _)| m == n);
-        match hot {
-            Some((_, hot_ratio)) => println!(
-                "  tensorwire / raw quinn, {n} connection(s): {ratio:.3}; / raw quinn, hot: {hot_ratio:.3}"
+        let source_name = match &args.source {
+            None => format!(
+                "a {} MiB buffer, as tensorwire's tensors",
+                tensor_bytes >> 20
             ),
-            None => println!("  tensorwire / raw quinn, {n} connection(s): {ratio:.3}"),
+            Some(RawSource::Hot) => "one 4 MiB buffer again and again (cache-hot)".to_owned(),
+            Some(RawSource::File(path)) => format!("{}, mapped", path.display()),
+        };
+        println!("  raw quinn and TCP+TLS send from {source_name}");
+        if hot.is_some() {
+            println!("  \"raw quinn, hot\" sends one 4 MiB buffer again and again (cache-hot)");
+        }
+        println!(
+            "  {:<15} {:>5} {:>12} {:>10}",
+            "transport", "conns", "Gbit/s", "seconds"
+        );
+        for t in &throughput {
+            println!(
+                "  {:<15} {:>5} {:>12.2} {:>10.3}",
+                t.transport, t.connections, t.gbit_per_s, t.seconds
+            );
+        }
+        for (n, ratio) in &ratios {
+            let hot = hot_ratios.iter().find(|(m, _)| m == n);
+            match hot {
+                Some((_, hot_ratio)) => println!(
+                    "  tensorwire / raw quinn, {n} connection(s): {ratio:.3}; / raw quinn, hot: {hot_ratio:.3}"
+                ),
+                None => println!("  tensorwire / raw quinn, {n} connection(s): {ratio:.3}"),
+            }
         }
     }
-    println!("latency, one {size}-byte message at a time ({samples} samples):");
+    if !latency.is_empty() {
+        println!("latency, one {size}-byte message at a time ({samples} samples):");
+    }
     for l in &latency {
         let usage = l
             .cpu_us_per_message
