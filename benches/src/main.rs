@@ -1134,6 +1134,37 @@ fn latency_row(
     }
 }
 
+/// The latency rows measured alone, one connection each: `samples` messages of `size` bytes.
+struct LatencyRows {
+    samples: u64,
+    size: usize,
+    mtu: u16,
+}
+
+impl LatencyRows {
+    /// tensorwire's row for `admission`.
+    async fn tensorwire(&self, admission: Admission) -> anyhow::Result<Latency> {
+        let name = match admission {
+            Admission::Queued => "tensorwire, queued",
+            Admission::Inline => "tensorwire, inline",
+        };
+        let Self { samples, size, mtu } = *self;
+        let start = TensorwireLatency::start(samples, size, mtu, admission);
+        measured_row(name, size, in_a_row(samples, start)).await
+    }
+
+    /// Raw quinn's row for `exchange`.
+    async fn quinn(&self, exchange: Exchange) -> anyhow::Result<Latency> {
+        let name = match exchange {
+            Exchange::OneRoundTrip => "raw quinn",
+            Exchange::TwoRoundTrips => "raw quinn, 2 round trips",
+        };
+        let Self { samples, size, mtu } = *self;
+        let start = QuinnLatency::start(samples, size, mtu, exchange);
+        measured_row(name, size, in_a_row(samples, start)).await
+    }
+}
+
 /// Runs one latency measurement on a runtime worker and makes its row, with the process's
 /// CPU time and context switches per message over the run (both ends live in this process;
 /// set-up included).
@@ -1472,75 +1503,23 @@ async fn main() -> anyhow::Result<()> {
     };
     let size = 4096;
     let mtu = args.mtu;
-    let latency = if samples == 0 {
-        Vec::new()
-    } else if args.only.as_deref() == Some("latency-inline") {
-        vec![
-            measured_row(
-                "tensorwire, inline",
-                size,
-                in_a_row(
-                    samples,
-                    TensorwireLatency::start(samples, size, mtu, Admission::Inline),
-                ),
-            )
-            .await?,
-        ]
-    } else if args.only.as_deref() == Some("latency-raw") {
-        vec![
-            measured_row(
-                "raw quinn",
-                size,
-                in_a_row(
-                    samples,
-                    QuinnLatency::start(samples, size, mtu, Exchange::OneRoundTrip),
-                ),
-            )
-            .await?,
-        ]
-    } else {
-        let (alternated_tw, alternated_raw) =
-            tokio::spawn(alternated_latency(samples, size, mtu)).await??;
-        vec![
-            measured_row(
-                "tensorwire, queued",
-                size,
-                in_a_row(
-                    samples,
-                    TensorwireLatency::start(samples, size, mtu, Admission::Queued),
-                ),
-            )
-            .await?,
-            measured_row(
-                "tensorwire, inline",
-                size,
-                in_a_row(
-                    samples,
-                    TensorwireLatency::start(samples, size, mtu, Admission::Inline),
-                ),
-            )
-            .await?,
-            measured_row(
-                "raw quinn",
-                size,
-                in_a_row(
-                    samples,
-                    QuinnLatency::start(samples, size, mtu, Exchange::OneRoundTrip),
-                ),
-            )
-            .await?,
-            measured_row(
-                "raw quinn, 2 round trips",
-                size,
-                in_a_row(
-                    samples,
-                    QuinnLatency::start(samples, size, mtu, Exchange::TwoRoundTrips),
-                ),
-            )
-            .await?,
-            latency_row(ALTERNATED_TENSORWIRE, size, &alternated_tw, None),
-            latency_row(ALTERNATED_QUINN, size, &alternated_raw, None),
-        ]
+    let rows = LatencyRows { samples, size, mtu };
+    let latency = match args.only.as_deref() {
+        _ if samples == 0 => Vec::new(),
+        Some("latency-inline") => vec![rows.tensorwire(Admission::Inline).await?],
+        Some("latency-raw") => vec![rows.quinn(Exchange::OneRoundTrip).await?],
+        _ => {
+            let (alternated_tw, alternated_raw) =
+                tokio::spawn(alternated_latency(samples, size, mtu)).await??;
+            vec![
+                rows.tensorwire(Admission::Queued).await?,
+                rows.tensorwire(Admission::Inline).await?,
+                rows.quinn(Exchange::OneRoundTrip).await?,
+                rows.quinn(Exchange::TwoRoundTrips).await?,
+                latency_row(ALTERNATED_TENSORWIRE, size, &alternated_tw, None),
+                latency_row(ALTERNATED_QUINN, size, &alternated_raw, None),
+            ]
+        }
     };
 
     if !latency_only {
