@@ -960,15 +960,66 @@ trait LatencyConnection: Send + Sync + Sized + 'static {
     fn finish(self) -> impl Future<Output = anyhow::Result<()>> + Send;
 }
 
-/// `samples` messages in a row over a connection `start` brings up, which is then closed.
+/// `samples` messages in a row over a connection `start` brings up, which is then closed;
+/// prints, under `label`, the context switches per message of each thread that switched
+/// while the messages went (set-up and close left out).
 async fn in_a_row<C: LatencyConnection>(
+    label: &str,
     samples: u64,
     start: impl Future<Output = anyhow::Result<C>>,
 ) -> anyhow::Result<Histogram<u64>> {
     let connection = start.await?;
+    let before = ThreadSwitches::now();
     let h = connection.run(samples).await?;
+    let by_thread = ThreadSwitches::now().since(&before, samples);
     connection.finish().await?;
+    if !by_thread.is_empty() {
+        println!("{label}: context switches per message by thread, oldest first: {by_thread}");
+    }
     Ok(h)
+}
+
+/// Each thread's context switches so far (Linux: `/proc/self/task`), by thread id: where a
+/// message's hand-offs happen, which the process's total does not say.
+struct ThreadSwitches(std::collections::BTreeMap<u32, (String, u64)>);
+
+impl ThreadSwitches {
+    fn now() -> Self {
+        let read = |tid: &std::path::Path| -> Option<(String, u64)> {
+            let name = std::fs::read_to_string(tid.join("comm")).ok()?;
+            let status = std::fs::read_to_string(tid.join("status")).ok()?;
+            let switches = status
+                .lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum();
+            Some((name.trim().to_owned(), switches))
+        };
+        let threads = std::fs::read_dir("/proc/self/task")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|entry| {
+                let tid = entry.file_name().to_str()?.parse().ok()?;
+                Some((tid, read(&entry.path())?))
+            })
+            .collect();
+        Self(threads)
+    }
+
+    /// Per message since `before`, threads that switched at least once per 100 messages,
+    /// as "name 1.00, name 0.02".
+    fn since(&self, before: &Self, messages: u64) -> String {
+        self.0
+            .iter()
+            .filter_map(|(tid, (name, now))| {
+                let then = before.0.get(tid).map_or(0, |(_, n)| *n);
+                let per = now.saturating_sub(then) as f64 / messages.max(1) as f64;
+                (per >= 0.01).then(|| format!("{name} {per:.2}"))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// What the raw quinn latency anchor exchanges on each fresh stream.
@@ -1112,6 +1163,37 @@ fn print_datagrams(who: &str, stats: &quinn::ConnectionStats, samples: u64) {
         per(stats.udp_tx.datagrams),
         per(stats.udp_rx.datagrams)
     );
+    println!(
+        "{who} latency client, QUIC frames per message: sent {}; received {}",
+        frames_per_message(&stats.frame_tx, samples),
+        frames_per_message(&stats.frame_rx, samples)
+    );
+}
+
+/// The kinds of QUIC frame a latency exchange can carry, per message, where one in a hundred
+/// messages or more carries one: what an extra datagram held.
+fn frames_per_message(frames: &quinn::FrameStats, samples: u64) -> String {
+    let kinds = [
+        ("STREAM", frames.stream),
+        ("ACK", frames.acks),
+        ("MAX_DATA", frames.max_data),
+        ("MAX_STREAM_DATA", frames.max_stream_data),
+        ("MAX_STREAMS (bidi)", frames.max_streams_bidi),
+        ("MAX_STREAMS (uni)", frames.max_streams_uni),
+        ("PING", frames.ping),
+        ("RESET_STREAM", frames.reset_stream),
+        ("STOP_SENDING", frames.stop_sending),
+        ("DATA_BLOCKED", frames.data_blocked),
+        ("STREAM_DATA_BLOCKED", frames.stream_data_blocked),
+        ("STREAMS_BLOCKED (bidi)", frames.streams_blocked_bidi),
+    ];
+    kinds
+        .iter()
+        .map(|(kind, n)| (kind, *n as f64 / samples.max(1) as f64))
+        .filter(|(_, per)| *per >= 0.01)
+        .map(|(kind, per)| format!("{kind} {per:.2}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// A latency row; `used` is what the whole process spent over the run, if it was measured
@@ -1150,7 +1232,7 @@ impl LatencyRows {
         };
         let Self { samples, size, mtu } = *self;
         let start = TensorwireLatency::start(samples, size, mtu, admission);
-        measured_row(name, size, in_a_row(samples, start)).await
+        measured_row(name, size, in_a_row(name, samples, start)).await
     }
 
     /// Raw quinn's row for `exchange`.
@@ -1161,7 +1243,7 @@ impl LatencyRows {
         };
         let Self { samples, size, mtu } = *self;
         let start = QuinnLatency::start(samples, size, mtu, exchange);
-        measured_row(name, size, in_a_row(samples, start)).await
+        measured_row(name, size, in_a_row(name, samples, start)).await
     }
 }
 
