@@ -974,18 +974,20 @@ async fn in_a_row<C: LatencyConnection>(
     let by_thread = ThreadSwitches::now().since(&before, samples);
     connection.finish().await?;
     if !by_thread.is_empty() {
-        println!("{label}: context switches per message by thread, oldest first: {by_thread}");
+        println!(
+            "{label}: per message, by thread (oldest first): context switches (CPU) {by_thread}"
+        );
     }
     Ok(h)
 }
 
-/// Each thread's context switches so far (Linux: `/proc/self/task`), by thread id: where a
-/// message's hand-offs happen, which the process's total does not say.
-struct ThreadSwitches(std::collections::BTreeMap<u32, (String, u64)>);
+/// Each thread's context switches and CPU time so far (Linux: `/proc/self/task`), by thread
+/// id: where a message's hand-offs and work happen, which the process's totals do not say.
+struct ThreadSwitches(std::collections::BTreeMap<u32, (String, u64, u64)>);
 
 impl ThreadSwitches {
     fn now() -> Self {
-        let read = |tid: &std::path::Path| -> Option<(String, u64)> {
+        let read = |tid: &std::path::Path| -> Option<(String, u64, u64)> {
             let name = std::fs::read_to_string(tid.join("comm")).ok()?;
             let status = std::fs::read_to_string(tid.join("status")).ok()?;
             let switches = status
@@ -993,7 +995,12 @@ impl ThreadSwitches {
                 .filter(|l| l.contains("ctxt_switches:"))
                 .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
                 .sum();
-            Some((name.trim().to_owned(), switches))
+            // The first field: nanoseconds on a CPU.
+            let on_cpu_ns = std::fs::read_to_string(tid.join("schedstat"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse().ok())
+                .unwrap_or(0);
+            Some((name.trim().to_owned(), switches, on_cpu_ns))
         };
         let threads = std::fs::read_dir("/proc/self/task")
             .into_iter()
@@ -1008,14 +1015,16 @@ impl ThreadSwitches {
     }
 
     /// Per message since `before`, threads that switched at least once per 100 messages,
-    /// as "name 1.00, name 0.02".
+    /// as "name 1.00 (31 µs), name 0.02 (0 µs)": context switches and CPU time.
     fn since(&self, before: &Self, messages: u64) -> String {
+        let per = |n: u64| n as f64 / messages.max(1) as f64;
         self.0
             .iter()
-            .filter_map(|(tid, (name, now))| {
-                let then = before.0.get(tid).map_or(0, |(_, n)| *n);
-                let per = now.saturating_sub(then) as f64 / messages.max(1) as f64;
-                (per >= 0.01).then(|| format!("{name} {per:.2}"))
+            .filter_map(|(tid, (name, switches, on_cpu_ns))| {
+                let (then_switches, then_ns) = before.0.get(tid).map_or((0, 0), |t| (t.1, t.2));
+                let switched = per(switches.saturating_sub(then_switches));
+                let cpu_us = per(on_cpu_ns.saturating_sub(then_ns)) / 1e3;
+                (switched >= 0.01).then(|| format!("{name} {switched:.2} ({cpu_us:.0} µs)"))
             })
             .collect::<Vec<_>>()
             .join(", ")

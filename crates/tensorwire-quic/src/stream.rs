@@ -153,6 +153,22 @@ impl FrameStream {
     pub(crate) async fn delivered(&mut self, grace: std::time::Duration) {
         let _ = tokio::time::timeout(grace, self.send.stopped()).await;
     }
+
+    /// As [`delivered`](Self::delivered), and then until the peer finished its half after
+    /// its last frame, all within `grace`. quinn stops (STOP_SENDING) a receive half dropped
+    /// before its FIN was read: a frame, most often a datagram of its own, and a wake-up for
+    /// the peer, which acknowledges it at once. The FIN may come after the acknowledgement
+    /// (a sender finishes its half on our last frame, spec §4). Reads one chunk at most: a
+    /// byte after the last frame ends the wait (the decoder reports it if read again).
+    pub(crate) async fn delivered_and_finished(&mut self, grace: std::time::Duration) {
+        let _ = tokio::time::timeout(grace, async {
+            let _ = self.send.stopped().await;
+            if let Ok(Some(chunk)) = self.recv.read_chunk(usize::MAX, true).await {
+                self.decoder.push(chunk.bytes);
+            }
+        })
+        .await;
+    }
 }
 
 fn remote(code: VarInt, what: &str) -> TransportError {

@@ -636,6 +636,42 @@ async fn an_admission_policy_decides_each_tensor_on_its_own_task() {
     tx.close().await;
 }
 
+/// A completed tensor's stream ends with both halves finished: the receiver reads the
+/// sender's FIN (which follows COMPLETE) rather than stopping the stream, so the sender gets
+/// no STOP_SENDING, which would cost it a datagram and a wake-up per tensor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completed_streams_are_not_stopped() {
+    const TENSORS: u64 = 500;
+    let (rx, addr) = receiver(receiver_config()).await;
+    rx.admit_with(|incoming| {
+        let sink = tensorwire_quic::HostSink::new(incoming.meta().byte_len()).unwrap();
+        drop(incoming.accept(sink));
+    })
+    .unwrap();
+    let tx = sender(addr).await;
+    for i in 0..TENSORS {
+        tx.send_inline(u8_meta("small", 4096), pattern(4096, i))
+            .await
+            .unwrap();
+    }
+    // Every stream's end reaches the sender (the last ones after their COMPLETE).
+    for _ in 0..100 {
+        if rx.metrics().tensors_completed == TENSORS {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(rx.metrics().tensors_completed, TENSORS);
+    let frames = tx.connection_stats().frame_rx;
+    assert_eq!(
+        (frames.stop_sending, frames.reset_stream),
+        (0, 0),
+        "{frames:?}"
+    );
+    tx.close().await;
+}
+
 /// Dropping an inline send midway cancels its tensor: the receiver hears CANCELLED, the
 /// sender counts it failed, its credit comes back, and the connection goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
