@@ -961,17 +961,17 @@ trait LatencyConnection: Send + Sync + Sized + 'static {
 }
 
 /// `samples` messages in a row over a connection `start` brings up, which is then closed;
-/// prints, under `label`, the context switches per message of each thread that switched
-/// while the messages went (set-up and close left out).
+/// prints, under `label`, the context switches and CPU time per message of each thread that
+/// switched while the messages went (set-up and close left out).
 async fn in_a_row<C: LatencyConnection>(
     label: &str,
     samples: u64,
     start: impl Future<Output = anyhow::Result<C>>,
 ) -> anyhow::Result<Histogram<u64>> {
     let connection = start.await?;
-    let before = ThreadSwitches::now();
+    let before = ThreadUsage::now();
     let h = connection.run(samples).await?;
-    let by_thread = ThreadSwitches::now().since(&before, samples);
+    let by_thread = ThreadUsage::now().since(&before, samples);
     connection.finish().await?;
     if !by_thread.is_empty() {
         println!(
@@ -983,14 +983,21 @@ async fn in_a_row<C: LatencyConnection>(
 
 /// Each thread's context switches and CPU time so far (Linux: `/proc/self/task`), by thread
 /// id: where a message's hand-offs and work happen, which the process's totals do not say.
-struct ThreadSwitches(std::collections::BTreeMap<u32, (String, u64, u64)>);
+struct ThreadUsage(std::collections::BTreeMap<u32, ThreadCounts>);
 
-impl ThreadSwitches {
+/// One thread's counts.
+struct ThreadCounts {
+    name: String,
+    context_switches: u64,
+    on_cpu_ns: u64,
+}
+
+impl ThreadUsage {
     fn now() -> Self {
-        let read = |tid: &std::path::Path| -> Option<(String, u64, u64)> {
+        let read = |tid: &std::path::Path| -> Option<ThreadCounts> {
             let name = std::fs::read_to_string(tid.join("comm")).ok()?;
             let status = std::fs::read_to_string(tid.join("status")).ok()?;
-            let switches = status
+            let context_switches = status
                 .lines()
                 .filter(|l| l.contains("ctxt_switches:"))
                 .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
@@ -1000,7 +1007,11 @@ impl ThreadSwitches {
                 .ok()
                 .and_then(|s| s.split_whitespace().next()?.parse().ok())
                 .unwrap_or(0);
-            Some((name.trim().to_owned(), switches, on_cpu_ns))
+            Some(ThreadCounts {
+                name: name.trim().to_owned(),
+                context_switches,
+                on_cpu_ns,
+            })
         };
         let threads = std::fs::read_dir("/proc/self/task")
             .into_iter()
@@ -1020,11 +1031,14 @@ impl ThreadSwitches {
         let per = |n: u64| n as f64 / messages.max(1) as f64;
         self.0
             .iter()
-            .filter_map(|(tid, (name, switches, on_cpu_ns))| {
-                let (then_switches, then_ns) = before.0.get(tid).map_or((0, 0), |t| (t.1, t.2));
-                let switched = per(switches.saturating_sub(then_switches));
-                let cpu_us = per(on_cpu_ns.saturating_sub(then_ns)) / 1e3;
-                (switched >= 0.01).then(|| format!("{name} {switched:.2} ({cpu_us:.0} µs)"))
+            .filter_map(|(tid, now)| {
+                let (switches, ns) = before
+                    .0
+                    .get(tid)
+                    .map_or((0, 0), |then| (then.context_switches, then.on_cpu_ns));
+                let switched = per(now.context_switches.saturating_sub(switches));
+                let cpu_us = per(now.on_cpu_ns.saturating_sub(ns)) / 1e3;
+                (switched >= 0.01).then(|| format!("{} {switched:.2} ({cpu_us:.0} µs)", now.name))
             })
             .collect::<Vec<_>>()
             .join(", ")
@@ -1239,9 +1253,8 @@ impl LatencyRows {
             Admission::Queued => "tensorwire, queued",
             Admission::Inline => "tensorwire, inline",
         };
-        let Self { samples, size, mtu } = *self;
-        let start = TensorwireLatency::start(samples, size, mtu, admission);
-        measured_row(name, size, in_a_row(name, samples, start)).await
+        let start = TensorwireLatency::start(self.samples, self.size, self.mtu, admission);
+        self.measure(name, start).await
     }
 
     /// Raw quinn's row for `exchange`.
@@ -1250,9 +1263,17 @@ impl LatencyRows {
             Exchange::OneRoundTrip => "raw quinn",
             Exchange::TwoRoundTrips => "raw quinn, 2 round trips",
         };
-        let Self { samples, size, mtu } = *self;
-        let start = QuinnLatency::start(samples, size, mtu, exchange);
-        measured_row(name, size, in_a_row(name, samples, start)).await
+        let start = QuinnLatency::start(self.samples, self.size, self.mtu, exchange);
+        self.measure(name, start).await
+    }
+
+    /// The row `name` of the messages in a row over the connection `start` brings up.
+    async fn measure<C: LatencyConnection>(
+        &self,
+        name: &'static str,
+        start: impl Future<Output = anyhow::Result<C>> + Send + 'static,
+    ) -> anyhow::Result<Latency> {
+        measured_row(name, self.size, in_a_row(name, self.samples, start)).await
     }
 }
 
@@ -1586,11 +1607,10 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let default_samples = if args.quick { 300 } else { 2000 };
-    let samples = match args.only.as_deref() {
-        None | Some("latency" | "latency-inline" | "latency-raw") => {
-            args.samples.unwrap_or(default_samples)
-        }
-        Some(_) => 0,
+    let samples = if args.only.is_none() || latency_only {
+        args.samples.unwrap_or(default_samples)
+    } else {
+        0
     };
     let size = 4096;
     let mtu = args.mtu;

@@ -115,11 +115,16 @@ impl FrameStream {
     /// STOP_SENDING for a receive half dropped before its FIN was read, even one that has all
     /// its data: one more frame, and often one more packet, per tensor.
     pub(crate) fn read_fin_if_arrived(&mut self) {
-        let read = self.recv.read_chunk(usize::MAX, true);
-        let read = std::pin::pin!(read);
+        let read = std::pin::pin!(self.read_fin());
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        if let std::task::Poll::Ready(Ok(Some(chunk))) = read.poll(&mut cx) {
-            // Bytes after a stream's last frame: the decoder reports them if read again.
+        let _ = read.poll(&mut cx);
+    }
+
+    /// Waits for the peer's FIN after its last frame, reading one chunk at most: bytes after
+    /// the last frame end the wait (the decoder reports them if read again), so a peer
+    /// cannot make this buffer.
+    async fn read_fin(&mut self) {
+        if let Ok(Some(chunk)) = self.recv.read_chunk(usize::MAX, true).await {
             self.decoder.push(chunk.bytes);
         }
     }
@@ -154,18 +159,14 @@ impl FrameStream {
         let _ = tokio::time::timeout(grace, self.send.stopped()).await;
     }
 
-    /// As [`delivered`](Self::delivered), and then until the peer finished its half after
-    /// its last frame, all within `grace`. quinn stops (STOP_SENDING) a receive half dropped
-    /// before its FIN was read: a frame, most often a datagram of its own, and a wake-up for
-    /// the peer, which acknowledges it at once. The FIN may come after the acknowledgement
-    /// (a sender finishes its half on our last frame, spec §4). Reads one chunk at most: a
-    /// byte after the last frame ends the wait (the decoder reports it if read again).
+    /// As [`delivered`](Self::delivered), and then until the peer finished its half
+    /// ([`read_fin`](Self::read_fin)), all within `grace`: the FIN may come after the
+    /// acknowledgement (a sender finishes its half on our last frame, spec §4), and a half
+    /// dropped before it is stopped (see [`read_fin_if_arrived`](Self::read_fin_if_arrived)).
     pub(crate) async fn delivered_and_finished(&mut self, grace: std::time::Duration) {
         let _ = tokio::time::timeout(grace, async {
             let _ = self.send.stopped().await;
-            if let Ok(Some(chunk)) = self.recv.read_chunk(usize::MAX, true).await {
-                self.decoder.push(chunk.bytes);
-            }
+            self.read_fin().await;
         })
         .await;
     }
