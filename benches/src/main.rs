@@ -5,8 +5,10 @@
 //!
 //! `cargo run --release -p tensorwire-bench -- --quick` finishes in under a minute.
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -19,6 +21,68 @@ use tensorwire::quic::{
     Sink, SinkError, TransportSettings,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The system allocator, counting allocations (and reallocations) while a latency row runs,
+/// so the rows can print them per message.
+struct CountingAllocator {
+    counting: AtomicBool,
+    allocations: AtomicU64,
+}
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator {
+    counting: AtomicBool::new(false),
+    allocations: AtomicU64::new(0),
+};
+
+impl CountingAllocator {
+    fn note(&self) {
+        // Read-only between latency rows: throughput runs share no written cache line.
+        if self.counting.load(Ordering::Relaxed) {
+            self.allocations.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts from now on; returns the count so far.
+    fn start(&self) -> u64 {
+        self.counting.store(true, Ordering::Relaxed);
+        self.allocations.load(Ordering::Relaxed)
+    }
+
+    /// Stops counting; returns the count so far.
+    fn stop(&self) -> u64 {
+        self.counting.store(false, Ordering::Relaxed);
+        self.allocations.load(Ordering::Relaxed)
+    }
+}
+
+#[allow(unsafe_code)]
+// SAFETY: every call is passed on unchanged to the system allocator, which upholds
+// `GlobalAlloc`'s contract; the counting touches only two atomics and never allocates.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        self.note();
+        // SAFETY: the caller's contract for `alloc`, passed on.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        self.note();
+        // SAFETY: the caller's contract for `alloc_zeroed`, passed on.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract for `dealloc`, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        self.note();
+        // SAFETY: the caller's contract for `realloc`, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
 
 /// Benchmark tensorwire beside raw quinn and TCP + TLS.
 #[derive(Parser, Debug)]
@@ -247,6 +311,8 @@ struct Latency {
     cpu_us_per_message: Option<f64>,
     /// The whole process's context switches per message, both ends included.
     context_switches_per_message: Option<f64>,
+    /// Heap allocations (and reallocations) per message, both ends included.
+    allocations_per_message: Option<f64>,
 }
 
 #[derive(Serialize, Debug)]
@@ -1236,6 +1302,7 @@ fn latency_row(
         p99_us: h.value_at_quantile(0.99),
         cpu_us_per_message: used.map(|u| per_message(u.cpu_seconds * 1e6)),
         context_switches_per_message: used.map(|u| per_message(u.context_switches as f64)),
+        allocations_per_message: used.map(|u| per_message(u.allocations as f64)),
     }
 }
 
@@ -1285,17 +1352,26 @@ async fn measured_row(
     size: usize,
     run: impl Future<Output = anyhow::Result<Histogram<u64>>> + Send + 'static,
 ) -> anyhow::Result<Latency> {
+    let allocations = ALLOCATOR.start();
     let before = ProcessUsage::now();
-    let h = on_worker(run).await?;
-    let used = before.zip(ProcessUsage::now()).map(|(b, a)| a.since(&b));
+    let h = on_worker(run).await;
+    let after = ProcessUsage::now();
+    let allocations = ALLOCATOR.stop() - allocations;
+    let h = h?;
+    let used = before.zip(after).map(|(b, a)| ProcessUsage {
+        allocations,
+        ..a.since(&b)
+    });
     Ok(latency_row(transport, size, &h, used))
 }
 
-/// This process's CPU time and context switches so far, every thread's (ended ones too).
+/// This process's CPU time and context switches so far, every thread's (ended ones too),
+/// and the allocations counted over a run.
 #[derive(Clone, Copy)]
 struct ProcessUsage {
     cpu_seconds: f64,
     context_switches: i64,
+    allocations: u64,
 }
 
 impl ProcessUsage {
@@ -1307,6 +1383,7 @@ impl ProcessUsage {
             cpu_seconds: seconds(usage.user_time()) + seconds(usage.system_time()),
             context_switches: usage.voluntary_context_switches()
                 + usage.involuntary_context_switches(),
+            allocations: 0,
         })
     }
 
@@ -1314,6 +1391,7 @@ impl ProcessUsage {
         Self {
             cpu_seconds: self.cpu_seconds - before.cpu_seconds,
             context_switches: self.context_switches - before.context_switches,
+            allocations: self.allocations - before.allocations,
         }
     }
 }
@@ -1677,8 +1755,11 @@ async fn main() -> anyhow::Result<()> {
         let usage = l
             .cpu_us_per_message
             .zip(l.context_switches_per_message)
-            .map_or_else(String::new, |(us, switches)| {
-                format!("   per message: CPU {us:.0} µs, {switches:.1} context switches")
+            .zip(l.allocations_per_message)
+            .map_or_else(String::new, |((us, switches), allocations)| {
+                format!(
+                    "   per message: CPU {us:.0} µs, {switches:.1} context switches, {allocations:.1} allocations"
+                )
             });
         println!(
             "  {:<25} p50 {:>6} µs   p99 {:>6} µs{usage}",

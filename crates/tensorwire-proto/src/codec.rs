@@ -1,11 +1,12 @@
 //! The incremental frame decoder (spec §6, §8).
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use smallvec::SmallVec;
 
 use crate::error::ProtocolError;
 use crate::frame::{self, Frame, FrameType, HEADER_LEN};
 use crate::limits::Limits;
-use crate::payload::{ByteQueue, ByteQueueBody};
+use crate::payload::{ByteQueue, ByteQueueBody, Payload};
 
 /// Cuts frames from a stream of received `Bytes`, without copying DATA payloads.
 ///
@@ -107,4 +108,85 @@ impl FrameDecoder {
             ))
         }
     }
+}
+
+/// DATA payloads of at most this many bytes are copied in beside the frame headers: below a
+/// page, the copy costs less than a chunk of its own (an allocation for the shared headers, a
+/// reference count, an entry in the transport's send queue), and a small tensor's frames
+/// leave as one buffer.
+pub const INLINE_PAYLOAD_MAX: usize = 4096;
+
+/// Frames laid out for one write to a stream (spec §6): every header, and every DATA payload
+/// up to [`INLINE_PAYLOAD_MAX`], in one buffer allocated once at its exact length; larger
+/// payloads as their own `Bytes` in between, never copied.
+#[derive(Debug, Default)]
+pub struct WireChunks(SmallVec<[Bytes; 4]>);
+
+impl WireChunks {
+    /// `frames`, in order.
+    pub fn encode(frames: &[Frame]) -> Self {
+        let copied: usize = frames
+            .iter()
+            .map(|f| f.encoded_len() - separate_payload(f).map_or(0, Payload::len))
+            .sum();
+        if copied == 0 {
+            return Self::default();
+        }
+        let mut buf = BytesMut::with_capacity(copied);
+        // Where in `buf` each separate payload goes.
+        let mut cuts: SmallVec<[(usize, &Payload); 2]> = SmallVec::new();
+        for frame in frames {
+            frame.encode_header(&mut buf);
+            match (frame.payload(), separate_payload(frame)) {
+                (_, Some(payload)) => cuts.push((buf.len(), payload)),
+                (Some(payload), None) => payload
+                    .parts()
+                    .iter()
+                    .for_each(|p| buf.extend_from_slice(p)),
+                (None, None) => {}
+            }
+        }
+        debug_assert_eq!(
+            buf.len(),
+            copied,
+            "frame lengths disagree with their encoding"
+        );
+        // At its exact capacity, the buffer becomes `Bytes` without another allocation.
+        let all = buf.freeze();
+        let mut chunks = SmallVec::new();
+        let mut at = 0;
+        for (cut, payload) in cuts {
+            if cut > at {
+                chunks.push(all.slice(at..cut));
+            }
+            chunks.extend(payload.parts().iter().cloned());
+            at = cut;
+        }
+        if at == 0 {
+            chunks.push(all);
+        } else if at < all.len() {
+            chunks.push(all.slice(at..));
+        }
+        Self(chunks)
+    }
+
+    /// The chunks, for a write that empties them as it goes (quinn's `write_all_chunks`).
+    pub fn as_mut_slice(&mut self) -> &mut [Bytes] {
+        &mut self.0
+    }
+
+    /// The chunks in order.
+    pub fn chunks(&self) -> &[Bytes] {
+        &self.0
+    }
+
+    /// Whether there is nothing to write.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// The DATA payload of `frame` that goes as its own chunk: one over [`INLINE_PAYLOAD_MAX`].
+fn separate_payload(frame: &Frame) -> Option<&Payload> {
+    frame.payload().filter(|p| p.len() > INLINE_PAYLOAD_MAX)
 }

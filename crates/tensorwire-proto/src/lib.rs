@@ -12,7 +12,8 @@
 //! 2. Hand each frame to the stream's [`TensorReceiver`] or [`TensorSender`]
 //!    (`handle_frame`), and act on the event it returns.
 //! 3. After every call into a state machine, write what its `poll_frame` returns, in order:
-//!    headers from [`Frame::encode_header`], DATA payloads as their own `Bytes`.
+//!    [`WireChunks::encode`] lays the frames out for one write (headers and small DATA
+//!    payloads in one buffer, larger payloads as their own `Bytes`).
 //! 4. Across all streams, a [`CreditTracker`] decides how many bytes the receiver may grant.
 //!
 //! A driver uses one [`Session`] per connection instead of steps 2 and 4 by hand: it owns the
@@ -49,7 +50,7 @@ pub mod fuzzing;
 #[doc(hidden)]
 pub mod testing;
 
-pub use codec::FrameDecoder;
+pub use codec::{FrameDecoder, INLINE_PAYLOAD_MAX, WireChunks};
 pub use credit::CreditTracker;
 pub use dtype::{ChecksumAlgorithm, DType, Device};
 pub use error::{Blame, ErrorCode, ProtocolError};

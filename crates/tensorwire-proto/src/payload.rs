@@ -1,6 +1,7 @@
 //! DATA payloads as chains of received `Bytes`, never copied (spec §6.2).
 
 use bytes::{Buf, Bytes};
+use smallvec::SmallVec;
 
 /// A DATA payload: the received `Bytes` pieces it spans, in order, shared with the input.
 ///
@@ -8,7 +9,9 @@ use bytes::{Buf, Bytes};
 /// so the only copy of the bytes is the one the sink makes into its destination.
 #[derive(Clone, Default)]
 pub struct Payload {
-    parts: Vec<Bytes>,
+    /// One piece inline: a payload that arrived in one read (a small tensor's, or any in a
+    /// test) takes no allocation of its own.
+    parts: SmallVec<[Bytes; 1]>,
     len: usize,
 }
 
@@ -223,6 +226,18 @@ impl<'a> ByteQueueBody<'a> {
         self.queue.skip(8);
         self.remaining -= 8;
         u64::from_le_bytes(raw)
+    }
+
+    /// Copies the rest of the body into `dst` and returns it, if it fits: a short fixed
+    /// body is read without collecting its pieces.
+    pub(crate) fn copy_rest<'d>(&mut self, dst: &'d mut [u8]) -> Option<&'d [u8]> {
+        let dst = dst.get_mut(..self.remaining)?;
+        if !self.queue.peek(dst) {
+            return None;
+        }
+        self.queue.skip(self.remaining);
+        self.remaining = 0;
+        Some(dst)
     }
 
     /// Takes the rest of the body as shared slices.

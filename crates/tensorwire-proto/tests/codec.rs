@@ -6,7 +6,8 @@ use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use tensorwire_proto::frame::{Accept, Cancel, Complete, Credit, Data, End, Reject};
 use tensorwire_proto::{
-    Blame, ChecksumAlgorithm, DType, Device, ErrorCode, Frame, FrameDecoder, Limits, TensorMeta,
+    Blame, ChecksumAlgorithm, DType, Device, ErrorCode, Frame, FrameDecoder, INLINE_PAYLOAD_MAX,
+    Limits, TensorMeta, WireChunks,
 };
 
 fn dtype() -> impl Strategy<Value = DType> {
@@ -64,6 +65,16 @@ fn frame() -> impl Strategy<Value = Frame> {
     ]
 }
 
+/// DATA on either side of the size that [`WireChunks`] copies in beside the headers.
+fn large_data() -> impl Strategy<Value = Frame> {
+    (
+        any::<u64>(),
+        INLINE_PAYLOAD_MAX - 2..INLINE_PAYLOAD_MAX + 3000,
+        any::<u8>(),
+    )
+        .prop_map(|(offset, len, byte)| Data::new(offset, vec![byte; len]).into())
+}
+
 fn decode_all(decoder: &mut FrameDecoder) -> Vec<Frame> {
     std::iter::from_fn(|| decoder.next_frame().unwrap()).collect()
 }
@@ -87,6 +98,21 @@ proptest! {
         }
         decoder.finish().unwrap();
         prop_assert_eq!(decoded, frames);
+    }
+
+    #[test]
+    fn wire_chunks_carry_the_frames_in_order(frames in proptest::collection::vec(prop_oneof![frame(), large_data()], 0..8)) {
+        let mut expected = BytesMut::new();
+        frames.iter().for_each(|f| f.encode(&mut expected));
+        let chunks = WireChunks::encode(&frames);
+        let written: Vec<u8> = chunks.chunks().iter().flat_map(|c| c.iter().copied()).collect();
+        prop_assert_eq!(written, expected.to_vec());
+        prop_assert_eq!(chunks.is_empty(), frames.is_empty());
+        // A payload past a page goes as the caller's own bytes, not a copy.
+        for payload in frames.iter().filter_map(Frame::payload).filter(|p| p.len() > INLINE_PAYLOAD_MAX) {
+            let first = payload.parts()[0].as_ptr();
+            prop_assert!(chunks.chunks().iter().any(|c| c.as_ptr() == first));
+        }
     }
 
     #[test]

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use futures_core::Stream;
 use quinn::VarInt;
 use tensorwire_proto::{
-    ErrorCode, Frame, Limits, SessionConfig, SessionEvent, StreamId, TensorMeta, TensorSender,
+    ErrorCode, Limits, SessionConfig, SessionEvent, StreamId, TensorMeta, TensorSender,
 };
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
@@ -475,7 +475,6 @@ async fn send_tensor(
             id,
             session: session.clone(),
             stream: FrameStream::new(send, recv, Limits::default()),
-            outbox: Vec::new(),
             settled: false,
         };
         let outcome = tensor
@@ -560,8 +559,6 @@ struct OutgoingTensor {
     id: StreamId,
     session: ConnectionSession,
     stream: FrameStream,
-    /// Frames on their way from the session to the stream (see `ConnectionSession::flush`).
-    outbox: Vec<Frame>,
     /// Whether the session let go of the stream; if not when dropped (a send future dropped
     /// midway), the tensor is cancelled.
     settled: bool,
@@ -669,9 +666,7 @@ impl OutgoingTensor {
 
     /// Writes what the session queued for this stream.
     async fn flush(&mut self) -> Result<(), TransportError> {
-        self.session
-            .flush(self.id, &mut self.stream, &mut self.outbox)
-            .await
+        self.session.flush(self.id, &mut self.stream).await
     }
 
     /// When the receiver stopped the stream, its CANCEL or REJECT says why

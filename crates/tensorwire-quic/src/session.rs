@@ -4,7 +4,8 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use tensorwire_proto::{Frame, Session, SessionConfig, StreamId};
+use smallvec::SmallVec;
+use tensorwire_proto::{Frame, Session, SessionConfig, StreamId, WireChunks};
 
 use crate::error::TransportError;
 use crate::stream::FrameStream;
@@ -28,18 +29,19 @@ impl ConnectionSession {
 }
 
 impl ConnectionSession {
-    /// Writes what the session queued for stream `id`: moved into `outbox` (reused, so a
-    /// flush allocates nothing once warm) under the lock, written after it is released.
+    /// Writes what the session queued for stream `id`: taken under the lock, laid out and
+    /// written after it is released.
     pub(crate) async fn flush(
         &self,
         id: StreamId,
         stream: &mut FrameStream,
-        outbox: &mut Vec<Frame>,
     ) -> Result<(), TransportError> {
-        {
+        // A tensor's flush queues at most a few frames (METADATA, DATA, END; or ACCEPT and
+        // COMPLETE): on the stack, not allocated per write.
+        let frames: SmallVec<[Frame; 4]> = {
             let mut session = self.lock();
-            outbox.extend(std::iter::from_fn(|| session.poll_frame(id)));
-        }
-        stream.write_frames(outbox.drain(..)).await
+            std::iter::from_fn(|| session.poll_frame(id)).collect()
+        };
+        stream.write_chunks(WireChunks::encode(&frames)).await
     }
 }

@@ -1,11 +1,10 @@
 //! Frames over one QUIC bidirectional stream: decode what arrives, write what a state
-//! machine queues (DATA payloads as their own `Bytes`, never copied).
+//! machine queues (DATA payloads past a page as their own `Bytes`, never copied).
 
 use std::future::Future;
 
-use bytes::{Bytes, BytesMut};
 use quinn::{ReadError, RecvStream, SendStream, VarInt, WriteError};
-use tensorwire_proto::{ErrorCode, Frame, FrameDecoder, Limits, ProtocolError};
+use tensorwire_proto::{ErrorCode, Frame, FrameDecoder, Limits, ProtocolError, WireChunks};
 
 use crate::error::TransportError;
 
@@ -85,28 +84,17 @@ impl FrameStream {
         }
     }
 
-    /// Writes `frames` in order, headers batched, DATA payloads as their own chunks.
-    pub(crate) async fn write_frames(
+    /// Writes frames laid out by [`WireChunks::encode`]: a small tensor's in one chunk, DATA
+    /// payloads past a page as their own.
+    pub(crate) async fn write_chunks(
         &mut self,
-        frames: impl IntoIterator<Item = Frame>,
+        mut chunks: WireChunks,
     ) -> Result<(), TransportError> {
-        let mut chunks: Vec<Bytes> = Vec::new();
-        let mut headers = BytesMut::new();
-        for frame in frames {
-            frame.encode_header(&mut headers);
-            if let Some(payload) = frame.payload() {
-                chunks.push(headers.split().freeze());
-                chunks.extend(payload.parts().iter().cloned());
-            }
-        }
-        if !headers.is_empty() {
-            chunks.push(headers.freeze());
-        }
         if chunks.is_empty() {
             return Ok(());
         }
         self.send
-            .write_all_chunks(&mut chunks)
+            .write_all_chunks(chunks.as_mut_slice())
             .await
             .map_err(write_error)
     }

@@ -226,23 +226,44 @@ pub(crate) fn check_header(ty: FrameType, len: u32, limits: &Limits) -> Result<(
     }
 }
 
+/// Longest fixed-length body (EARLY_CREDIT's).
+const SHORT_BODY_MAX: usize = EarlyCredit::BODY_LEN;
+
+/// A fixed-length body, whose length `check_header` matched exactly, copied into `dst`.
+fn short_body<'d>(
+    body: &mut crate::payload::ByteQueueBody<'_>,
+    dst: &'d mut [u8; SHORT_BODY_MAX],
+) -> Result<&'d [u8], ProtocolError> {
+    body.copy_rest(dst).ok_or_else(|| {
+        ProtocolError::malformed(
+            ErrorCode::FRAME_MALFORMED,
+            "a fixed-length body longer than any frame type's",
+        )
+    })
+}
+
 /// Decodes a body whose length `check_header` accepted and which is fully buffered.
 pub(crate) fn decode_body(
     ty: FrameType,
     body: &mut crate::payload::ByteQueueBody<'_>,
     limits: &Limits,
 ) -> Result<Frame, ProtocolError> {
+    // The fixed bodies (END, ACCEPT, CREDIT, EARLY_CREDIT) are read through this, not
+    // collected: a small tensor's frames decode without allocating.
+    let mut short = [0u8; SHORT_BODY_MAX];
     Ok(match ty {
         FrameType::METADATA => Frame::Metadata(Metadata::decode(body, limits)?),
         FrameType::DATA => Frame::Data(Data::decode(body)),
-        FrameType::END => Frame::End(End::decode(&body.contiguous())?),
+        FrameType::END => Frame::End(End::decode(short_body(body, &mut short)?)?),
         FrameType::CANCEL => Frame::Cancel(Cancel::decode(&body.contiguous())?),
-        FrameType::ACCEPT => Frame::Accept(Accept::decode(&body.contiguous())?),
+        FrameType::ACCEPT => Frame::Accept(Accept::decode(short_body(body, &mut short)?)?),
         FrameType::REJECT => Frame::Reject(Reject::decode(&body.contiguous())?),
-        FrameType::CREDIT => Frame::Credit(Credit::decode(&body.contiguous())?),
+        FrameType::CREDIT => Frame::Credit(Credit::decode(short_body(body, &mut short)?)?),
         FrameType::COMPLETE => Frame::Complete(Complete),
         FrameType::EARLY => Frame::Early(Early),
-        FrameType::EARLY_CREDIT => Frame::EarlyCredit(EarlyCredit::decode(&body.contiguous())?),
+        FrameType::EARLY_CREDIT => {
+            Frame::EarlyCredit(EarlyCredit::decode(short_body(body, &mut short)?)?)
+        }
         _ => {
             return Err(ProtocolError::malformed(
                 ErrorCode::UNKNOWN_FRAME_TYPE,

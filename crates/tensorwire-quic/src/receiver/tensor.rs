@@ -29,8 +29,6 @@ pub(super) struct Accepted {
     shared: Arc<Shared>,
     connection: Arc<ConnectionState>,
     stream: FrameStream,
-    /// Frames on their way from the session to the stream (see `ConnectionSession::flush`).
-    outbox: Vec<Frame>,
     started: Instant,
     /// Bytes of this tensor held and not yet made durable (by the sink, or here).
     pending: Arc<AtomicU64>,
@@ -76,7 +74,6 @@ pub(super) async fn serve_stream(
         shared,
         connection,
         stream,
-        outbox: Vec::new(),
         started: Instant::now(),
         pending: Arc::new(AtomicU64::new(0)),
         early: Vec::new(),
@@ -419,9 +416,7 @@ impl Accepted {
     /// Writes what the session queued for this stream.
     async fn flush(&mut self) -> Result<(), TransportError> {
         let session = &self.connection.session;
-        session
-            .flush(self.id, &mut self.stream, &mut self.outbox)
-            .await
+        session.flush(self.id, &mut self.stream).await
     }
 
     /// Tells the peer why (if the session has not already), closes the stream, returns its
