@@ -155,11 +155,15 @@ pub(super) async fn serve_streams(
         tokio::spawn(offer_early_credit(shared.clone(), state.clone()));
     }
     let idle_check = config.connection_idle_timeout.min(Duration::from_secs(1));
+    // One timer for the connection's life, not one armed and cancelled per stream accepted.
+    let mut idle_checks =
+        tokio::time::interval_at(tokio::time::Instant::now() + idle_check, idle_check);
+    idle_checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let accepted = tokio::select! {
             _ = shared.shutdown.cancelled() => break,
             accepted = connection.accept_bi() => accepted,
-            () = tokio::time::sleep(idle_check) => {
+            _ = idle_checks.tick() => {
                 if state.session().idle_for(Instant::now()) >= config.connection_idle_timeout {
                     info!(idle = ?config.connection_idle_timeout, "closing a connection with no tensor streams");
                     state.close(

@@ -273,12 +273,20 @@ impl Accepted {
         cancel: CancellationToken,
     ) {
         let result = tokio::select! {
+            // A tensor that completes at its first poll never registers for the cancel.
+            biased;
             result = self.receive_loop(sink, &progress) => result,
             _ = cancel.cancelled() => Err(TransportError::cancelled_by("receiving")),
         };
         let result = match result {
             Err(e) => Err(self.explain_stop(e).await),
-            ok => ok,
+            Ok(output) => {
+                // COMPLETE is written: the connection's driver, which shares this thread,
+                // sends it before the bookkeeping below (the stream's close, the session's
+                // ledger, metrics), which would otherwise delay every small tensor's reply.
+                tokio::task::yield_now().await;
+                Ok(output)
+            }
         };
         self.end(result.as_ref().err()).await;
         // The application hears now; the stream is kept below until the peer has our last
@@ -385,6 +393,8 @@ impl Accepted {
     ) -> Result<T, TransportError> {
         tokio::pin!(finish);
         tokio::select! {
+            // A sink that finishes at once (host memory) needs no read of the stream.
+            biased;
             out = &mut finish => return Ok(out),
             frame = self.stream.next_frame_or_fin() => match frame? {
                 None => {}
