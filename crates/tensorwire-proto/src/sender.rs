@@ -137,7 +137,9 @@ impl TensorSender {
     pub fn new(meta: TensorMeta) -> Result<Self, ProtocolError> {
         let metadata = Frame::Metadata(Metadata { meta: meta.clone() });
         check_fits_wire(&meta, &metadata)?;
-        let outgoing = VecDeque::from([metadata]);
+        // EARLY, METADATA, DATA and END of a small tensor fit without growing the queue.
+        let mut outgoing = VecDeque::with_capacity(4);
+        outgoing.push_back(metadata);
         Ok(Self {
             meta,
             state: SenderState::AwaitingDecision,

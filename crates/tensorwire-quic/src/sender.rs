@@ -261,17 +261,24 @@ impl ConnectionSender {
         let total = meta.byte_len();
         let span = info_span!("send", name = meta.name(), bytes = total);
         // Beside the connection's packet processing (its endpoint's runtime).
+        let (connection, session) = (self.connection.clone(), self.session.clone());
+        let (progress, token, metrics) = (sent.clone(), cancel.clone(), self.metrics.clone());
+        let source = source.into();
+        let options = self.options;
         let task = self.runtime.spawn(
-            send_tensor(
-                self.connection.clone(),
-                self.session.clone(),
-                meta,
-                source.into(),
-                sent.clone(),
-                cancel.clone(),
-                self.metrics.clone(),
-                self.options,
-            )
+            async move {
+                send_tensor(
+                    connection,
+                    session,
+                    meta,
+                    source,
+                    &progress,
+                    Some(&token),
+                    metrics,
+                    options,
+                )
+                .await
+            }
             .instrument(span),
         );
         SendHandle {
@@ -301,8 +308,10 @@ impl ConnectionSender {
             self.session.clone(),
             meta,
             source.into(),
-            Arc::default(),
-            CancellationToken::new(),
+            // Nobody else watches this send's progress or can cancel it (dropping the future
+            // does): nothing to share, so nothing allocated for it.
+            &AtomicU64::new(0),
+            None,
             self.metrics.clone(),
             self.options,
         )
@@ -457,8 +466,8 @@ async fn send_tensor(
     session: ConnectionSession,
     meta: TensorMeta,
     source: Source,
-    sent: Arc<AtomicU64>,
-    cancel: CancellationToken,
+    sent: &AtomicU64,
+    cancel: Option<&CancellationToken>,
     metrics: Arc<Metrics>,
     options: SendOptions,
 ) -> Result<SendReport, TransportError> {
@@ -478,7 +487,7 @@ async fn send_tensor(
             settled: false,
         };
         let outcome = tensor
-            .drive(&connection, source, total, &sent, &cancel, options)
+            .drive(&connection, source, total, sent, cancel, options)
             .await;
         let outcome = match outcome {
             Err(e) => Err(tensor.explain_stop(e).await),
@@ -598,7 +607,7 @@ impl OutgoingTensor {
         source: Source,
         total: u64,
         sent: &AtomicU64,
-        cancel: &CancellationToken,
+        cancel: Option<&CancellationToken>,
         options: SendOptions,
     ) -> Result<(), TransportError> {
         let SendOptions {
@@ -640,7 +649,7 @@ impl OutgoingTensor {
                 }
                 tokio::select! {
                     written = self.flush() => written?,
-                    _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),
+                    () = cancelled(cancel) => return Err(TransportError::cancelled_by("sending")),
                 }
                 sent.store(done + len, Ordering::Relaxed);
             }
@@ -654,7 +663,7 @@ impl OutgoingTensor {
             self.flush().await?;
             let frame = tokio::select! {
                 frame = next_frame_while_progressing(&mut self.stream, connection, progress_timeout) => frame?,
-                _ = cancel.cancelled() => return Err(TransportError::cancelled_by("sending")),
+                () = cancelled(cancel) => return Err(TransportError::cancelled_by("sending")),
             };
             if self.session.lock().handle_reply(id, frame)? == SessionEvent::Complete {
                 // The receiver's FIN comes with COMPLETE.
@@ -681,6 +690,14 @@ impl OutgoingTensor {
                 session.lock().handle_reply(id, frame).map(drop)
             })
             .await
+    }
+}
+
+/// Resolves once `cancel` (if any) is cancelled.
+async fn cancelled(cancel: Option<&CancellationToken>) {
+    match cancel {
+        Some(cancel) => cancel.cancelled().await,
+        None => std::future::pending().await,
     }
 }
 

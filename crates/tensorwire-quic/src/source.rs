@@ -97,6 +97,19 @@ impl SourceReader {
         if let Kind::Stream { inner, leftover } = &mut self.kind {
             return next_of_stream(inner, leftover, max).await;
         }
+        if self.ready.is_empty()
+            && self.ahead.is_none()
+            && let Kind::Region {
+                rest,
+                mapped: false,
+            } = &mut self.kind
+            && !rest.is_empty()
+            && rest.len() <= max.min(self.chunk)
+            && rest.len() < CHECK_INLINE_BELOW
+        {
+            // What is left goes in one chunk (a small tensor's whole): no batch to queue.
+            return Ok(CheckedChunk::new(std::mem::take(rest)));
+        }
         if self.ready.is_empty() {
             self.ready = match self.ahead.take() {
                 Some(batch) => batch.await.map_err(std::io::Error::other)?,

@@ -76,7 +76,7 @@ impl IncomingTensor {
             Box::new(move |accepted| Box::pin(accepted.receive_into(sink, done, progress, token)));
         let handle = TensorHandle {
             ended: self.ended.clone(),
-            meta: self.meta.clone(),
+            meta: self.meta,
             received,
             cancel,
             result,
