@@ -64,6 +64,11 @@ impl FrameStream {
         error
     }
 
+    /// The next frame already buffered, without reading the stream.
+    pub(crate) fn buffered_frame(&mut self) -> Result<Option<Frame>, TransportError> {
+        Ok(self.decoder.next_frame()?)
+    }
+
     /// The next frame, or `None` when the peer finished its half at a frame boundary.
     pub(crate) async fn next_frame_or_fin(&mut self) -> Result<Option<Frame>, TransportError> {
         loop {

@@ -235,10 +235,16 @@ impl Accepted {
     ) -> Result<T, TransportError> {
         tokio::pin!(wait);
         loop {
-            // After END only a CANCEL, a reset or the sender's FIN can come (spec §4).
-            let frame = tokio::select! {
-                out = &mut wait => return Ok(out),
-                frame = self.stream.next_frame_or_fin() => frame?,
+            // Frames that came with METADATA (a tensor sent early and whole) are handled
+            // before the wait: the decision then finds END, and ACCEPT leaves with COMPLETE
+            // in one write.
+            let frame = match self.stream.buffered_frame()? {
+                Some(frame) => Some(frame),
+                // After END only a CANCEL, a reset or the sender's FIN can come (spec §4).
+                None => tokio::select! {
+                    out = &mut wait => return Ok(out),
+                    frame = self.stream.next_frame_or_fin() => frame?,
+                },
             };
             let Some(frame) = frame else {
                 if self.early_ended {
