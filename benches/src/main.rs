@@ -43,17 +43,23 @@ impl CountingAllocator {
         }
     }
 
-    /// Counts from now on; returns the count so far.
-    fn start(&self) -> u64 {
-        self.counting.store(true, Ordering::Relaxed);
-        self.allocations.load(Ordering::Relaxed)
+    /// Counts while `on`.
+    fn count(&self, on: Counting) {
+        self.counting
+            .store(matches!(on, Counting::On), Ordering::Relaxed);
     }
 
-    /// Stops counting; returns the count so far.
-    fn stop(&self) -> u64 {
-        self.counting.store(false, Ordering::Relaxed);
+    /// Allocations counted so far.
+    fn allocations(&self) -> u64 {
         self.allocations.load(Ordering::Relaxed)
     }
+}
+
+/// Whether [`CountingAllocator`] counts.
+#[derive(Clone, Copy)]
+enum Counting {
+    On,
+    Off,
 }
 
 #[allow(unsafe_code)]
@@ -1354,21 +1360,17 @@ async fn measured_row(
     size: usize,
     run: impl Future<Output = anyhow::Result<Histogram<u64>>> + Send + 'static,
 ) -> anyhow::Result<Latency> {
-    let allocations = ALLOCATOR.start();
+    ALLOCATOR.count(Counting::On);
     let before = ProcessUsage::now();
     let h = on_worker(run).await;
     let after = ProcessUsage::now();
-    let allocations = ALLOCATOR.stop() - allocations;
-    let h = h?;
-    let used = before.zip(after).map(|(b, a)| ProcessUsage {
-        allocations,
-        ..a.since(&b)
-    });
-    Ok(latency_row(transport, size, &h, used))
+    ALLOCATOR.count(Counting::Off);
+    let used = before.zip(after).map(|(b, a)| a.since(&b));
+    Ok(latency_row(transport, size, &h?, used))
 }
 
 /// This process's CPU time and context switches so far, every thread's (ended ones too),
-/// and the allocations counted over a run.
+/// and the allocations counted so far.
 #[derive(Clone, Copy)]
 struct ProcessUsage {
     cpu_seconds: f64,
@@ -1385,7 +1387,7 @@ impl ProcessUsage {
             cpu_seconds: seconds(usage.user_time()) + seconds(usage.system_time()),
             context_switches: usage.voluntary_context_switches()
                 + usage.involuntary_context_switches(),
-            allocations: 0,
+            allocations: ALLOCATOR.allocations(),
         })
     }
 

@@ -136,14 +136,12 @@ impl WireChunks {
         // Where in `buf` each separate payload goes.
         let mut cuts: SmallVec<[(usize, &Payload); 2]> = SmallVec::new();
         for frame in frames {
-            frame.encode_header(&mut buf);
-            match (frame.payload(), separate_payload(frame)) {
-                (_, Some(payload)) => cuts.push((buf.len(), payload)),
-                (Some(payload), None) => payload
-                    .parts()
-                    .iter()
-                    .for_each(|p| buf.extend_from_slice(p)),
-                (None, None) => {}
+            match separate_payload(frame) {
+                Some(payload) => {
+                    frame.encode_header(&mut buf);
+                    cuts.push((buf.len(), payload));
+                }
+                None => frame.encode(&mut buf),
             }
         }
         debug_assert_eq!(

@@ -232,7 +232,7 @@ impl<'a> ByteQueueBody<'a> {
     /// body is read without collecting its pieces.
     pub(crate) fn copy_rest<'d>(&mut self, dst: &'d mut [u8]) -> Option<&'d [u8]> {
         let dst = dst.get_mut(..self.remaining)?;
-        if !self.queue.peek(dst) {
+        if !self.peek(dst) {
             return None;
         }
         self.queue.skip(self.remaining);

@@ -36,12 +36,15 @@ impl ConnectionSession {
         id: StreamId,
         stream: &mut FrameStream,
     ) -> Result<(), TransportError> {
-        // A tensor's flush queues at most a few frames (METADATA, DATA, END; or ACCEPT and
-        // COMPLETE): on the stack, not allocated per write.
-        let frames: SmallVec<[Frame; 4]> = {
-            let mut session = self.lock();
-            std::iter::from_fn(|| session.poll_frame(id)).collect()
+        let chunks = {
+            // A tensor's flush queues at most a few frames (METADATA, DATA, END; or ACCEPT
+            // and COMPLETE): on the stack, and dropped before the write is awaited.
+            let frames: SmallVec<[Frame; 4]> = {
+                let mut session = self.lock();
+                std::iter::from_fn(|| session.poll_frame(id)).collect()
+            };
+            WireChunks::encode(&frames)
         };
-        stream.write_chunks(WireChunks::encode(&frames)).await
+        stream.write_chunks(chunks).await
     }
 }

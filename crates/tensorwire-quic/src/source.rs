@@ -97,23 +97,19 @@ impl SourceReader {
         if let Kind::Stream { inner, leftover } = &mut self.kind {
             return next_of_stream(inner, leftover, max).await;
         }
-        if self.ready.is_empty()
-            && self.ahead.is_none()
-            && let Kind::Region {
-                rest,
-                mapped: false,
-            } = &mut self.kind
-            && !rest.is_empty()
-            && rest.len() <= max.min(self.chunk)
-            && rest.len() < CHECK_INLINE_BELOW
-        {
-            // What is left goes in one chunk (a small tensor's whole): no batch to queue.
-            return Ok(CheckedChunk::new(std::mem::take(rest)));
-        }
         if self.ready.is_empty() {
             self.ready = match self.ahead.take() {
                 Some(batch) => batch.await.map_err(std::io::Error::other)?,
-                None => self.check_next_batch_here().await?,
+                None => {
+                    let one_chunk = max.min(self.chunk);
+                    if let Some(rest) = self.rest_checked_here()
+                        && rest.len() <= one_chunk
+                    {
+                        // A small tensor's whole: one chunk, no batch to queue.
+                        return Ok(CheckedChunk::new(std::mem::take(rest)));
+                    }
+                    self.check_next_batch_here().await?
+                }
             };
             // Keep one batch checksumming while this one is sent.
             self.ahead = self.spawn_next_batch();
@@ -133,15 +129,24 @@ impl SourceReader {
     /// The first batch: checksummed on this task where it is short and in memory, so a small
     /// tensor pays no hand-off; otherwise on the blocking pool.
     async fn check_next_batch_here(&mut self) -> std::io::Result<VecDeque<CheckedChunk>> {
-        let Kind::Region { rest, mapped } = &mut self.kind else {
-            return Ok(VecDeque::new());
-        };
-        if !*mapped && rest.len() < CHECK_INLINE_BELOW {
-            return Ok(cut_and_check(std::mem::take(rest), self.chunk));
+        let chunk = self.chunk;
+        if let Some(rest) = self.rest_checked_here() {
+            return Ok(cut_and_check(std::mem::take(rest), chunk));
         }
         match self.spawn_next_batch() {
             Some(batch) => batch.await.map_err(std::io::Error::other),
             None => Ok(VecDeque::new()),
+        }
+    }
+
+    /// What is left of a region checksummed on this task: short and in memory.
+    fn rest_checked_here(&mut self) -> Option<&mut Bytes> {
+        match &mut self.kind {
+            Kind::Region {
+                rest,
+                mapped: false,
+            } if rest.len() < CHECK_INLINE_BELOW => Some(rest),
+            _ => None,
         }
     }
 
