@@ -137,6 +137,10 @@ struct Args {
     /// this program's runtime, spread over its workers).
     #[arg(long, default_value = "1")]
     endpoint_threads: EndpointThreads,
+    /// tensorwire receivers: where DATA payloads of 256 KiB or more are stored (auto, never,
+    /// or at most N at once off their connection's thread).
+    #[arg(long, default_value = "auto")]
+    store_offload: tensorwire::quic::StoreOffload,
     /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile
     /// it, or only the small-tensor latency (latency); latency-inline or latency-raw measure
     /// one latency row alone (tensorwire inline, raw quinn), for a profile of that path.
@@ -353,6 +357,10 @@ struct Report {
 
 /// `--endpoint-threads`, set once at start.
 static ENDPOINT_THREADS: std::sync::OnceLock<EndpointThreads> = std::sync::OnceLock::new();
+
+/// `--store-offload`, set once at start.
+static STORE_OFFLOAD: std::sync::OnceLock<tensorwire::quic::StoreOffload> =
+    std::sync::OnceLock::new();
 
 fn transport(mtu: u16) -> TransportSettings {
     TransportSettings {
@@ -715,6 +723,7 @@ async fn tensorwire_run(
         .with_budget((window * 8).max(256 << 20));
         config.transport = transport(mtu);
         config.endpoints = 1;
+        config.store_offload = STORE_OFFLOAD.get().copied().unwrap_or_default();
         config.stream_window = window;
         config.grant_unit = grant;
         let mut receiver = Receiver::bind(config).await?;
@@ -1597,6 +1606,7 @@ async fn best_of(
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let _ = ENDPOINT_THREADS.set(args.endpoint_threads);
+    let _ = STORE_OFFLOAD.set(args.store_offload);
     let mib = args.mib.unwrap_or(if args.quick { 512 } else { 2048 });
     if let Some(cert) = &args.raw_server {
         let count = args.connections.first().copied().unwrap_or(1);

@@ -10,6 +10,7 @@ use tensorwire_proto::Limits;
 use tokio::runtime::Handle;
 
 use crate::error::TransportError;
+use crate::receiver::StoreOffload;
 use crate::runtime::{EndpointRuntime, EndpointThreads};
 use crate::steering::{
     Balance, MAX_STEERED_ENDPOINTS, ServerEndpoint, Steering, attach_steering, steered_ids,
@@ -474,6 +475,10 @@ pub struct ReceiverConfig {
     /// It comes out of [`Self::budget`], only while outstanding bytes stay at or below the
     /// low watermark. 0 offers none. Default: 1 MiB.
     pub early_credit: u64,
+    /// Where DATA payloads of 256 KiB or more are stored (copied and checksummed into the
+    /// sink): beside their connection's packet processing, or on the runtime that bound the
+    /// receiver while the host has cores to spare. Default: [`StoreOffload::Auto`].
+    pub store_offload: StoreOffload,
 }
 
 impl ReceiverConfig {
@@ -505,6 +510,7 @@ impl ReceiverConfig {
             max_pending_per_connection: 64,
             connection_idle_timeout: Duration::from_secs(60),
             early_credit: 1 << 20,
+            store_offload: StoreOffload::Auto,
         }
     }
 

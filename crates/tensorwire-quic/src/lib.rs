@@ -36,7 +36,9 @@ pub use dev_trust::dev_cert_path;
 pub use error::TransportError;
 pub use metrics::MetricsSnapshot;
 pub use pool::{MIN_PART, SenderPool};
-pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
+pub use receiver::{
+    CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, StoreOffload, TensorHandle,
+};
 pub use runtime::EndpointThreads;
 pub use sender::{ConnectionSender, SendHandle, SendProgress, SendReport, Sender, Source};
 pub use steering::{ConnectionSlot, ServerEndpoint, Steering};

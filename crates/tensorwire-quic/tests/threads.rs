@@ -1,6 +1,7 @@
 //! Where an endpoint's work runs (`TransportSettings::endpoint_threads`): a tensor's sink
-//! runs on its endpoint's own thread, or on the caller's runtime; the threads end once the
-//! receiver and senders are gone.
+//! runs on its endpoint's own thread, or on the caller's runtime, and its large payloads on
+//! the receiver's runtime where `ReceiverConfig::store_offload` says; the threads end once
+//! the receiver and senders are gone.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -10,10 +11,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use tensorwire_quic::proto::Payload;
+use tensorwire_quic::proto::{ErrorCode, Payload};
 use tensorwire_quic::{
-    CreditPermit, EndpointThreads, Receiver, Sender, SenderConfig, Sink, SinkError,
-    TransportSettings,
+    CreditPermit, EndpointThreads, Receiver, Sender, SenderConfig, Sink, SinkError, StoreOffload,
+    TransportError, TransportSettings,
 };
 
 /// The tests of this binary count endpoint threads: they run one at a time.
@@ -175,4 +176,108 @@ fn endpoints_outside_a_runtime() {
         .endpoint(addr, None)
         .unwrap_err();
     assert!(err.to_string().contains("inside a tokio runtime"), "{err}");
+}
+
+/// Records the thread and length of each payload it stores; fails the store at
+/// `fail_at`, if any.
+struct PayloadThreadSink {
+    stores: Arc<Mutex<Vec<(String, usize)>>>,
+    fail_at: Option<usize>,
+}
+
+impl Sink for PayloadThreadSink {
+    type Output = ();
+
+    async fn store(
+        &mut self,
+        _: u64,
+        payload: Payload,
+        permit: CreditPermit,
+        crc: Option<&mut u32>,
+    ) -> Result<(), SinkError> {
+        let name = std::thread::current().name().unwrap_or("").to_owned();
+        let mut stores = self.stores.lock().unwrap();
+        stores.push((name, payload.len()));
+        if Some(stores.len()) == self.fail_at {
+            return Err(SinkError::failed("the test's sink fails here"));
+        }
+        payload.continue_crc(crc);
+        drop(permit);
+        Ok(())
+    }
+
+    async fn finish(self) -> Result<(), SinkError> {
+        Ok(())
+    }
+}
+
+/// Sends one 6 MiB tensor (1 MiB DATA frames, then a 4 KiB one) to a one-endpoint receiver
+/// storing large payloads as `offload` says, from this multi-thread runtime; returns where
+/// each payload was stored and how the tensor ended on both sides.
+async fn stores_with(
+    offload: StoreOffload,
+    fail_at: Option<usize>,
+) -> (Vec<(String, usize)>, Result<(), TransportError>) {
+    let _serial = SERIAL.lock().await;
+    let mut config = receiver_config();
+    config.endpoints = 1;
+    config.store_offload = offload;
+    let (mut rx, addr) = receiver(config).await;
+    let tx = sender(addr).await;
+    let len = (6 << 20) + 4096;
+    let send = tx.send(u8_meta("t", len), pattern(len, 9));
+    let stores = Arc::new(Mutex::new(Vec::new()));
+    let handle = rx.next().await.unwrap().accept(PayloadThreadSink {
+        stores: stores.clone(),
+        fail_at,
+    });
+    let received = handle.finished().await.map(drop);
+    let sent = send.finished().await.map(drop);
+    assert_eq!(received.is_ok(), sent.is_ok(), "{received:?} / {sent:?}");
+    tx.close().await;
+    // Every byte's credit came back, however the tensor ended.
+    let budget = rx.budget();
+    assert_eq!((budget.in_flight, budget.held), (0, 0), "{budget:?}");
+    rx.close().await;
+    let stores = stores.lock().unwrap().clone();
+    (stores, sent)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_payloads_are_stored_off_the_endpoints_thread_when_asked() {
+    let (stores, sent) = stores_with(StoreOffload::UpTo(NonZeroUsize::MIN), None).await;
+    sent.unwrap();
+    assert_eq!(
+        stores.iter().map(|(_, n)| n).sum::<usize>(),
+        (6 << 20) + 4096
+    );
+    for (thread, len) in &stores {
+        if *len >= 256 << 10 {
+            assert_ne!(thread, "tensorwire-endpoint-0", "{len} bytes");
+        } else {
+            assert_eq!(thread, "tensorwire-endpoint-0", "{len} bytes");
+        }
+    }
+    assert!(stores.iter().any(|(_, n)| *n < 256 << 10), "{stores:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn never_stores_on_the_endpoints_thread() {
+    let (stores, sent) = stores_with(StoreOffload::Never, None).await;
+    sent.unwrap();
+    for (thread, len) in stores {
+        assert_eq!(thread, "tensorwire-endpoint-0", "{len} bytes");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_failing_off_the_endpoints_thread_reaches_the_sender() {
+    let (stores, sent) = stores_with(StoreOffload::UpTo(NonZeroUsize::MIN), Some(2)).await;
+    assert_ne!(stores[1].0, "tensorwire-endpoint-0");
+    let err = sent.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::SINK_FAILED), "{err}");
+    assert!(
+        err.to_string().contains("the test's sink fails here"),
+        "{err}"
+    );
 }

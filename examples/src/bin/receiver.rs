@@ -15,7 +15,7 @@ use tensorwire::gpu::{DeviceRequest, Placement, TensorBuffer};
 use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::proto::TensorMeta;
 use tensorwire::proto::split::SplitPart;
-use tensorwire::quic::{IncomingTensor, Receiver, ReceiverConfig, Steering};
+use tensorwire::quic::{IncomingTensor, Receiver, ReceiverConfig, Steering, StoreOffload};
 use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tensorwire_examples::cli::{
     ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, size,
@@ -105,6 +105,12 @@ struct Args {
     /// migration, no extra round trip).
     #[arg(long, default_value = "connection-id")]
     steering: Steering,
+    /// Where DATA payloads of 256 KiB or more are copied and checksummed into their
+    /// destination: auto (on other cores while the connections carrying tensors leave two
+    /// cores each to spare, else on their connection's own thread), never (always on the
+    /// connection's thread), or N (at most N at once on other cores, whatever the load).
+    #[arg(long, default_value = "auto")]
+    store_offload: StoreOffload,
     /// Run CUDA kernels that peers send with their inputs (spec §14; `tensorwire-exec`), in
     /// worker processes of their own. Needs mutual TLS (--client-ca), or a loopback --listen
     /// address, so that only authenticated or local peers can run code here.
@@ -165,6 +171,7 @@ async fn main() -> anyhow::Result<()> {
         config.endpoints = args.endpoints;
     }
     config.steering = args.steering;
+    config.store_offload = args.store_offload;
     // Refused before anything binds: running code for unauthenticated remote peers.
     let exec_access = args
         .allow_exec

@@ -13,6 +13,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::Shared;
 use super::incoming::IncomingTensor;
+use super::offload::ConnectionLoad;
 use super::tensor::serve_stream;
 use crate::control::{ControlEnd, read_control_stream, write_control_stream};
 use crate::metrics::Metrics;
@@ -36,6 +37,8 @@ pub(super) struct ConnectionState {
     pub(super) control_queued: Notify,
     /// This connection's shares of the receiver's memory budgets.
     pub(super) memory_shares: MemoryShares,
+    /// Its tensors being received now, which weigh on where large payloads are stored.
+    pub(super) load: Arc<ConnectionLoad>,
 }
 
 impl ConnectionState {
@@ -141,6 +144,7 @@ pub(super) async fn serve_streams(
             format!("the connection from {}", connection.remote_address()),
             config.memory_share_percent,
         ),
+        load: Arc::default(),
     });
     shared.connections.insert(id, state.clone());
     info!("connection established");

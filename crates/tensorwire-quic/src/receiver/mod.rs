@@ -5,12 +5,14 @@
 //! - this module: the [`Receiver`] and what all its connections share;
 //! - `connection`: one connection, its sans-IO session and its stream loop;
 //! - `incoming`: [`IncomingTensor`] (admission) and [`TensorHandle`] (progress, result);
+//! - `offload`: where large payloads are stored ([`StoreOffload`]);
 //! - `tensor`: one tensor's stream, from METADATA to COMPLETE, pumped through the session.
 //!
 //! [`Sink`]: tensorwire_sink::Sink
 
 mod connection;
 mod incoming;
+mod offload;
 mod tensor;
 
 use std::net::SocketAddr;
@@ -30,9 +32,12 @@ use crate::budget::{Budget, BudgetSnapshot};
 use crate::config::{CLOSE_DRAIN, ReceiverConfig};
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::runtime::EndpointThreads;
 use crate::session::ConnectionSession;
 use connection::{ConnectionState, accept_connections};
 pub use incoming::{IncomingTensor, TensorHandle};
+use offload::Offloader;
+pub use offload::StoreOffload;
 use tensorwire_sink::{MemoryBudget, MemorySnapshot};
 
 /// Incoming tensors waiting for the application before streams wait in turn.
@@ -65,8 +70,8 @@ impl Shared {
             .map_err(|e| TransportError::Config(format!("budget and watermarks: {e}")))?;
         let host_memory = MemoryBudget::new("host", config.host_memory_budget)
             .keeping_spares(config.kept_host_memory.min(config.host_memory_budget / 8));
+        let endpoints_on_caller = config.transport.endpoint_threads == EndpointThreads::Caller;
         Ok(Arc::new(Self {
-            config,
             budget: Arc::new(budget),
             host_memory,
             metrics: Metrics::default(),
@@ -74,6 +79,8 @@ impl Shared {
             shutdown: CancellationToken::new(),
             streams: TaskTracker::new(),
             admission: OnceLock::new(),
+            offload: Arc::new(Offloader::new(config.store_offload, endpoints_on_caller)),
+            config,
         }))
     }
 }
@@ -88,6 +95,8 @@ struct Shared {
     streams: TaskTracker,
     /// Decides tensors on their own stream's task, once set ([`Receiver::admit_with`]).
     admission: OnceLock<AdmissionPolicy>,
+    /// Where large payloads are stored: on their stream's thread or beside it.
+    offload: Arc<Offloader>,
 }
 
 /// An application's decision on incoming tensors, called on each tensor's own task.

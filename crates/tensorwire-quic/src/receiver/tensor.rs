@@ -108,20 +108,36 @@ impl Accepted {
     }
 
     /// Stores DATA handled by [`handle_checksum_later`](Self::handle_checksum_later) and
-    /// checksums it in the same pass (spec §7.3: one read of each byte).
+    /// checksums it in the same pass (spec §7.3: one read of each byte); a large payload
+    /// off this thread while the host has cores to spare (`offload`). Hands the sink back.
     async fn store<S: Sink>(
         &self,
-        sink: &mut S,
+        mut sink: S,
         data: Data,
         permit: CreditPermit,
-    ) -> Result<(), TransportError> {
-        let crc = sink
-            .write_checksummed(data.offset, data.payload, permit)
-            .await?;
-        self.connection
-            .session()
-            .record_payload_crc(self.id, crc)
-            .map_err(Into::into)
+    ) -> Result<S, TransportError> {
+        let crc = match self.shared.offload.try_start(data.payload.len()) {
+            Some((runtime, slot)) => {
+                let stored = runtime.spawn(async move {
+                    let crc = sink
+                        .write_checksummed(data.offset, data.payload, permit)
+                        .await;
+                    drop(slot);
+                    (sink, crc)
+                });
+                let (back, crc) = stored
+                    .await
+                    .map_err(|e| SinkError::failed(format!("the sink's store task ended: {e}")))?;
+                sink = back;
+                crc?
+            }
+            None => {
+                sink.write_checksummed(data.offset, data.payload, permit)
+                    .await?
+            }
+        };
+        self.connection.session().record_payload_crc(self.id, crc)?;
+        Ok(sink)
     }
 
     fn handle_checked(&self, frame: CheckedFrame) -> Result<SessionEvent, ProtocolError> {
@@ -278,12 +294,14 @@ impl Accepted {
         progress: Arc<AtomicU64>,
         cancel: CancellationToken,
     ) {
+        let receiving = self.shared.offload.receiving(&self.connection.load);
         let result = tokio::select! {
             // A tensor that completes at its first poll never registers for the cancel.
             biased;
             result = self.receive_loop(sink, &progress) => result,
             _ = cancel.cancelled() => Err(TransportError::cancelled_by("receiving")),
         };
+        drop(receiving);
         let result = match result {
             Err(e) => Err(self.explain_stop(e).await),
             Ok(output) => {
@@ -357,7 +375,7 @@ impl Accepted {
                         SessionEvent::Data(data) => {
                             let n = data.payload.len() as u64;
                             let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
-                            self.store(&mut sink, data, permit).await?;
+                            sink = self.store(sink, data, permit).await?;
                             progress.fetch_add(n, Ordering::Relaxed);
                             shared.metrics.add_bytes(n);
                             self.connection.metrics.add_bytes(n);

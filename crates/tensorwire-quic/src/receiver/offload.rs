@@ -1,0 +1,251 @@
+//! Where large DATA payloads are stored. A tensor's stream task shares its thread with its
+//! connection's packet processing (decryption, acknowledgements), so that small tensors
+//! need no hand-off between cores. Storing a large payload (the sink's copy and the
+//! checksum) there too caps one connection at what one core does for both; while the host
+//! has cores to spare, the store runs on another thread instead, beside the decryption of
+//! the next packets. On a loaded host it stays on the stream's thread, where the bytes are
+//! still in that core's cache: moving it then cost 40% more CPU per byte (benches/README.md).
+//! Cores are the host's, so the load is counted across all of a process's receivers.
+
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tokio::runtime::{Handle, RuntimeFlavor};
+
+/// Payloads at least this long may be stored off the stream's thread; shorter ones cost
+/// less to store than to hand over.
+pub(crate) const OFFLOAD_MIN_PAYLOAD: usize = 256 << 10;
+
+/// Where a receiver stores large DATA payloads (copies and checksums them into the sink).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StoreOffload {
+    /// On the runtime that bound the receiver, beside the stream's own thread, while the
+    /// host has cores to spare: each connection carrying tensors counts two cores (one for
+    /// its packets, one for its peer or the application), and the stores off their streams'
+    /// threads take the rest. Never where that runtime has one thread, or where the
+    /// endpoints already run on it ([`EndpointThreads::Caller`](crate::EndpointThreads)).
+    #[default]
+    Auto,
+    /// Always on the stream's own task, beside its connection's packet processing.
+    Never,
+    /// Up to this many payloads at once (across the process's receivers) on the runtime
+    /// that bound the receiver, whatever the load.
+    UpTo(NonZeroUsize),
+}
+
+impl std::str::FromStr for StoreOffload {
+    type Err = String;
+
+    /// `auto`, `never`, or the most stores at once off the streams' threads.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "never" => Ok(Self::Never),
+            n => n.parse::<NonZeroUsize>().map(Self::UpTo).map_err(|_| {
+                format!(
+                    "store offload {s:?}: expected auto, never or a number of stores (1 or more)"
+                )
+            }),
+        }
+    }
+}
+
+/// What the process's receivers are doing now, weighed against the host's cores.
+#[derive(Debug, Default)]
+pub(super) struct HostLoad {
+    /// Stores running off their streams' threads.
+    running: AtomicUsize,
+    /// Connections with a tensor being received.
+    busy_connections: AtomicUsize,
+}
+
+/// Every receiver of the process counts here.
+static HOST_LOAD: HostLoad = HostLoad {
+    running: AtomicUsize::new(0),
+    busy_connections: AtomicUsize::new(0),
+};
+
+/// One receiver's stores off their streams' threads.
+pub(super) struct Offloader {
+    /// Where offloaded stores run; `None` when they never leave the stream's thread.
+    runtime: Option<Handle>,
+    policy: StoreOffload,
+    cores: usize,
+    load: &'static HostLoad,
+}
+
+impl Offloader {
+    /// Stores for a receiver bound on the current runtime, whose endpoints run on their own
+    /// threads unless `endpoints_on_caller`.
+    pub(super) fn new(policy: StoreOffload, endpoints_on_caller: bool) -> Self {
+        Self::counting_in(&HOST_LOAD, policy, endpoints_on_caller)
+    }
+
+    fn counting_in(
+        load: &'static HostLoad,
+        policy: StoreOffload,
+        endpoints_on_caller: bool,
+    ) -> Self {
+        let runtime = match policy {
+            StoreOffload::Never => None,
+            StoreOffload::Auto if endpoints_on_caller => None,
+            StoreOffload::Auto | StoreOffload::UpTo(_) => Handle::try_current()
+                .ok()
+                .filter(|h| h.runtime_flavor() != RuntimeFlavor::CurrentThread),
+        };
+        let workers = runtime.as_ref().map_or(0, |h| h.metrics().num_workers());
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        Self {
+            runtime,
+            policy,
+            cores: cores.min(workers),
+            load,
+        }
+    }
+
+    /// How many stores may run off their streams' threads at once now.
+    fn limit(&self) -> usize {
+        match self.policy {
+            StoreOffload::Never => 0,
+            StoreOffload::UpTo(n) => n.get(),
+            StoreOffload::Auto => self
+                .cores
+                .saturating_sub(2 * self.load.busy_connections.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// A place for one store of `len` bytes off its stream's thread, if the payload is large
+    /// enough and the host has a core for it now.
+    pub(super) fn try_start(self: &Arc<Self>, len: usize) -> Option<(Handle, OffloadSlot)> {
+        let runtime = self
+            .runtime
+            .as_ref()
+            .filter(|_| len >= OFFLOAD_MIN_PAYLOAD)?;
+        let limit = self.limit();
+        self.load
+            .running
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .ok()?;
+        Some((runtime.clone(), OffloadSlot(self.clone())))
+    }
+
+    /// Counts `connection` as carrying a tensor until the returned guard drops.
+    pub(super) fn receiving(self: &Arc<Self>, connection: &Arc<ConnectionLoad>) -> Receiving {
+        if connection.receiving.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.load.busy_connections.fetch_add(1, Ordering::AcqRel);
+        }
+        Receiving {
+            offloader: self.clone(),
+            connection: connection.clone(),
+        }
+    }
+}
+
+/// One store running off its stream's thread.
+pub(super) struct OffloadSlot(Arc<Offloader>);
+
+impl Drop for OffloadSlot {
+    fn drop(&mut self) {
+        self.0.load.running.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Tensors of one connection being received now.
+#[derive(Default)]
+pub(super) struct ConnectionLoad {
+    receiving: AtomicUsize,
+}
+
+/// A tensor being received, counted in its connection's load.
+pub(super) struct Receiving {
+    offloader: Arc<Offloader>,
+    connection: Arc<ConnectionLoad>,
+}
+
+impl Drop for Receiving {
+    fn drop(&mut self) {
+        if self.connection.receiving.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.offloader
+                .load
+                .busy_connections
+                .fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn upto(n: usize) -> StoreOffload {
+        StoreOffload::UpTo(NonZeroUsize::new(n).unwrap())
+    }
+
+    /// An offloader counting in a load of its own, not the process's.
+    fn offloader(policy: StoreOffload, endpoints_on_caller: bool) -> Arc<Offloader> {
+        let load = Box::leak(Box::default());
+        Arc::new(Offloader::counting_in(load, policy, endpoints_on_caller))
+    }
+
+    #[test]
+    fn the_policy_parses_from_its_flag() {
+        assert_eq!("auto".parse(), Ok(StoreOffload::Auto));
+        assert_eq!("never".parse(), Ok(StoreOffload::Never));
+        assert_eq!("3".parse(), Ok(upto(3)));
+        assert!("0".parse::<StoreOffload>().is_err());
+        assert!("sometimes".parse::<StoreOffload>().is_err());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn small_payloads_and_a_full_limit_stay_on_the_stream() {
+        let offloader = offloader(upto(1), false);
+        assert!(offloader.try_start(OFFLOAD_MIN_PAYLOAD - 1).is_none());
+        let slot = offloader.try_start(OFFLOAD_MIN_PAYLOAD);
+        assert!(slot.is_some());
+        assert!(offloader.try_start(OFFLOAD_MIN_PAYLOAD).is_none());
+        drop(slot);
+        assert!(offloader.try_start(OFFLOAD_MIN_PAYLOAD).is_some());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn auto_leaves_two_cores_to_each_busy_connection() {
+        let offloader = offloader(StoreOffload::Auto, false);
+        let cores = offloader.cores;
+        assert!(cores >= 1, "a multi-thread runtime has workers");
+        let connections: Vec<_> = (0..cores.div_ceil(2))
+            .map(|_| Arc::new(ConnectionLoad::default()))
+            .collect();
+        let first = offloader.receiving(&connections[0]);
+        let second_tensor_same_connection = offloader.receiving(&connections[0]);
+        assert_eq!(offloader.limit(), cores.saturating_sub(2));
+        let rest: Vec<_> = connections[1..]
+            .iter()
+            .map(|c| offloader.receiving(c))
+            .collect();
+        assert_eq!(
+            offloader.limit(),
+            0,
+            "every core is taken by busy connections"
+        );
+        assert!(offloader.try_start(OFFLOAD_MIN_PAYLOAD).is_none());
+        drop((first, second_tensor_same_connection, rest));
+        assert_eq!(offloader.limit(), cores);
+    }
+
+    #[test]
+    fn never_and_a_current_thread_runtime_keep_stores_on_the_stream() {
+        let never = offloader(StoreOffload::Never, false);
+        assert!(never.try_start(usize::MAX).is_none());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let current = runtime.block_on(async { offloader(upto(4), false) });
+        assert!(current.try_start(usize::MAX).is_none());
+        let caller = tokio::runtime::Builder::new_multi_thread().build().unwrap();
+        let on_caller = caller.block_on(async { offloader(StoreOffload::Auto, true) });
+        assert!(on_caller.try_start(usize::MAX).is_none());
+    }
+}
