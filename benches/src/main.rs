@@ -137,7 +137,7 @@ struct Args {
     /// this program's runtime, spread over its workers).
     #[arg(long, default_value = "1")]
     endpoint_threads: EndpointThreads,
-    /// tensorwire receivers: where DATA payloads of 256 KiB or more are stored (auto, never,
+    /// tensorwire receivers: where DATA payloads of 1 MiB or more are stored (auto, never,
     /// or at most N at once off their connection's thread).
     #[arg(long, default_value = "auto")]
     store_offload: tensorwire::quic::StoreOffload,

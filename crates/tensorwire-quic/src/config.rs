@@ -475,7 +475,7 @@ pub struct ReceiverConfig {
     /// It comes out of [`Self::budget`], only while outstanding bytes stay at or below the
     /// low watermark. 0 offers none. Default: 1 MiB.
     pub early_credit: u64,
-    /// Where DATA payloads of 256 KiB or more are stored (copied and checksummed into the
+    /// Where DATA payloads of 1 MiB or more are stored (copied and checksummed into the
     /// sink): beside their connection's packet processing, or on the runtime that bound the
     /// receiver while the host has cores to spare. Default: [`StoreOffload::Auto`].
     pub store_offload: StoreOffload,

@@ -105,7 +105,7 @@ struct Args {
     /// migration, no extra round trip).
     #[arg(long, default_value = "connection-id")]
     steering: Steering,
-    /// Where DATA payloads of 256 KiB or more are copied and checksummed into their
+    /// Where DATA payloads of 1 MiB or more are copied and checksummed into their
     /// destination: auto (on other cores while the connections carrying tensors leave two
     /// cores each to spare, else on their connection's own thread), never (always on the
     /// connection's thread), or N (at most N at once on other cores, whatever the load).
