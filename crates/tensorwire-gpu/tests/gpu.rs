@@ -11,7 +11,9 @@ use bytes::Bytes;
 use tensorwire_gpu::{DeviceRequest, GpuError, GpuStatus, Placement, TensorBuffer};
 use tensorwire_proto::testing::pattern as random;
 use tensorwire_proto::{DType, Device, TensorMeta};
-use tensorwire_quic::{Receiver, ReceiverConfig, Sender, SenderConfig, TransportSettings};
+use tensorwire_quic::{
+    Receiver, ReceiverConfig, Sender, SenderConfig, StoreOffload, TransportSettings,
+};
 
 #[test]
 fn detection_never_panics_and_agrees_with_itself() {
@@ -104,6 +106,15 @@ async fn stream_into(
     placement: &Placement,
     tensors: &[(TensorMeta, Vec<u8>)],
 ) -> Vec<TensorBuffer> {
+    stream_stored(placement, tensors, StoreOffload::Auto).await
+}
+
+/// As [`stream_into`], the receiver storing large payloads as `offload` says.
+async fn stream_stored(
+    placement: &Placement,
+    tensors: &[(TensorMeta, Vec<u8>)],
+    offload: StoreOffload,
+) -> Vec<TensorBuffer> {
     let mut config = ReceiverConfig::new(
         "127.0.0.1:0".parse().unwrap(),
         tensorwire_quic::ServerTls::Development,
@@ -111,6 +122,7 @@ async fn stream_into(
     .with_budget(64 << 20);
     config.transport = TransportSettings::jumbo();
     config.progress_timeout = Duration::from_secs(20);
+    config.store_offload = offload;
     let mut receiver = Receiver::bind(config).await.unwrap();
     let addr = receiver.local_addr().unwrap();
     let placement = placement.clone();
@@ -199,9 +211,13 @@ fn odd_tensors(count: usize) -> Vec<(TensorMeta, Vec<u8>)> {
 async fn tensors_land_where_the_placement_says() {
     // With no GPU this exercises the host fallback end to end; with one, the GPU sink.
     let placement = Placement::choose(DeviceRequest::Auto, false).unwrap();
-    let landed = stream_into(&placement, &odd_tensors(24)).await;
     let on_gpu = GpuStatus::detect().is_available();
-    assert!(landed.iter().all(|b| b.is_gpu() == on_gpu));
+    // Stored on each connection's thread, and (payloads of 1 MiB) on the test's workers.
+    let two = StoreOffload::UpTo(std::num::NonZeroUsize::new(2).unwrap());
+    for offload in [StoreOffload::Never, two] {
+        let landed = stream_stored(&placement, &odd_tensors(24), offload).await;
+        assert!(landed.iter().all(|b| b.is_gpu() == on_gpu), "{offload:?}");
+    }
 }
 
 #[cfg(feature = "cuda")]

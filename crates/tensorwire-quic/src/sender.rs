@@ -648,6 +648,7 @@ impl OutgoingTensor {
                     break;
                 }
                 tokio::select! {
+                    biased;
                     written = self.flush() => written?,
                     () = cancelled(cancel) => return Err(TransportError::cancelled_by("sending")),
                 }
@@ -662,6 +663,8 @@ impl OutgoingTensor {
             // Our half stays open after END, so that a CANCEL can still follow it (spec §4).
             self.flush().await?;
             let frame = tokio::select! {
+                // The reply first: no random draw per poll, and a reply that is in wins.
+                biased;
                 frame = next_frame_while_progressing(&mut self.stream, connection, progress_timeout) => frame?,
                 () = cancelled(cancel) => return Err(TransportError::cancelled_by("sending")),
             };
