@@ -102,6 +102,7 @@ fn poisoned(
 
 /// Streams `tensors` over loopback QUIC into `placement`; returns what landed, after checking
 /// every byte and that the receiver's budget is whole again.
+#[cfg(feature = "cuda")]
 async fn stream_into(
     placement: &Placement,
     tensors: &[(TensorMeta, Vec<u8>)],
