@@ -20,12 +20,14 @@ use tensorwire_quic::{
 /// The tests of this binary count endpoint threads: they run one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Records the name of each thread its bytes were stored on.
-struct ThreadRecordingSink {
-    threads: Arc<Mutex<Vec<String>>>,
+/// Records the thread and length of each payload it stores; fails the store at
+/// `fail_at`, if any.
+struct PayloadThreadSink {
+    stores: Arc<Mutex<Vec<(String, usize)>>>,
+    fail_at: Option<usize>,
 }
 
-impl Sink for ThreadRecordingSink {
+impl Sink for PayloadThreadSink {
     type Output = ();
 
     async fn store(
@@ -36,7 +38,11 @@ impl Sink for ThreadRecordingSink {
         crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
         let name = std::thread::current().name().unwrap_or("").to_owned();
-        self.threads.lock().unwrap().push(name);
+        let mut stores = self.stores.lock().unwrap();
+        stores.push((name, payload.len()));
+        if Some(stores.len()) == self.fail_at {
+            return Err(SinkError::failed("the test's sink fails here"));
+        }
         payload.continue_crc(crc);
         drop(permit);
         Ok(())
@@ -79,15 +85,21 @@ async fn stored_on(threads: EndpointThreads) -> Vec<String> {
     let (mut rx, tx) = receiver_and_sender(threads, 1).await;
     let len = 3 << 20;
     let send = tx.send(u8_meta("t", len), pattern(len, 7));
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let handle = rx.next().await.unwrap().accept(ThreadRecordingSink {
-        threads: seen.clone(),
+    let stores = Arc::new(Mutex::new(Vec::new()));
+    let handle = rx.next().await.unwrap().accept(PayloadThreadSink {
+        stores: stores.clone(),
+        fail_at: None,
     });
     send.finished().await.unwrap();
     handle.finished().await.unwrap();
     tx.close().await;
     rx.close().await;
-    let seen = seen.lock().unwrap().clone();
+    let seen: Vec<String> = stores
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(t, _)| t.clone())
+        .collect();
     assert!(!seen.is_empty());
     seen
 }
@@ -176,39 +188,6 @@ fn endpoints_outside_a_runtime() {
         .endpoint(addr, None)
         .unwrap_err();
     assert!(err.to_string().contains("inside a tokio runtime"), "{err}");
-}
-
-/// Records the thread and length of each payload it stores; fails the store at
-/// `fail_at`, if any.
-struct PayloadThreadSink {
-    stores: Arc<Mutex<Vec<(String, usize)>>>,
-    fail_at: Option<usize>,
-}
-
-impl Sink for PayloadThreadSink {
-    type Output = ();
-
-    async fn store(
-        &mut self,
-        _: u64,
-        payload: Payload,
-        permit: CreditPermit,
-        crc: Option<&mut u32>,
-    ) -> Result<(), SinkError> {
-        let name = std::thread::current().name().unwrap_or("").to_owned();
-        let mut stores = self.stores.lock().unwrap();
-        stores.push((name, payload.len()));
-        if Some(stores.len()) == self.fail_at {
-            return Err(SinkError::failed("the test's sink fails here"));
-        }
-        payload.continue_crc(crc);
-        drop(permit);
-        Ok(())
-    }
-
-    async fn finish(self) -> Result<(), SinkError> {
-        Ok(())
-    }
 }
 
 /// Sends one 6 MiB tensor (1 MiB DATA frames, then a 4 KiB one) to a one-endpoint receiver
