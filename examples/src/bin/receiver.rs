@@ -106,8 +106,8 @@ struct Args {
     #[arg(long, default_value = "connection-id")]
     steering: Steering,
     /// Where DATA payloads of 1 MiB or more are copied and checksummed into their
-    /// destination: auto (on other cores while the connections carrying tensors leave two
-    /// cores each to spare, else on their connection's own thread), never (always on the
+    /// destination: auto (on other cores while the connections carrying such payloads leave
+    /// two cores each to spare, else on their connection's own thread), never (always on the
     /// connection's thread), or N (at most N at once on other cores, whatever the load).
     #[arg(long, default_value = "auto")]
     store_offload: StoreOffload,

@@ -23,9 +23,9 @@ pub(crate) const OFFLOAD_MIN_PAYLOAD: usize = 1 << 20;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StoreOffload {
     /// On the runtime that bound the receiver, beside the stream's own thread, while the
-    /// host has cores to spare: each connection carrying tensors counts two cores (one for
-    /// its packets, one for its peer or the application), and the stores off their streams'
-    /// threads take the rest. Never where that runtime has one thread, or where the
+    /// host has cores to spare: each connection carrying a tensor with payloads that large
+    /// counts two cores (one for its packets, one for its peer or the application), and the
+    /// stores off their streams' threads take the rest. Never where that runtime has one thread, or where the
     /// endpoints already run on it ([`EndpointThreads::Caller`](crate::EndpointThreads)).
     #[default]
     Auto,
@@ -58,7 +58,7 @@ impl std::str::FromStr for StoreOffload {
 pub(super) struct HostLoad {
     /// Stores running off their streams' threads.
     running: AtomicUsize,
-    /// Connections with a tensor being received.
+    /// Connections with a large tensor being received.
     busy_connections: AtomicUsize,
 }
 
@@ -117,13 +117,22 @@ impl Offloader {
         }
     }
 
-    /// A place for one store of `len` bytes off its stream's thread, if the payload is large
-    /// enough and the host has a core for it now.
-    pub(super) fn try_start(self: &Arc<Self>, len: usize) -> Option<(Handle, OffloadSlot)> {
+    /// Where a payload of `len` bytes of a tensor of `connection` is stored: `None` on its
+    /// stream's thread; else the runtime to store it on, and the store's place among those
+    /// running off their streams' threads. From its first payload large enough to move,
+    /// the tensor counts its connection as busy (`receiving`), so small tensors touch no
+    /// shared counter.
+    pub(super) fn place(
+        self: &Arc<Self>,
+        len: usize,
+        connection: &Arc<ConnectionLoad>,
+        receiving: &mut Option<Receiving>,
+    ) -> Option<(Handle, OffloadSlot)> {
         let runtime = self
             .runtime
             .as_ref()
             .filter(|_| len >= OFFLOAD_MIN_PAYLOAD)?;
+        receiving.get_or_insert_with(|| self.receiving(connection));
         let limit = self.limit();
         self.load
             .running
@@ -134,8 +143,8 @@ impl Offloader {
         Some((runtime.clone(), OffloadSlot(self.clone())))
     }
 
-    /// Counts `connection` as carrying a tensor until the returned guard drops.
-    pub(super) fn receiving(self: &Arc<Self>, connection: &Arc<ConnectionLoad>) -> Receiving {
+    /// Counts `connection` as carrying a large tensor until the returned guard drops.
+    fn receiving(self: &Arc<Self>, connection: &Arc<ConnectionLoad>) -> Receiving {
         if connection.receiving.fetch_add(1, Ordering::AcqRel) == 0 {
             self.load.busy_connections.fetch_add(1, Ordering::AcqRel);
         }
@@ -155,13 +164,13 @@ impl Drop for OffloadSlot {
     }
 }
 
-/// Tensors of one connection being received now.
+/// Large tensors of one connection being received now.
 #[derive(Default)]
 pub(super) struct ConnectionLoad {
     receiving: AtomicUsize,
 }
 
-/// A tensor being received, counted in its connection's load.
+/// A large tensor being received, counted in its connection's load.
 pub(super) struct Receiving {
     offloader: Arc<Offloader>,
     connection: Arc<ConnectionLoad>,
@@ -201,15 +210,39 @@ mod tests {
         assert!("sometimes".parse::<StoreOffload>().is_err());
     }
 
+    /// Asks `offloader` where a payload of `len` bytes of a tensor of `connection` goes.
+    fn place(
+        offloader: &Arc<Offloader>,
+        len: usize,
+        connection: &Arc<ConnectionLoad>,
+        receiving: &mut Option<Receiving>,
+    ) -> Option<OffloadSlot> {
+        offloader
+            .place(len, connection, receiving)
+            .map(|(_, slot)| slot)
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn small_payloads_and_a_full_limit_stay_on_the_stream() {
         let offloader = offloader(upto(1), false);
-        assert!(offloader.try_start(OFFLOAD_MIN_PAYLOAD - 1).is_none());
-        let slot = offloader.try_start(OFFLOAD_MIN_PAYLOAD);
+        let connection = Arc::new(ConnectionLoad::default());
+        let mut receiving = None;
+        assert!(
+            place(
+                &offloader,
+                OFFLOAD_MIN_PAYLOAD - 1,
+                &connection,
+                &mut receiving
+            )
+            .is_none()
+        );
+        assert!(receiving.is_none(), "a small payload counts nothing");
+        let slot = place(&offloader, OFFLOAD_MIN_PAYLOAD, &connection, &mut receiving);
         assert!(slot.is_some());
-        assert!(offloader.try_start(OFFLOAD_MIN_PAYLOAD).is_none());
+        assert!(receiving.is_some(), "a large payload counts its connection");
+        assert!(place(&offloader, OFFLOAD_MIN_PAYLOAD, &connection, &mut receiving).is_none());
         drop(slot);
-        assert!(offloader.try_start(OFFLOAD_MIN_PAYLOAD).is_some());
+        assert!(place(&offloader, OFFLOAD_MIN_PAYLOAD, &connection, &mut receiving).is_some());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -220,34 +253,42 @@ mod tests {
         let connections: Vec<_> = (0..cores.div_ceil(2))
             .map(|_| Arc::new(ConnectionLoad::default()))
             .collect();
-        let first = offloader.receiving(&connections[0]);
-        let second_tensor_same_connection = offloader.receiving(&connections[0]);
+        let (mut first, mut second_tensor_same_connection) = (None, None);
+        let _ = place(&offloader, usize::MAX, &connections[0], &mut first);
+        let _ = place(
+            &offloader,
+            usize::MAX,
+            &connections[0],
+            &mut second_tensor_same_connection,
+        );
         assert_eq!(offloader.limit(), cores.saturating_sub(2));
-        let rest: Vec<_> = connections[1..]
-            .iter()
-            .map(|c| offloader.receiving(c))
-            .collect();
+        let mut rest: Vec<_> = connections[1..].iter().map(|_| None).collect();
+        for (c, receiving) in connections[1..].iter().zip(&mut rest) {
+            let _ = place(&offloader, usize::MAX, c, receiving);
+        }
         assert_eq!(
             offloader.limit(),
             0,
             "every core is taken by busy connections"
         );
-        assert!(offloader.try_start(OFFLOAD_MIN_PAYLOAD).is_none());
-        drop((first, second_tensor_same_connection, rest));
+        let mut another = None;
+        assert!(place(&offloader, usize::MAX, &connections[0], &mut another).is_none());
+        drop((first, second_tensor_same_connection, rest, another));
         assert_eq!(offloader.limit(), cores);
     }
 
     #[test]
     fn never_and_a_current_thread_runtime_keep_stores_on_the_stream() {
+        let connection = Arc::new(ConnectionLoad::default());
         let never = offloader(StoreOffload::Never, false);
-        assert!(never.try_start(usize::MAX).is_none());
+        assert!(place(&never, usize::MAX, &connection, &mut None).is_none());
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
         let current = runtime.block_on(async { offloader(upto(4), false) });
-        assert!(current.try_start(usize::MAX).is_none());
+        assert!(place(&current, usize::MAX, &connection, &mut None).is_none());
         let caller = tokio::runtime::Builder::new_multi_thread().build().unwrap();
         let on_caller = caller.block_on(async { offloader(StoreOffload::Auto, true) });
-        assert!(on_caller.try_start(usize::MAX).is_none());
+        assert!(place(&on_caller, usize::MAX, &connection, &mut None).is_none());
     }
 }

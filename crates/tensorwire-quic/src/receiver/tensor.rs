@@ -18,6 +18,7 @@ use tracing::{debug, warn};
 
 use super::connection::ConnectionState;
 use super::incoming::{DECISION_GRACE, Decision, Ended, IncomingTensor, Run};
+use super::offload::Receiving;
 use super::{CLOSE_GRACE, Shared};
 use crate::error::TransportError;
 use crate::stream::FrameStream;
@@ -37,6 +38,8 @@ pub(super) struct Accepted {
     early: Vec<(Data, CreditPermit)>,
     /// Whether the early tensor's END arrived (and was verified) before the decision.
     early_ended: bool,
+    /// Counts the connection as carrying a large tensor, from its first large payload.
+    receiving: Option<Receiving>,
 }
 
 /// Hands one frame of stream `id` to its connection's session, which moves its credit.
@@ -78,6 +81,7 @@ pub(super) async fn serve_stream(
         pending: Arc::new(AtomicU64::new(0)),
         early: Vec::new(),
         early_ended: false,
+        receiving: None,
     };
     st.shared.metrics.started();
     st.connection.metrics.started();
@@ -111,12 +115,17 @@ impl Accepted {
     /// checksums it in the same pass (spec §7.3: one read of each byte); a large payload
     /// off this thread while the host has cores to spare (`offload`). Hands the sink back.
     async fn store<S: Sink>(
-        &self,
+        &mut self,
         mut sink: S,
         data: Data,
         permit: CreditPermit,
     ) -> Result<S, TransportError> {
-        let crc = match self.shared.offload.try_start(data.payload.len()) {
+        let place = self.shared.offload.place(
+            data.payload.len(),
+            &self.connection.load,
+            &mut self.receiving,
+        );
+        let crc = match place {
             Some((runtime, slot)) => {
                 let stored = runtime.spawn(async move {
                     let crc = sink
@@ -294,14 +303,14 @@ impl Accepted {
         progress: Arc<AtomicU64>,
         cancel: CancellationToken,
     ) {
-        let receiving = self.shared.offload.receiving(&self.connection.load);
         let result = tokio::select! {
             // A tensor that completes at its first poll never registers for the cancel.
             biased;
             result = self.receive_loop(sink, &progress) => result,
             _ = cancel.cancelled() => Err(TransportError::cancelled_by("receiving")),
         };
-        drop(receiving);
+        // The connection carries this tensor no longer.
+        self.receiving = None;
         let result = match result {
             Err(e) => Err(self.explain_stop(e).await),
             Ok(output) => {
