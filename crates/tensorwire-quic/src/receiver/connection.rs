@@ -37,7 +37,7 @@ pub(super) struct ConnectionState {
     pub(super) control_queued: Notify,
     /// This connection's shares of the receiver's memory budgets.
     pub(super) memory_shares: MemoryShares,
-    /// Its tensors being received now, which weigh on where large payloads are stored.
+    /// Its large tensors being received now, which weigh on where their payloads are stored.
     pub(super) load: Arc<ConnectionLoad>,
 }
 

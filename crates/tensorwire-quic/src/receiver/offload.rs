@@ -25,8 +25,9 @@ pub enum StoreOffload {
     /// On the runtime that bound the receiver, beside the stream's own thread, while the
     /// host has cores to spare: each connection carrying a tensor with payloads that large
     /// counts two cores (one for its packets, one for its peer or the application), and the
-    /// stores off their streams' threads take the rest. Never where that runtime has one thread, or where the
-    /// endpoints already run on it ([`EndpointThreads::Caller`](crate::EndpointThreads)).
+    /// stores off their streams' threads take the rest. Never where that runtime has one
+    /// thread, or where the endpoints already run on it
+    /// ([`EndpointThreads::Caller`](crate::EndpointThreads)).
     #[default]
     Auto,
     /// Always on the stream's own task, beside its connection's packet processing.
