@@ -15,8 +15,6 @@ pub(crate) struct FrameStream {
     decoder: FrameDecoder,
     /// Bytes of received frames, for counters.
     pub(crate) bytes_read: u64,
-    /// Whether the peer's FIN was read.
-    peer_finished: bool,
 }
 
 impl FrameStream {
@@ -26,7 +24,6 @@ impl FrameStream {
             recv,
             decoder: FrameDecoder::new(limits),
             bytes_read: 0,
-            peer_finished: false,
         }
     }
 
@@ -84,7 +81,6 @@ impl FrameStream {
                     self.decoder.push(chunk.bytes);
                 }
                 Ok(None) => {
-                    self.peer_finished = true;
                     self.decoder.finish()?;
                     return Ok(None);
                 }
@@ -121,10 +117,8 @@ impl FrameStream {
     /// the last frame end the wait (the decoder reports them if read again), so a peer
     /// cannot make this buffer.
     async fn read_fin(&mut self) {
-        match self.recv.read_chunk(usize::MAX, true).await {
-            Ok(Some(chunk)) => self.decoder.push(chunk.bytes),
-            Ok(None) => self.peer_finished = true,
-            Err(_) => {}
+        if let Ok(Some(chunk)) = self.recv.read_chunk(usize::MAX, true).await {
+            self.decoder.push(chunk.bytes);
         }
     }
 
@@ -158,17 +152,15 @@ impl FrameStream {
         let _ = tokio::time::timeout(grace, self.send.stopped()).await;
     }
 
-    /// Waits, at most `grace`, until the peer has finished its half ([`read_fin`](Self::read_fin))
-    /// and acknowledged our last frame ([`delivered`](Self::delivered)). In that order: a
-    /// sender finishes its half once it has our last frame (spec §4), so by its FIN the
-    /// acknowledgement is almost always in, and the wait takes one wake-up, not one for each.
-    /// A half dropped before the FIN is stopped (see
-    /// [`read_fin_if_arrived`](Self::read_fin_if_arrived)).
+    /// Waits, at most `grace`, until the peer has finished its half
+    /// ([`read_fin`](Self::read_fin), at once if its FIN was read already) and acknowledged
+    /// our last frame ([`delivered`](Self::delivered)). In that order: a sender finishes its
+    /// half after END (spec §4), ours once it has our last frame, so by its FIN the
+    /// acknowledgement is almost always in and the wait takes one wake-up, not two. A half
+    /// dropped before the FIN is stopped (see [`read_fin_if_arrived`](Self::read_fin_if_arrived)).
     pub(crate) async fn delivered_and_finished(&mut self, grace: std::time::Duration) {
         let _ = tokio::time::timeout(grace, async {
-            if !self.peer_finished {
-                self.read_fin().await;
-            }
+            self.read_fin().await;
             let _ = self.send.stopped().await;
         })
         .await;

@@ -11,6 +11,8 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use tensorwire_proto::frame::Data;
+use tensorwire_sink::{CreditPermit, Sink, SinkError};
 use tokio::runtime::{Handle, RuntimeFlavor};
 
 /// Payloads at least this long (the senders' default DATA size) may be stored off the
@@ -118,12 +120,42 @@ impl Offloader {
         }
     }
 
+    /// Stores `data` into `sink` and returns the sink with the payload's CRC-32C: on this
+    /// task, or, for a large payload while the host has cores to spare, on the receiver's
+    /// runtime, the sink going there and back ([`place`](Self::place)).
+    pub(super) async fn write_checksummed<S: Sink>(
+        self: &Arc<Self>,
+        mut sink: S,
+        data: Data,
+        permit: CreditPermit,
+        connection: &Arc<ConnectionLoad>,
+        receiving: &mut Option<Receiving>,
+    ) -> Result<(S, u32), SinkError> {
+        let Some((runtime, slot)) = self.place(data.payload.len(), connection, receiving) else {
+            let crc = sink
+                .write_checksummed(data.offset, data.payload, permit)
+                .await?;
+            return Ok((sink, crc));
+        };
+        let stored = runtime.spawn(async move {
+            let crc = sink
+                .write_checksummed(data.offset, data.payload, permit)
+                .await;
+            drop(slot);
+            (sink, crc)
+        });
+        let (sink, crc) = stored
+            .await
+            .map_err(|e| SinkError::failed(format!("the sink's store task ended: {e}")))?;
+        Ok((sink, crc?))
+    }
+
     /// Where a payload of `len` bytes of a tensor of `connection` is stored: `None` on its
     /// stream's thread; else the runtime to store it on, and the store's place among those
     /// running off their streams' threads. From its first payload large enough to move,
     /// the tensor counts its connection as busy (`receiving`), so small tensors touch no
     /// shared counter.
-    pub(super) fn place(
+    fn place(
         self: &Arc<Self>,
         len: usize,
         connection: &Arc<ConnectionLoad>,

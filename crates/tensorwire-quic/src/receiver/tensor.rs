@@ -112,39 +112,25 @@ impl Accepted {
     }
 
     /// Stores DATA handled by [`handle_checksum_later`](Self::handle_checksum_later) and
-    /// checksums it in the same pass (spec §7.3: one read of each byte); a large payload
-    /// off this thread while the host has cores to spare (`offload`). Hands the sink back.
+    /// checksums it in the same pass (spec §7.3: one read of each byte), where the
+    /// receiver's offloader places it. Hands the sink back.
     async fn store<S: Sink>(
         &mut self,
-        mut sink: S,
+        sink: S,
         data: Data,
         permit: CreditPermit,
     ) -> Result<S, TransportError> {
-        let place = self.shared.offload.place(
-            data.payload.len(),
-            &self.connection.load,
-            &mut self.receiving,
-        );
-        let crc = match place {
-            Some((runtime, slot)) => {
-                let stored = runtime.spawn(async move {
-                    let crc = sink
-                        .write_checksummed(data.offset, data.payload, permit)
-                        .await;
-                    drop(slot);
-                    (sink, crc)
-                });
-                let (back, crc) = stored
-                    .await
-                    .map_err(|e| SinkError::failed(format!("the sink's store task ended: {e}")))?;
-                sink = back;
-                crc?
-            }
-            None => {
-                sink.write_checksummed(data.offset, data.payload, permit)
-                    .await?
-            }
-        };
+        let (sink, crc) = self
+            .shared
+            .offload
+            .write_checksummed(
+                sink,
+                data,
+                permit,
+                &self.connection.load,
+                &mut self.receiving,
+            )
+            .await?;
         self.connection.session().record_payload_crc(self.id, crc)?;
         Ok(sink)
     }
