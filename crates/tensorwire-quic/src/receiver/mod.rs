@@ -32,7 +32,6 @@ use crate::budget::{Budget, BudgetSnapshot};
 use crate::config::{CLOSE_DRAIN, ReceiverConfig};
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
-use crate::runtime::EndpointThreads;
 use crate::session::ConnectionSession;
 use connection::{ConnectionState, accept_connections};
 pub use incoming::{IncomingTensor, TensorHandle};
@@ -70,7 +69,6 @@ impl Shared {
             .map_err(|e| TransportError::Config(format!("budget and watermarks: {e}")))?;
         let host_memory = MemoryBudget::new("host", config.host_memory_budget)
             .keeping_spares(config.kept_host_memory.min(config.host_memory_budget / 8));
-        let endpoints_on_caller = config.transport.endpoint_threads == EndpointThreads::Caller;
         Ok(Arc::new(Self {
             budget: Arc::new(budget),
             host_memory,
@@ -79,7 +77,10 @@ impl Shared {
             shutdown: CancellationToken::new(),
             streams: TaskTracker::new(),
             admission: OnceLock::new(),
-            offload: Arc::new(Offloader::new(config.store_offload, endpoints_on_caller)),
+            offload: Arc::new(Offloader::new(
+                config.store_offload,
+                config.transport.endpoint_threads,
+            )),
             config,
         }))
     }

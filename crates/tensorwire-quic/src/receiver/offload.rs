@@ -15,6 +15,8 @@ use tensorwire_proto::frame::Data;
 use tensorwire_sink::{CreditPermit, Sink, SinkError};
 use tokio::runtime::{Handle, RuntimeFlavor};
 
+use crate::EndpointThreads;
+
 /// Payloads at least this long (the senders' default DATA size) may be stored off the
 /// stream's thread. Handing over 256 KiB payloads cost more than it freed: 4 connections
 /// moved 0.60–0.68 of raw quinn with them, 0.78–0.85 with 128 KiB ones stored in place
@@ -81,20 +83,21 @@ pub(super) struct Offloader {
 }
 
 impl Offloader {
-    /// Stores for a receiver bound on the current runtime, whose endpoints run on their own
-    /// threads unless `endpoints_on_caller`.
-    pub(super) fn new(policy: StoreOffload, endpoints_on_caller: bool) -> Self {
-        Self::counting_in(&HOST_LOAD, policy, endpoints_on_caller)
+    /// Stores for a receiver bound on the current runtime, whose endpoints run where
+    /// `endpoints` says.
+    pub(super) fn new(policy: StoreOffload, endpoints: EndpointThreads) -> Self {
+        Self::counting_in(&HOST_LOAD, policy, endpoints)
     }
 
     fn counting_in(
         load: &'static HostLoad,
         policy: StoreOffload,
-        endpoints_on_caller: bool,
+        endpoints: EndpointThreads,
     ) -> Self {
         let runtime = match policy {
             StoreOffload::Never => None,
-            StoreOffload::Auto if endpoints_on_caller => None,
+            // The caller's workers already run the endpoints: no core is left to take stores.
+            StoreOffload::Auto if endpoints == EndpointThreads::Caller => None,
             StoreOffload::Auto | StoreOffload::UpTo(_) => Handle::try_current()
                 .ok()
                 .filter(|h| h.runtime_flavor() != RuntimeFlavor::CurrentThread),
@@ -229,9 +232,9 @@ mod tests {
     }
 
     /// An offloader counting in a load of its own, not the process's.
-    fn offloader(policy: StoreOffload, endpoints_on_caller: bool) -> Arc<Offloader> {
+    fn offloader(policy: StoreOffload, endpoints: EndpointThreads) -> Arc<Offloader> {
         let load = Box::leak(Box::default());
-        Arc::new(Offloader::counting_in(load, policy, endpoints_on_caller))
+        Arc::new(Offloader::counting_in(load, policy, endpoints))
     }
 
     #[test]
@@ -257,7 +260,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn small_payloads_and_a_full_limit_stay_on_the_stream() {
-        let offloader = offloader(upto(1), false);
+        let offloader = offloader(upto(1), EndpointThreads::default());
         let connection = Arc::new(ConnectionLoad::default());
         let mut receiving = None;
         assert!(
@@ -280,7 +283,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn auto_leaves_two_cores_to_each_busy_connection() {
-        let offloader = offloader(StoreOffload::Auto, false);
+        let offloader = offloader(StoreOffload::Auto, EndpointThreads::default());
         let cores = offloader.cores;
         assert!(cores >= 1, "a multi-thread runtime has workers");
         let connections: Vec<_> = (0..cores.div_ceil(2))
@@ -313,15 +316,16 @@ mod tests {
     #[test]
     fn never_and_a_current_thread_runtime_keep_stores_on_the_stream() {
         let connection = Arc::new(ConnectionLoad::default());
-        let never = offloader(StoreOffload::Never, false);
+        let never = offloader(StoreOffload::Never, EndpointThreads::default());
         assert!(place(&never, usize::MAX, &connection, &mut None).is_none());
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        let current = runtime.block_on(async { offloader(upto(4), false) });
+        let current = runtime.block_on(async { offloader(upto(4), EndpointThreads::default()) });
         assert!(place(&current, usize::MAX, &connection, &mut None).is_none());
         let caller = tokio::runtime::Builder::new_multi_thread().build().unwrap();
-        let on_caller = caller.block_on(async { offloader(StoreOffload::Auto, true) });
+        let on_caller =
+            caller.block_on(async { offloader(StoreOffload::Auto, EndpointThreads::Caller) });
         assert!(place(&on_caller, usize::MAX, &connection, &mut None).is_none());
     }
 }
