@@ -1525,9 +1525,9 @@ async fn gpu_section(
     tensor_bytes: u64,
     runs: usize,
 ) -> anyhow::Result<GpuReport> {
-    use tensorwire::gpu::{DeviceRequest, Placement};
+    use tensorwire::gpu::{DeviceRequest, GpuRequirement, Placement};
     let gpu = match args.device_pool_mib {
-        None => Placement::choose(DeviceRequest::Cuda(0), true)?,
+        None => Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required)?,
         Some(mib) => {
             let staging = tensorwire::gpu::PoolConfig {
                 max_pool_bytes: 128 << 20,

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tensorwire_gpu::{
-    Allocation, CudaBuffer, DeviceAllocation, DeviceMemoryKind, DeviceRequest, HostFallback,
-    Placement, PooledGpuReceiver, TensorBuffer,
+    Allocation, CudaBuffer, DeviceAllocation, DeviceMemoryKind, DeviceRequest, GpuRequirement,
+    HostFallback, Placement, PooledGpuReceiver, TensorBuffer,
 };
 use tensorwire_proto::exec::{
     ArgSpec, ExecLimits, ExecReply, ExecRequest, ExecRole, ModuleFormat, RequestBody, RequestKind,
@@ -198,7 +198,7 @@ impl ExecServer {
     /// workers. Without a GPU it still answers info and health, and refuses runs with
     /// UNSUPPORTED_DEVICE.
     pub fn new(config: ExecConfig) -> Result<Self, ExecError> {
-        let gpu = match Placement::choose_shareable(config.device, true, true) {
+        let gpu = match Placement::choose_shareable(config.device, GpuRequirement::Required) {
             Ok(Placement::Gpu(gpu)) => Ok(gpu),
             Ok(Placement::Host { reason }) => Err(reason),
             Err(e) => Err(e.to_string()),

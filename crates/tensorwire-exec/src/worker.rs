@@ -7,7 +7,9 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use tensorwire_gpu::kernel::{KernelArg, KernelError, LaunchConfig, LoadedModule, launch};
+use tensorwire_gpu::kernel::{
+    KernelArg, KernelError, LaunchConfig, LoadedModule, ModuleImage, launch,
+};
 use tensorwire_gpu::{GpuDevice, ImportedMemory};
 use tensorwire_proto::ErrorCode;
 
@@ -88,7 +90,12 @@ fn run(
         std::fs::File::from(fd)
             .read_to_end(&mut bytes)
             .map_err(|e| internal(format!("reading the module: {e}")))?;
-        let loaded = LoadedModule::load(device, &bytes, job.ptx).map_err(failed)?;
+        let image = if job.ptx {
+            ModuleImage::Ptx
+        } else {
+            ModuleImage::Binary
+        };
+        let loaded = LoadedModule::load(device, &bytes, image).map_err(failed)?;
         modules.retain(|(hash, _)| hash != &job.module);
         if modules.len() >= MAX_MODULES {
             modules.remove(0);

@@ -56,7 +56,7 @@ pub use cuda::{
 pub use cudarc;
 pub use destination::{DestinationSink, Destinations, HostMemory, Landed};
 pub use error::GpuError;
-pub use placement::{DeviceRequest, Placement, TensorSink};
+pub use placement::{DeviceRequest, GpuRequirement, Placement, TensorSink};
 pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 pub use receiver::{GpuReceiverEvent, GpuTensorReceiver, LandError};
 #[cfg(feature = "cuda")]

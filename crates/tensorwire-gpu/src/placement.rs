@@ -55,23 +55,50 @@ pub enum Placement {
     },
 }
 
+/// Whether tensors must land on a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuRequirement {
+    /// A GPU when one can be opened, else host memory, with a warning that says why (and
+    /// [`Placement::describe`] says it too).
+    Preferred,
+    /// A GPU or an error, never host memory: no GPU fails the choice, and a GPU sink that
+    /// cannot get device memory refuses the tensor rather than land it in host memory.
+    Required,
+}
+
+/// Which device memory a GPU placement lands tensors in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DeviceMemory {
+    /// The CUDA allocator's, shared by legacy CUDA IPC at most.
+    Private,
+    /// VMM allocations that `tensorwire-ipc` shares as file descriptors.
+    Shareable,
+}
+
 impl Placement {
     /// Resolves `request`: a GPU when asked for (or, with `Auto`, when one exists), else host
-    /// memory with a warning. With `require_gpu`, no GPU is an error instead.
-    pub fn choose(request: DeviceRequest, require_gpu: bool) -> Result<Placement, GpuError> {
-        Self::choose_shareable(request, require_gpu, false)
+    /// memory with a warning, or an error where the GPU is [`Required`](GpuRequirement).
+    pub fn choose(request: DeviceRequest, gpu: GpuRequirement) -> Result<Placement, GpuError> {
+        Self::choose_in(request, gpu, DeviceMemory::Private)
     }
 
-    /// As [`choose`](Self::choose); with `shareable`, GPU tensors land in VMM memory that
-    /// `tensorwire-ipc` can share with other processes with no copy.
+    /// As [`choose`](Self::choose), GPU tensors landing in VMM memory that `tensorwire-ipc`
+    /// can share with other processes with no copy.
     pub fn choose_shareable(
         request: DeviceRequest,
-        require_gpu: bool,
-        shareable: bool,
+        gpu: GpuRequirement,
+    ) -> Result<Placement, GpuError> {
+        Self::choose_in(request, gpu, DeviceMemory::Shareable)
+    }
+
+    fn choose_in(
+        request: DeviceRequest,
+        gpu: GpuRequirement,
+        memory: DeviceMemory,
     ) -> Result<Placement, GpuError> {
         let status = GpuStatus::detect();
         let ordinal = match request {
-            DeviceRequest::Host if require_gpu => {
+            DeviceRequest::Host if gpu == GpuRequirement::Required => {
                 return Err(GpuError::InvalidConfig(
                     "a GPU is required, but host placement was asked for".into(),
                 ));
@@ -84,9 +111,9 @@ impl Placement {
             DeviceRequest::Auto => 0,
             DeviceRequest::Cuda(n) => n,
         };
-        match Self::open_gpu(ordinal, shareable, require_gpu) {
+        match Self::open_gpu(ordinal, memory, gpu) {
             Ok(placement) => Ok(placement),
-            Err(e) if require_gpu => Err(e),
+            Err(e) if gpu == GpuRequirement::Required => Err(e),
             Err(e) => {
                 let reason = match (&request, status.is_available()) {
                     (DeviceRequest::Auto, false) => format!("{status}"),
@@ -99,16 +126,18 @@ impl Placement {
     }
 
     #[cfg(feature = "cuda")]
-    fn open_gpu(ordinal: usize, shareable: bool, require_gpu: bool) -> Result<Placement, GpuError> {
-        let kind = if shareable {
-            crate::cuda::DeviceMemoryKind::Vmm
-        } else {
-            crate::cuda::DeviceMemoryKind::Legacy
+    fn open_gpu(
+        ordinal: usize,
+        memory: DeviceMemory,
+        gpu: GpuRequirement,
+    ) -> Result<Placement, GpuError> {
+        let kind = match memory {
+            DeviceMemory::Shareable => crate::cuda::DeviceMemoryKind::Vmm,
+            DeviceMemory::Private => crate::cuda::DeviceMemoryKind::Legacy,
         };
-        let fallback = if require_gpu {
-            crate::sink::HostFallback::Forbidden
-        } else {
-            crate::sink::HostFallback::Allowed
+        let fallback = match gpu {
+            GpuRequirement::Required => crate::sink::HostFallback::Forbidden,
+            GpuRequirement::Preferred => crate::sink::HostFallback::Allowed,
         };
         crate::sink::PooledGpuReceiver::with_defaults_of_kind(ordinal, kind)
             .map(|gpu| Placement::Gpu(gpu.with_host_fallback(fallback)))
@@ -117,8 +146,8 @@ impl Placement {
     #[cfg(not(feature = "cuda"))]
     fn open_gpu(
         _ordinal: usize,
-        _shareable: bool,
-        _require_gpu: bool,
+        _memory: DeviceMemory,
+        _gpu: GpuRequirement,
     ) -> Result<Placement, GpuError> {
         Err(GpuError::NotCompiled)
     }

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use tensorwire_gpu::{DeviceRequest, Placement, TensorBuffer};
+use tensorwire_gpu::{DeviceRequest, GpuRequirement, Placement, TensorBuffer};
 use tensorwire_proto::testing::pattern;
 use tensorwire_proto::{DType, Device, ErrorCode, ProtocolError, TensorMeta};
 use tensorwire_quic::{
@@ -78,7 +78,7 @@ async fn land(
 /// receiver does not land on is refused with UNSUPPORTED_DEVICE.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_hints_are_honoured_or_refused() {
-    let placement = Placement::choose(DeviceRequest::Auto, false).unwrap();
+    let placement = Placement::choose(DeviceRequest::Auto, GpuRequirement::Preferred).unwrap();
     let (mut rx, tx) = pair().await;
     let host = tx.send(
         meta("on-host", 3 << 20).with_device(Device::Host),
@@ -124,7 +124,9 @@ mod on_gpu {
         }
         const LEN: usize = 256 << 20;
         const COUNT: usize = 16;
-        let Placement::Gpu(gpu) = Placement::choose(DeviceRequest::Cuda(0), true).unwrap() else {
+        let Placement::Gpu(gpu) =
+            Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required).unwrap()
+        else {
             panic!("not a GPU placement");
         };
         let gpu = gpu.with_memory_budget(1 << 30);
@@ -186,7 +188,9 @@ mod on_gpu {
         if gpus_or_skip("a_required_gpu_refuses_what_its_budget_cannot_hold").is_none() {
             return;
         }
-        let Placement::Gpu(gpu) = Placement::choose(DeviceRequest::Cuda(0), true).unwrap() else {
+        let Placement::Gpu(gpu) =
+            Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required).unwrap()
+        else {
             panic!("not a GPU placement");
         };
         let placement = Placement::Gpu(gpu.with_memory_budget(64 << 20));
@@ -209,7 +213,8 @@ mod on_gpu {
         if gpus_or_skip("a_cuda_hint_lands_on_that_gpu").is_none() {
             return;
         }
-        let placement = Placement::choose(DeviceRequest::Cuda(0), false).unwrap();
+        let placement =
+            Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Preferred).unwrap();
         let (mut rx, tx) = pair().await;
         let send = tx.send(
             meta("on-gpu", 5 << 20).with_device(Device::Cuda(0)),

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use tensorwire_gpu::{DeviceRequest, GpuError, GpuStatus, Placement, TensorBuffer};
+use tensorwire_gpu::{DeviceRequest, GpuError, GpuRequirement, GpuStatus, Placement, TensorBuffer};
 use tensorwire_proto::testing::pattern as random;
 use tensorwire_proto::{DType, Device, TensorMeta};
 use tensorwire_quic::{
@@ -52,8 +52,8 @@ fn without_a_gpu_buffers_fall_back_to_host_memory() {
 
 #[test]
 fn without_a_gpu_placement_falls_back_unless_a_gpu_is_required() {
-    let auto = Placement::choose(DeviceRequest::Auto, false).unwrap();
-    let required = Placement::choose(DeviceRequest::Auto, true);
+    let auto = Placement::choose(DeviceRequest::Auto, GpuRequirement::Preferred).unwrap();
+    let required = Placement::choose(DeviceRequest::Auto, GpuRequirement::Required);
     if GpuStatus::detect().is_available() {
         assert!(
             auto.describe().starts_with("GPU cuda:0"),
@@ -69,9 +69,9 @@ fn without_a_gpu_placement_falls_back_unless_a_gpu_is_required() {
         );
         assert!(required.is_err(), "--require-gpu without a GPU is an error");
     }
-    let host = Placement::choose(DeviceRequest::Host, false).unwrap();
+    let host = Placement::choose(DeviceRequest::Host, GpuRequirement::Preferred).unwrap();
     assert_eq!(host.describe(), "host memory (host memory was requested)");
-    assert!(Placement::choose(DeviceRequest::Cuda(99), true).is_err());
+    assert!(Placement::choose(DeviceRequest::Cuda(99), GpuRequirement::Required).is_err());
     assert_eq!(
         "cuda:1".parse::<DeviceRequest>(),
         Ok(DeviceRequest::Cuda(1))
@@ -211,7 +211,7 @@ fn odd_tensors(count: usize) -> Vec<(TensorMeta, Vec<u8>)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn tensors_land_where_the_placement_says() {
     // With no GPU this exercises the host fallback end to end; with one, the GPU sink.
-    let placement = Placement::choose(DeviceRequest::Auto, false).unwrap();
+    let placement = Placement::choose(DeviceRequest::Auto, GpuRequirement::Preferred).unwrap();
     let on_gpu = GpuStatus::detect().is_available();
     // Stored on each connection's thread, and (payloads of 1 MiB) on the test's workers.
     let two = StoreOffload::UpTo(std::num::NonZeroUsize::new(2).unwrap());
@@ -439,7 +439,8 @@ mod on_gpu {
         let Some(_) = gpus("many_tensors_stream_into_gpu_memory_at_once") else {
             return;
         };
-        let placement = Placement::choose(DeviceRequest::Cuda(0), true).unwrap();
+        let placement =
+            Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required).unwrap();
         let landed = stream_into(&placement, &odd_tensors(96)).await;
         assert!(landed.iter().all(TensorBuffer::is_gpu));
         drop(landed);
@@ -598,7 +599,7 @@ fn frames(meta: &TensorMeta, data: &[u8], chunk: usize, cancel_after: Option<usi
 async fn a_tensor_from_raw_bytes_lands_where_the_placement_says() {
     use tensorwire_gpu::{GpuReceiverEvent, GpuTensorReceiver};
     use tensorwire_proto::{Frame, Limits};
-    let placement = Placement::choose(DeviceRequest::Auto, false).unwrap();
+    let placement = Placement::choose(DeviceRequest::Auto, GpuRequirement::Preferred).unwrap();
     let data = random((5 << 20) + 123, 5);
     let meta = TensorMeta::new([data.len() as u64], DType::U8)
         .unwrap()
@@ -661,7 +662,7 @@ async fn a_tensor_from_raw_bytes_lands_where_the_placement_says() {
 async fn a_cancelled_tensor_reports_the_senders_reason() {
     use tensorwire_gpu::{GpuReceiverEvent, GpuTensorReceiver};
     use tensorwire_proto::Limits;
-    let placement = Placement::choose(DeviceRequest::Auto, false).unwrap();
+    let placement = Placement::choose(DeviceRequest::Auto, GpuRequirement::Preferred).unwrap();
     let data = random(3 << 20, 9);
     let meta = TensorMeta::new([data.len() as u64], DType::U8).unwrap();
     let mut rx = GpuTensorReceiver::new(placement, Limits::default());

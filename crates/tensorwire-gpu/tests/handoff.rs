@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tensorwire_gpu::dlpack::{DLManagedTensor, KDL_CPU};
-use tensorwire_gpu::{Destinations, DeviceRequest, Landed, Placement, TensorBuffer};
+use tensorwire_gpu::{
+    Destinations, DeviceRequest, GpuRequirement, Landed, Placement, TensorBuffer,
+};
 use tensorwire_proto::testing::pattern;
 use tensorwire_proto::{DType, ErrorCode, Payload, TensorMeta};
 use tensorwire_quic::{Receiver, ReceiverConfig, Sender, SenderConfig, TransportError};
@@ -141,7 +143,7 @@ async fn a_busy_destination_makes_the_next_tensor_of_its_name_wait_then_refuses_
     destinations
         .register_host("kv", DType::F32, &[4], memory.clone())
         .unwrap();
-    let host = Placement::choose(DeviceRequest::Host, false).unwrap();
+    let host = Placement::choose(DeviceRequest::Host, GpuRequirement::Preferred).unwrap();
     let meta = f32_meta("kv", &[4]);
     let wait = Duration::from_millis(50);
     let mut first = destinations
@@ -256,7 +258,7 @@ async fn a_registered_destination_refuses_other_shapes_and_dtypes_and_lands_its_
     destinations
         .register_host("w", DType::F32, &[2, 3], weights.clone())
         .unwrap();
-    let host = Placement::choose(DeviceRequest::Host, false).unwrap();
+    let host = Placement::choose(DeviceRequest::Host, GpuRequirement::Preferred).unwrap();
     let new_weights = pattern(24, 9);
     let f16 = TensorMeta::new([2, 3], DType::F16).unwrap().with_name("w");
     let outcomes = send_to_destinations(
@@ -297,7 +299,8 @@ mod gpu {
     use tensorwire_gpu::{GpuError, PooledGpuReceiver, TensorSink, gpus_or_skip};
 
     fn gpu_placement() -> (Placement, PooledGpuReceiver) {
-        let placement = Placement::choose(DeviceRequest::Cuda(0), true).unwrap();
+        let placement =
+            Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required).unwrap();
         let Placement::Gpu(gpu) = &placement else {
             panic!("a GPU was required");
         };
@@ -595,7 +598,7 @@ async fn the_parts_of_a_split_tensor_land_in_its_registered_destination() {
     destinations
         .register_host("w", DType::F32, &[10, 3], memory.clone())
         .unwrap();
-    let placement = Placement::choose(DeviceRequest::Host, false).unwrap();
+    let placement = Placement::choose(DeviceRequest::Host, GpuRequirement::Preferred).unwrap();
     let whole = f32_meta("w", &[10, 3]);
     let bytes = pattern(120, 6);
     let splits = SplitTensors::new(Duration::from_secs(10));

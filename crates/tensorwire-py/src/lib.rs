@@ -18,8 +18,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 use tensorwire::gpu::dlpack::{DLManagedTensor, KDL_CPU, KDL_CUDA};
 use tensorwire::gpu::{
-    CudaBuffer, DeviceAllocation, DeviceRange, DeviceRequest, GpuDevice, GpuStatus, Placement,
-    TensorBuffer, TensorSink,
+    CudaBuffer, DeviceAllocation, DeviceRange, DeviceRequest, GpuDevice, GpuRequirement, GpuStatus,
+    Placement, TensorBuffer, TensorSink,
 };
 use tensorwire::proto::{DType, Device, ErrorCode, ProtocolError, TensorMeta};
 use tensorwire::quic::{
@@ -649,8 +649,13 @@ impl Receiver {
         if let Some(mib) = host_memory_mib {
             config.host_memory_budget = mib << 20;
         }
-        let placement = Placement::choose(request, require_gpu)
-            .map_err(|e| error(py, e.to_string(), None, None))?;
+        let gpu = if require_gpu {
+            GpuRequirement::Required
+        } else {
+            GpuRequirement::Preferred
+        };
+        let placement =
+            Placement::choose(request, gpu).map_err(|e| error(py, e.to_string(), None, None))?;
         let max_tensor_len = config.limits.max_tensor_len;
         let bound = py.allow_threads(|| runtime().block_on(QuicReceiver::bind(config)));
         let mut receiver = bound.map_err(|e| transport_error(py, &e, None))?;

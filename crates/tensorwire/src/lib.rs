@@ -16,7 +16,9 @@ pub use tensorwire_sink as sink;
 
 /// The types most programs need.
 pub mod prelude {
-    pub use tensorwire_gpu::{Destinations, DeviceRequest, GpuStatus, Placement, TensorBuffer};
+    pub use tensorwire_gpu::{
+        Destinations, DeviceRequest, GpuRequirement, GpuStatus, Placement, TensorBuffer,
+    };
     pub use tensorwire_proto::{DType, Device, ErrorCode, ProtocolError, TensorMeta};
     pub use tensorwire_quic::{
         HostSink, IncomingTensor, Receiver, ReceiverConfig, Sender, SenderConfig, SenderPool, Sink,

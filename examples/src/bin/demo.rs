@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use clap::Parser;
-use tensorwire::gpu::{DeviceRequest, Placement, TensorBuffer};
+use tensorwire::gpu::{DeviceRequest, GpuRequirement, Placement, TensorBuffer};
 use tensorwire::proto::{DType, TensorMeta};
 use tensorwire::quic::{Receiver, ReceiverConfig, Sender, SenderConfig, TransportSettings};
 use tensorwire_examples::cli::{init_logging, rate, size};
@@ -91,7 +91,12 @@ async fn main() -> anyhow::Result<()> {
         tensorwire::quic::ServerTls::Development,
     );
     config.transport = transport.clone();
-    let placement = Placement::choose(args.device, args.require_gpu)?;
+    let gpu = if args.require_gpu {
+        GpuRequirement::Required
+    } else {
+        GpuRequirement::Preferred
+    };
+    let placement = Placement::choose(args.device, gpu)?;
     let mut receiver = Receiver::bind(config).await?;
     let addr = receiver.local_addr()?;
     println!(

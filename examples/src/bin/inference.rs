@@ -25,7 +25,8 @@ use tensorwire::gpu::cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, sys::CUevent_flags,
 };
 use tensorwire::gpu::{
-    CudaBuffer, Destinations, DeviceRequest, GpuStatus, Landed, Placement, TensorBuffer, TensorSink,
+    CudaBuffer, Destinations, DeviceRequest, GpuRequirement, GpuStatus, Landed, Placement,
+    TensorBuffer, TensorSink,
 };
 use tensorwire::proto::{DType, Payload, TensorMeta};
 use tensorwire::quic::{IncomingTensor, Receiver, ReceiverConfig, Sender, SenderConfig};
@@ -75,7 +76,7 @@ async fn main() -> anyhow::Result<()> {
     let DeviceRequest::Cuda(ordinal) = args.device else {
         bail!("--device must be cuda or cuda:N, not {:?}", args.device);
     };
-    let placement = Placement::choose(args.device, true)?;
+    let placement = Placement::choose(args.device, GpuRequirement::Required)?;
     let Placement::Gpu(gpu) = &placement else {
         bail!("a GPU placement was required");
     };

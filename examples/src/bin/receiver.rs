@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use tensorwire::exec::{ExecAccess, ExecConfig, ExecServer, WorkerCommand, refuse_exec};
-use tensorwire::gpu::{DeviceRequest, Placement, TensorBuffer};
+use tensorwire::gpu::{DeviceRequest, GpuRequirement, Placement, TensorBuffer};
 use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::proto::TensorMeta;
 use tensorwire::proto::split::SplitPart;
@@ -179,11 +179,16 @@ async fn main() -> anyhow::Result<()> {
         .transpose()?;
     // Shared tensors and kernel inputs land in VMM memory, which other processes can map
     // with no copy.
-    let placement = Placement::choose_shareable(
-        args.device,
-        args.require_gpu,
-        args.share.is_some() || args.allow_exec,
-    )?;
+    let gpu = if args.require_gpu {
+        GpuRequirement::Required
+    } else {
+        GpuRequirement::Preferred
+    };
+    let placement = if args.share.is_some() || args.allow_exec {
+        Placement::choose_shareable(args.device, gpu)?
+    } else {
+        Placement::choose(args.device, gpu)?
+    };
     // Kernels use the receiver's own pools and device-memory budget.
     let exec = match exec_access {
         Some(access) => {

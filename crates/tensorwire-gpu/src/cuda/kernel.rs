@@ -94,11 +94,23 @@ pub enum KernelArg<'a> {
     Value(Vec<u8>),
 }
 
+/// How a module's bytes are handed to the driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModuleImage {
+    /// PTX text, compiled for the device when loaded.
+    Ptx,
+    /// A cubin or a fatbin, read by its own headers.
+    Binary,
+}
+
 impl LoadedModule {
-    /// Loads `bytes` on `device`: PTX (compiled for the device now) when `ptx` is set, else a
-    /// cubin or fatbin. A cubin for another architecture is refused with a message naming
-    /// both, before the driver sees it.
-    pub fn load(device: &Arc<GpuDevice>, bytes: &[u8], ptx: bool) -> Result<Self, KernelError> {
+    /// Loads `bytes`, an `image` of that kind, on `device`. A cubin for another architecture
+    /// is refused with a message naming both, before the driver sees it.
+    pub fn load(
+        device: &Arc<GpuDevice>,
+        bytes: &[u8],
+        image_kind: ModuleImage,
+    ) -> Result<Self, KernelError> {
         require_driver()?;
         device.bind()?;
         let (major, minor) = device.info().compute_capability;
@@ -117,7 +129,7 @@ impl LoadedModule {
         }
         // PTX must end in NUL; a cubin or fatbin is read by its own headers.
         let mut image = bytes.to_vec();
-        if ptx {
+        if image_kind == ModuleImage::Ptx {
             if image.contains(&0) {
                 return Err(KernelError::Module(
                     "the PTX text contains a NUL byte".into(),
