@@ -30,8 +30,9 @@ pub(crate) struct Job {
     pub(crate) module: String,
     /// Whether the module's bytes come with this job (the worker lacks them).
     pub(crate) module_attached: bool,
-    /// Whether the module is PTX text.
-    pub(crate) ptx: bool,
+    /// How the module's bytes are loaded: the wire code of a
+    /// [`ModuleFormat`](tensorwire_proto::exec::ModuleFormat) (spec §14.2).
+    pub(crate) format: u8,
     /// The kernel.
     pub(crate) function: String,
     pub(crate) grid: [u32; 3],

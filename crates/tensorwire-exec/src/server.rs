@@ -994,7 +994,7 @@ fn submission(
         job: Job {
             module: hex(&run.module_sha256),
             module_attached: false,
-            ptx: module.format == ModuleFormat::Ptx,
+            format: module.format.code(),
             function: run.function.clone(),
             grid: launch.grid,
             block: launch.block,

@@ -7,11 +7,10 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use tensorwire_gpu::kernel::{
-    KernelArg, KernelError, LaunchConfig, LoadedModule, ModuleImage, launch,
-};
+use tensorwire_gpu::kernel::{KernelArg, KernelError, LaunchConfig, LoadedModule, launch};
 use tensorwire_gpu::{GpuDevice, ImportedMemory};
 use tensorwire_proto::ErrorCode;
+use tensorwire_proto::exec::ModuleFormat;
 
 use crate::channel::{Channel, Job, JobArg, Report};
 
@@ -90,12 +89,9 @@ fn run(
         std::fs::File::from(fd)
             .read_to_end(&mut bytes)
             .map_err(|e| internal(format!("reading the module: {e}")))?;
-        let image = if job.ptx {
-            ModuleImage::Ptx
-        } else {
-            ModuleImage::Binary
-        };
-        let loaded = LoadedModule::load(device, &bytes, image).map_err(failed)?;
+        let format = ModuleFormat::from_code(job.format)
+            .map_err(|e| internal(format!("the job's module format: {e}")))?;
+        let loaded = LoadedModule::load(device, &bytes, format).map_err(failed)?;
         modules.retain(|(hash, _)| hash != &job.module);
         if modules.len() >= MAX_MODULES {
             modules.remove(0);

@@ -66,6 +66,18 @@ pub enum GpuRequirement {
     Required,
 }
 
+impl GpuRequirement {
+    /// `Required` where a program's `--require-gpu` (or `require_gpu=True`) is set, else
+    /// `Preferred`.
+    pub fn required_if(required: bool) -> Self {
+        if required {
+            GpuRequirement::Required
+        } else {
+            GpuRequirement::Preferred
+        }
+    }
+}
+
 /// Which device memory a GPU placement lands tensors in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum DeviceMemory {

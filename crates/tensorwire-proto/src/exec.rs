@@ -159,7 +159,8 @@ impl ModuleFormat {
         }
     }
 
-    fn from_code(code: u8) -> Result<Self, ProtocolError> {
+    /// The format of a wire code; EXEC_MALFORMED for any other.
+    pub fn from_code(code: u8) -> Result<Self, ProtocolError> {
         match code {
             1 => Ok(ModuleFormat::Ptx),
             2 => Ok(ModuleFormat::Cubin),

@@ -649,13 +649,8 @@ impl Receiver {
         if let Some(mib) = host_memory_mib {
             config.host_memory_budget = mib << 20;
         }
-        let gpu = if require_gpu {
-            GpuRequirement::Required
-        } else {
-            GpuRequirement::Preferred
-        };
-        let placement =
-            Placement::choose(request, gpu).map_err(|e| error(py, e.to_string(), None, None))?;
+        let placement = Placement::choose(request, GpuRequirement::required_if(require_gpu))
+            .map_err(|e| error(py, e.to_string(), None, None))?;
         let max_tensor_len = config.limits.max_tensor_len;
         let bound = py.allow_threads(|| runtime().block_on(QuicReceiver::bind(config)));
         let mut receiver = bound.map_err(|e| transport_error(py, &e, None))?;

@@ -91,12 +91,7 @@ async fn main() -> anyhow::Result<()> {
         tensorwire::quic::ServerTls::Development,
     );
     config.transport = transport.clone();
-    let gpu = if args.require_gpu {
-        GpuRequirement::Required
-    } else {
-        GpuRequirement::Preferred
-    };
-    let placement = Placement::choose(args.device, gpu)?;
+    let placement = Placement::choose(args.device, GpuRequirement::required_if(args.require_gpu))?;
     let mut receiver = Receiver::bind(config).await?;
     let addr = receiver.local_addr()?;
     println!(

@@ -179,11 +179,7 @@ async fn main() -> anyhow::Result<()> {
         .transpose()?;
     // Shared tensors and kernel inputs land in VMM memory, which other processes can map
     // with no copy.
-    let gpu = if args.require_gpu {
-        GpuRequirement::Required
-    } else {
-        GpuRequirement::Preferred
-    };
+    let gpu = GpuRequirement::required_if(args.require_gpu);
     let placement = if args.share.is_some() || args.allow_exec {
         Placement::choose_shareable(args.device, gpu)?
     } else {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{result, sys};
+use tensorwire_proto::exec::ModuleFormat;
 
 use super::{GpuDevice, ImportedMemory, require_driver};
 use crate::error::GpuError;
@@ -94,22 +95,14 @@ pub enum KernelArg<'a> {
     Value(Vec<u8>),
 }
 
-/// How a module's bytes are handed to the driver.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ModuleImage {
-    /// PTX text, compiled for the device when loaded.
-    Ptx,
-    /// A cubin or a fatbin, read by its own headers.
-    Binary,
-}
-
 impl LoadedModule {
-    /// Loads `bytes`, an `image` of that kind, on `device`. A cubin for another architecture
-    /// is refused with a message naming both, before the driver sees it.
+    /// Loads `bytes`, a module in `format`, on `device`: PTX is compiled for the device now,
+    /// a cubin or fatbin read by its own headers. A cubin for another architecture is refused
+    /// with a message naming both, before the driver sees it.
     pub fn load(
         device: &Arc<GpuDevice>,
         bytes: &[u8],
-        image_kind: ModuleImage,
+        format: ModuleFormat,
     ) -> Result<Self, KernelError> {
         require_driver()?;
         device.bind()?;
@@ -129,7 +122,7 @@ impl LoadedModule {
         }
         // PTX must end in NUL; a cubin or fatbin is read by its own headers.
         let mut image = bytes.to_vec();
-        if image_kind == ModuleImage::Ptx {
+        if format == ModuleFormat::Ptx {
             if image.contains(&0) {
                 return Err(KernelError::Module(
                     "the PTX text contains a NUL byte".into(),
