@@ -70,7 +70,7 @@ pub fn serve_stdin(ordinal: usize) -> ExitCode {
     }
 }
 
-// The one unsafe call outside the GPU crate: launching the peer's kernel is what this
+// This crate's one unsafe call: launching the peer's kernel is what this
 // process exists for.
 #[allow(unsafe_code)]
 fn run(
