@@ -535,10 +535,12 @@ async fn raw_quinn_client_process(
     // As `sender` closes (`Sender::close`): until each CONNECTION_CLOSE has gone out (a closed
     // connection's next datagram), at most 100 ms, all together, without waiting out QUIC's
     // draining period.
+    // Counted before each close, as `sender` counts: the close may go out before `close`
+    // returns.
     let mut sent_before = Vec::new();
     for (_, _, conn) in &clients {
-        conn.close(0u32.into(), b"done");
         sent_before.push(conn.stats().udp_tx.datagrams);
+        conn.close(0u32.into(), b"done");
     }
     let close_sent = async {
         tokio::task::yield_now().await;
