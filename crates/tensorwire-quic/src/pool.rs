@@ -44,10 +44,13 @@ impl SenderPool {
         connections: usize,
     ) -> Result<Self, TransportError> {
         let metrics = Arc::new(Metrics::default());
+        // One TLS configuration for all: its files are read, and development trust is
+        // announced, once.
+        let crypto = crate::tls::client_crypto(&config.tls, addr.port())?;
         let mut opening = tokio::task::JoinSet::new();
         for _ in 0..connections.max(1) {
-            let (config, metrics) = (config.clone(), metrics.clone());
-            opening.spawn(Sender::connect_counting(addr, config, metrics));
+            let (config, crypto, metrics) = (config.clone(), crypto.clone(), metrics.clone());
+            opening.spawn(Sender::connect_counting(addr, config, crypto, metrics));
         }
         let mut senders = Vec::with_capacity(connections.max(1));
         while let Some(opened) = opening.join_next().await {

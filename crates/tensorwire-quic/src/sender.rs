@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures_core::Stream;
 use quinn::VarInt;
+use quinn::crypto::rustls::QuicClientConfig;
 use tensorwire_proto::{
     ErrorCode, Limits, SessionConfig, SessionEvent, StreamId, TensorMeta, TensorSender,
 };
@@ -120,16 +121,19 @@ pub struct SendReport {
 impl Sender {
     /// Connects to the receiver at `addr` on an endpoint (UDP socket) of its own.
     pub async fn connect(addr: SocketAddr, config: SenderConfig) -> Result<Self, TransportError> {
-        Self::connect_counting(addr, config, Arc::default()).await
+        let crypto = crate::tls::client_crypto(&config.tls, addr.port())?;
+        Self::connect_counting(addr, config, crypto, Arc::default()).await
     }
 
-    /// As [`connect`](Self::connect), counting its sends in `metrics` (a pool's, shared).
+    /// As [`connect`](Self::connect) with `crypto` already built from `config.tls` (a pool
+    /// builds it once for all its connections), counting its sends in `metrics` (a pool's,
+    /// shared).
     pub(crate) async fn connect_counting(
         addr: SocketAddr,
         config: SenderConfig,
+        crypto: Arc<QuicClientConfig>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, TransportError> {
-        let crypto = crate::tls::client_crypto(&config.tls, addr.port())?;
         let mut client = quinn::ClientConfig::new(crypto);
         client.transport_config(config.transport.transport_config()?);
         let bind: SocketAddr = if addr.is_ipv6() {

@@ -1,9 +1,8 @@
 //! TLS 1.3 configurations: one crypto provider (ring), AES-128-GCM first, ALPN
 //! `tensorwire/1`, 0-RTT off, development and PEM certificates, optional mutual TLS.
 
-use std::collections::BTreeSet;
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::crypto::CryptoProvider;
@@ -173,9 +172,6 @@ pub fn server_crypto(
     Ok((Arc::new(quic), dev))
 }
 
-/// Fingerprints of the development certificates this process has warned it trusts.
-static DEV_CERTS_ANNOUNCED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
-
 /// The QUIC client crypto for `tls`, connecting to `port` (for development trust).
 pub fn client_crypto(tls: &ClientTls, port: u16) -> Result<Arc<QuicClientConfig>, TransportError> {
     let builder = rustls::ClientConfig::builder_with_provider(crypto_provider())
@@ -194,20 +190,12 @@ pub fn client_crypto(tls: &ClientTls, port: u16) -> Result<Arc<QuicClientConfig>
                     path.display()
                 )));
             }
-            let fingerprint = fingerprint(&certs[0]);
-            // Once per certificate and process: a pool of N connections reads it N times.
-            if DEV_CERTS_ANNOUNCED
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert(fingerprint.clone())
-            {
-                tracing::warn!(
-                    path = %path.display(),
-                    %fingerprint,
-                    "development trust: trusting the self-signed certificate a local receiver \
-                     left; use a CA file in production"
-                );
-            }
+            tracing::warn!(
+                path = %path.display(),
+                fingerprint = %fingerprint(&certs[0]),
+                "development trust: trusting the self-signed certificate a local receiver left; \
+                 use a CA file in production"
+            );
             builder
                 .with_root_certificates(roots(certs)?)
                 .with_no_client_auth()
