@@ -116,7 +116,7 @@ struct Args {
     #[arg(long, default_value_t = 1024)]
     chunk_kib: u64,
     /// tensorwire receiver: credit one tensor may hold unused, in MiB.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 8)]
     window_mib: u64,
     /// tensorwire receiver: bytes per CREDIT, in MiB.
     #[arg(long, default_value_t = 4)]

@@ -50,13 +50,13 @@ pub struct SessionConfig {
 }
 
 impl Default for SessionConfig {
-    /// The reference implementation's policy: 4 MiB grants, a 16 MiB window per tensor and
+    /// The reference implementation's policy: 4 MiB grants, an 8 MiB window per tensor and
     /// 128 MiB per connection, 1000 failed streams per 10 s, 1 MiB of early credit.
     fn default() -> Self {
         Self {
             limits: Limits::default(),
             grant_unit: 4 << 20,
-            stream_window: 16 << 20,
+            stream_window: 8 << 20,
             connection_window: 128 << 20,
             max_failed_streams: 1000,
             failure_window: Duration::from_secs(10),

@@ -432,6 +432,10 @@ pub struct ReceiverConfig {
     /// Bytes granted to a tensor in one CREDIT.
     pub grant_unit: u64,
     /// Most credit one tensor may hold unused, so one tensor cannot take the whole budget.
+    /// Default 8 MiB: each datagram's bytes wait in quinn as one chunk, and quinn copies a
+    /// stream's waiting chunks into one new buffer once more than 2,048 wait; 16 MiB let
+    /// about 2,800 wait at MTU 6000, and cost 8 receiving connections 5–9% of their rate
+    /// on a 16-core host (benches/README.md).
     pub stream_window: u64,
     /// Most credit one connection may hold granted and not yet arrived, so one peer cannot
     /// take the whole budget from the others (spec §7.1). Default: half the budget.
@@ -498,7 +502,7 @@ impl ReceiverConfig {
             high_watermark: budget / 8 * 7,
             low_watermark: budget / 2,
             grant_unit: 4 << 20,
-            stream_window: 16 << 20,
+            stream_window: 8 << 20,
             connection_window: budget / 2,
             progress_timeout: Duration::from_secs(30),
             admission_timeout: Duration::from_secs(30),
