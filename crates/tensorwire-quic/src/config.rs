@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use quinn::{IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
-use tensorwire_proto::Limits;
+use tensorwire_proto::{Limits, SessionConfig};
 use tokio::runtime::Handle;
 
 use crate::error::TransportError;
@@ -432,10 +432,9 @@ pub struct ReceiverConfig {
     /// Bytes granted to a tensor in one CREDIT.
     pub grant_unit: u64,
     /// Most credit one tensor may hold unused, so one tensor cannot take the whole budget.
-    /// Default 8 MiB: each datagram's bytes wait in quinn as one chunk, and quinn copies a
-    /// stream's waiting chunks into one new buffer once more than 2,048 wait; 16 MiB let
-    /// about 2,800 wait at MTU 6000, and cost 8 receiving connections 5–9% of their rate
-    /// on a 16-core host (benches/README.md).
+    /// Default 8 MiB: with 16 MiB, 8 receiving connections on a 16-core host moved 5–9%
+    /// less (benches/README.md), likely because quinn copies a stream's waiting datagrams
+    /// into one new buffer once more than 2,048 wait (about 2,800 at MTU 6000).
     pub stream_window: u64,
     /// Most credit one connection may hold granted and not yet arrived, so one peer cannot
     /// take the whole budget from the others (spec §7.1). Default: half the budget.
@@ -488,32 +487,34 @@ pub struct ReceiverConfig {
 impl ReceiverConfig {
     /// A receiver on `listen` proving itself with `tls` (an explicit choice: development
     /// trust writes a certificate file, see [`ServerTls::Development`]); defaults otherwise:
-    /// 256 MiB budget (high 7/8, low 1/2), 4 MiB grants, one endpoint per core.
+    /// 256 MiB budget (high 7/8, low 1/2), the reference policy's grants, stream window,
+    /// failure budget and early credit ([`SessionConfig::default`]), one endpoint per core.
     pub fn new(listen: SocketAddr, tls: ServerTls) -> Self {
         let budget = 256 << 20;
+        let policy = SessionConfig::default();
         Self {
             listen,
             endpoints: default_endpoints(),
             steering: Steering::default(),
             tls,
             transport: TransportSettings::default(),
-            limits: Limits::default(),
+            limits: policy.limits,
             budget,
             high_watermark: budget / 8 * 7,
             low_watermark: budget / 2,
-            grant_unit: 4 << 20,
-            stream_window: 8 << 20,
+            grant_unit: policy.grant_unit,
+            stream_window: policy.stream_window,
             connection_window: budget / 2,
             progress_timeout: Duration::from_secs(30),
             admission_timeout: Duration::from_secs(30),
-            max_failed_streams: 1000,
-            failure_window: Duration::from_secs(10),
+            max_failed_streams: policy.max_failed_streams,
+            failure_window: policy.failure_window,
             host_memory_budget: default_host_memory_budget(),
             kept_host_memory: 1 << 30,
             memory_share_percent: 50,
             max_pending_per_connection: 64,
             connection_idle_timeout: Duration::from_secs(60),
-            early_credit: 1 << 20,
+            early_credit: policy.early_credit,
             store_offload: StoreOffload::Auto,
         }
     }
