@@ -264,6 +264,14 @@ impl TensorReceiver {
 
     /// Feeds one frame from the sender whose DATA checksum was computed beforehand.
     pub fn handle_checked(&mut self, frame: CheckedFrame) -> Result<ReceiverEvent, ProtocolError> {
+        if let (ReceiverState::Complete, Frame::Cancel(cancel)) = (self.state, &frame.frame) {
+            // Spec §7.2: a CANCEL that crossed our COMPLETE is the sender's cancel, not a
+            // broken rule; the tensor stays complete.
+            return Err(ProtocolError::Remote {
+                code: cancel.code,
+                reason: cancel.reason.clone(),
+            });
+        }
         if let Some(err) = self.closed_error() {
             return Err(err);
         }

@@ -53,6 +53,38 @@ fn a_tensor_arrives_whole_and_completes() {
     assert_credit_returned(&mut pair);
 }
 
+/// Spec §7.2: a CANCEL that crossed COMPLETE is the sender's cancel, and the tensor stays
+/// complete; any other frame after COMPLETE breaks a rule.
+#[test]
+fn a_cancel_that_crossed_complete_is_the_senders_not_a_broken_rule() {
+    let mut pair = small_chunks(3000);
+    let (sent, received) = pair.transfer();
+    sent.unwrap();
+    received.unwrap();
+    assert_eq!(pair.receiver.state(), ReceiverState::Complete);
+    let crossed = pair
+        .receiver
+        .handle_frame(Frame::Cancel(tensorwire_proto::frame::Cancel::new(
+            ErrorCode::CANCELLED,
+            "the user gave up",
+        )));
+    assert_eq!(
+        crossed,
+        Err(ProtocolError::Remote {
+            code: ErrorCode::CANCELLED,
+            reason: "the user gave up".into()
+        })
+    );
+    assert_eq!(pair.receiver.state(), ReceiverState::Complete);
+    let late = pair.receiver.handle_frame(Frame::End(End { checksum: 0 }));
+    assert_eq!(
+        late.map(drop).unwrap_err().code(),
+        ErrorCode::UNEXPECTED_FRAME
+    );
+    assert_eq!(pair.receiver.state(), ReceiverState::Complete);
+    assert_credit_returned(&mut pair);
+}
+
 #[test]
 fn a_zero_byte_tensor_completes() {
     let mut pair = Pair::new(meta(0), Vec::new());

@@ -251,10 +251,13 @@ impl Accepted {
             // in one write.
             let frame = match self.stream.buffered_frame()? {
                 Some(frame) => Some(frame),
-                // After END only a CANCEL, a reset or the sender's FIN can come (spec §4).
+                // After END only a CANCEL, a reset or the sender's FIN can come (spec §4). A
+                // frame that is in goes first, so a decision cannot overtake a CANCEL that
+                // arrived with it; before ACCEPT the early allowance bounds what can come.
                 None => tokio::select! {
-                    out = &mut wait => return Ok(out),
+                    biased;
                     frame = self.stream.next_frame_or_fin() => frame?,
+                    out = &mut wait => return Ok(out),
                 },
             };
             let Some(frame) = frame else {
