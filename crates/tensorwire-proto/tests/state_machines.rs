@@ -41,15 +41,21 @@ fn code_of(result: &Result<(), ProtocolError>) -> ErrorCode {
     result.as_ref().expect_err("expected an error").code()
 }
 
-#[test]
-fn a_tensor_arrives_whole_and_completes() {
-    let mut pair = small_chunks(10_000);
+/// A pair that sent a `len`-byte tensor whole, both sides Complete.
+fn completed(len: usize) -> Pair {
+    let mut pair = small_chunks(len);
     let (sent, received) = pair.transfer();
     sent.unwrap();
     received.unwrap();
-    assert_eq!(pair.dest, pattern(10_000, 5));
     assert_eq!(pair.receiver.state(), ReceiverState::Complete);
     assert_eq!(pair.sender.state(), SenderState::Complete);
+    pair
+}
+
+#[test]
+fn a_tensor_arrives_whole_and_completes() {
+    let mut pair = completed(10_000);
+    assert_eq!(pair.dest, pattern(10_000, 5));
     assert_credit_returned(&mut pair);
 }
 
@@ -57,11 +63,7 @@ fn a_tensor_arrives_whole_and_completes() {
 /// complete; any other frame after COMPLETE breaks a rule.
 #[test]
 fn a_cancel_that_crossed_complete_is_the_senders_not_a_broken_rule() {
-    let mut pair = small_chunks(3000);
-    let (sent, received) = pair.transfer();
-    sent.unwrap();
-    received.unwrap();
-    assert_eq!(pair.receiver.state(), ReceiverState::Complete);
+    let mut pair = completed(3000);
     let crossed = pair
         .receiver
         .handle_frame(Frame::Cancel(tensorwire_proto::frame::Cancel::new(
