@@ -132,6 +132,10 @@ struct Args {
     /// a tensor past it is allocated, and freed, on its own). Default: the library's.
     #[arg(long)]
     device_pool_mib: Option<usize>,
+    /// With --gpu: the pinned staging pool's size in MiB (4 MiB buffers). Default: the
+    /// library's (128).
+    #[arg(long)]
+    staging_pool_mib: Option<usize>,
     /// Where each QUIC endpoint's work runs, for raw quinn and tensorwire alike: a number of
     /// threads of its own (its connections' tasks spawned there too), or `caller` (all on
     /// this program's runtime, spread over its workers).
@@ -331,8 +335,8 @@ struct Latency {
 struct GpuReport {
     device: String,
     pinned_h2d_gb_per_s: f64,
-    /// (sinks fed at once, GB/s)
-    ingest_from_memory: Vec<(usize, f64)>,
+    /// (sinks fed at once, GB/s, mean host → device copy in MiB)
+    ingest_from_memory: Vec<(usize, f64, f64)>,
     /// (threads, GB/s): plain memory copies as ingest's into staging, no GPU involved
     host_copy: Vec<(usize, f64)>,
     /// (connections, network→host Gbit/s, network→GPU Gbit/s, GPU / host)
@@ -1474,12 +1478,21 @@ const INGEST_BYTES: usize = 8 << 30;
 
 /// `tensors` GPU sinks at once, fed 1 MiB chunks from host memory, [`INGEST_BYTES`] in all
 /// (at least four batches), no network: the ceiling of the sink (memcpy into pinned staging
-/// + async H2D + completion).
+/// + async H2D + completion). Returns GB/s and the mean host → device copy in MiB (each copy
+/// takes one staging buffer; a sink copies a buffer before it is full when the pool runs out).
 async fn ingest_from_memory(
     placement: &tensorwire::gpu::Placement,
     tensors: usize,
     tensor_bytes: usize,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, f64)> {
+    let staging_taken = || match placement {
+        tensorwire::gpu::Placement::Gpu(pools) => {
+            let stats = pools.staging_stats();
+            stats.hits + stats.misses
+        }
+        _ => 0,
+    };
+    let taken_before = staging_taken();
     let batches = (INGEST_BYTES / (tensors * tensor_bytes)).max(4);
     let data = payload(tensor_bytes);
     let meta = TensorMeta::new([tensor_bytes as u64], DType::U8)?;
@@ -1508,7 +1521,11 @@ async fn ingest_from_memory(
         }
         Ok((batches * tensors * tensor_bytes) as f64 / started.elapsed().as_secs_f64() / 1e9)
     };
-    run().await
+    let rate = run().await?;
+    let copies = (staging_taken() - taken_before).max(1);
+    let mean_copy_mib =
+        (batches * tensors * tensor_bytes) as f64 / copies as f64 / (1 << 20) as f64;
+    Ok((rate, mean_copy_mib))
 }
 
 /// Share of pool requests served without allocating between two snapshots.
@@ -1528,18 +1545,21 @@ async fn gpu_section(
     runs: usize,
 ) -> anyhow::Result<GpuReport> {
     use tensorwire::gpu::{DeviceRequest, GpuRequirement, Placement};
-    let gpu = match args.device_pool_mib {
-        None => Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required)?,
-        Some(mib) => {
+    let gpu = match (args.device_pool_mib, args.staging_pool_mib) {
+        (None, None) => Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required)?,
+        (device_mib, staging_mib) => {
             let staging = tensorwire::gpu::PoolConfig {
-                max_pool_bytes: 128 << 20,
+                max_pool_bytes: staging_mib.unwrap_or(128) << 20,
                 preallocate: true,
                 ..Default::default()
             };
-            let memory = tensorwire::gpu::PoolConfig {
-                max_pool_bytes: mib << 20,
-                max_buffer: (mib << 20).max(64 << 20),
-                ..Default::default()
+            let memory = match device_mib {
+                Some(mib) => tensorwire::gpu::PoolConfig {
+                    max_pool_bytes: mib << 20,
+                    max_buffer: (mib << 20).max(64 << 20),
+                    ..Default::default()
+                },
+                None => tensorwire::gpu::PoolConfig::default(),
             };
             Placement::Gpu(tensorwire::gpu::PooledGpuReceiver::new(0, staging, memory)?)
         }
@@ -1555,7 +1575,8 @@ async fn gpu_section(
     let mut ingest = Vec::new();
     let mut host_copy = Vec::new();
     for sinks in [4, 8, 16] {
-        ingest.push((sinks, ingest_from_memory(&gpu, sinks, 64 << 20).await?));
+        let (rate, mean_copy_mib) = ingest_from_memory(&gpu, sinks, 64 << 20).await?;
+        ingest.push((sinks, rate, mean_copy_mib));
         host_copy.push((
             sinks,
             tokio::task::spawn_blocking(move || host_copy_rate(sinks)).await?,
@@ -1812,14 +1833,14 @@ async fn main() -> anyhow::Result<()> {
             "  pinned host → device, 256 MiB copies: {:.1} GB/s",
             g.pinned_h2d_gb_per_s
         );
-        for (sinks, gb_per_s) in &g.ingest_from_memory {
+        for (sinks, gb_per_s, copy_mib) in &g.ingest_from_memory {
             let alone = g
                 .host_copy
                 .iter()
                 .find(|(threads, _)| threads == sinks)
                 .map_or(f64::NAN, |(_, rate)| *rate);
             println!(
-                "  ingest from memory, {sinks} tensors of 64 MiB at once, {} GiB: {gb_per_s:.1} GB/s (the same copies without the GPU, {sinks} threads: {alone:.1} GB/s)",
+                "  ingest from memory, {sinks} tensors of 64 MiB at once, {} GiB: {gb_per_s:.1} GB/s, copies of {copy_mib:.2} MiB on average (the same copies without the GPU, {sinks} threads: {alone:.1} GB/s)",
                 INGEST_BYTES >> 30
             );
         }
