@@ -1477,9 +1477,10 @@ fn pinned_h2d_peak() -> anyhow::Result<f64> {
 const INGEST_BYTES: usize = 8 << 30;
 
 /// `tensors` GPU sinks at once, fed 1 MiB chunks from host memory, [`INGEST_BYTES`] in all
-/// (at least four batches), no network: the ceiling of the sink (memcpy into pinned staging
-/// + async H2D + completion). Returns GB/s and the mean host → device copy in MiB (each copy
-/// takes one staging buffer; a sink copies a buffer before it is full when the pool runs out).
+/// (at least four batches), no network: the ceiling of the sink (memcpy into pinned staging,
+/// async H2D, completion). Returns GB/s and the mean host → device copy in MiB: each copy
+/// takes one staging buffer, and a sink copies a buffer before it is full when the pool runs
+/// out.
 async fn ingest_from_memory(
     placement: &tensorwire::gpu::Placement,
     tensors: usize,
