@@ -264,15 +264,7 @@ impl TensorReceiver {
 
     /// Feeds one frame from the sender whose DATA checksum was computed beforehand.
     pub fn handle_checked(&mut self, frame: CheckedFrame) -> Result<ReceiverEvent, ProtocolError> {
-        if let (ReceiverState::Complete, Frame::Cancel(cancel)) = (self.state, &frame.frame) {
-            // Spec §7.2: a CANCEL that crossed our COMPLETE is the sender's cancel, not a
-            // broken rule; the tensor stays complete.
-            return Err(ProtocolError::Remote {
-                code: cancel.code,
-                reason: cancel.reason.clone(),
-            });
-        }
-        if let Some(err) = self.closed_error() {
+        if let Some(err) = self.closed_error(&frame.frame) {
             return Err(err);
         }
         let result = self.dispatch(frame);
@@ -534,14 +526,21 @@ impl TensorReceiver {
         }
     }
 
-    fn closed_error(&self) -> Option<ProtocolError> {
-        match self.state {
-            ReceiverState::Closed => Some(
+    /// What `frame` means to a tensor that has ended (Complete or Closed); `None` before.
+    fn closed_error(&self, frame: &Frame) -> Option<ProtocolError> {
+        match (self.state, frame) {
+            (ReceiverState::Closed, _) => Some(
                 self.ending
                     .clone()
                     .unwrap_or(ProtocolError::Misuse("tensor closed")),
             ),
-            ReceiverState::Complete => Some(ProtocolError::violation(
+            // Spec §7.2: a CANCEL that crossed our COMPLETE is the sender's cancel, not a
+            // broken rule; the tensor stays complete.
+            (ReceiverState::Complete, Frame::Cancel(cancel)) => Some(ProtocolError::Remote {
+                code: cancel.code,
+                reason: cancel.reason.clone(),
+            }),
+            (ReceiverState::Complete, _) => Some(ProtocolError::violation(
                 ErrorCode::UNEXPECTED_FRAME,
                 "frame after COMPLETE",
             )),
