@@ -339,6 +339,8 @@ struct GpuReport {
     ingest_from_memory: Vec<(usize, f64, f64)>,
     /// (threads, GB/s): plain memory copies as ingest's into staging, no GPU involved
     host_copy: Vec<(usize, f64)>,
+    /// (threads, GB/s): ingest's copies into staging and to the device, without the sink
+    staged_h2d: Vec<(usize, f64)>,
     /// (connections, network→host Gbit/s, network→GPU Gbit/s, GPU / host)
     network: Vec<(usize, f64, f64, f64)>,
     staging_hit_rate: f64,
@@ -1455,6 +1457,81 @@ fn host_copy_rate(threads: usize) -> f64 {
     })
 }
 
+/// Ingest's data path without the sink: `threads` threads, each with a ring of 4 MiB pinned
+/// staging buffers of its own (together the default staging pool, 128 MiB) and a stream of its
+/// own, fill a buffer from 1 MiB pieces of one 64 MiB source and copy it to the device, for
+/// about a second. What the host's copies and the GPU's reads of staging do together on this
+/// machine, beside what the sink makes of them.
+fn staged_h2d_rate(threads: usize) -> anyhow::Result<f64> {
+    use tensorwire::gpu::{GpuDevice, PinnedAllocation};
+    const PIECE: usize = 1 << 20;
+    const SOURCE: usize = 64 << 20;
+    const STAGING: usize = tensorwire::gpu::STAGING_BUFFER;
+    let device = GpuDevice::open(0)?;
+    let source = payload(SOURCE);
+    let ring = ((128 << 20) / STAGING / threads).max(1);
+    std::thread::scope(|scope| {
+        let copiers: Vec<_> = (0..threads)
+            .map(|t| {
+                let (device, source) = (&device, &source);
+                scope.spawn(move || -> anyhow::Result<(usize, f64)> {
+                    let ctx = device.cuda_context();
+                    let stream = ctx.new_stream()?;
+                    let mut dst = stream.alloc_zeros::<u8>(SOURCE)?;
+                    let mut staging = (0..ring)
+                        .map(|_| PinnedAllocation::new(device, STAGING))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let events = (0..ring)
+                        .map(|_| ctx.new_event(None))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let mut recorded = vec![false; ring];
+                    let started = Instant::now();
+                    let (mut copied, mut i) = (0usize, t * 7);
+                    let mut copy_for_a_second = || -> anyhow::Result<()> {
+                        while started.elapsed() < Duration::from_secs(1) {
+                            let slot = (copied / STAGING) % ring;
+                            // The copy that last read this buffer must be done before its refill.
+                            if recorded[slot] {
+                                events[slot].synchronize()?;
+                            }
+                            let buffer = staging[slot].as_mut_slice();
+                            for at in (0..STAGING).step_by(PIECE) {
+                                let from = (i * PIECE) % SOURCE;
+                                buffer[at..at + PIECE].copy_from_slice(&source[from..from + PIECE]);
+                                i += 1;
+                            }
+                            // The copy reads the pinned buffer after this call returns: the event
+                            // above guards its refill, the stream's synchronize below its drop.
+                            let to = copied % SOURCE;
+                            stream.memcpy_htod(
+                                staging[slot].as_slice(),
+                                &mut dst.slice_mut(to..to + STAGING),
+                            )?;
+                            events[slot].record(&stream)?;
+                            recorded[slot] = true;
+                            copied += STAGING;
+                        }
+                        Ok(())
+                    };
+                    let copying = copy_for_a_second();
+                    // Whatever happened, no copy may still read a staging buffer once it drops.
+                    stream.synchronize()?;
+                    copying?;
+                    Ok((copied, started.elapsed().as_secs_f64()))
+                })
+            })
+            .collect();
+        let mut rate = 0.0;
+        for copier in copiers {
+            let (copied, seconds) = copier
+                .join()
+                .map_err(|_| anyhow::anyhow!("a staging copier panicked"))??;
+            rate += copied as f64 / seconds / 1e9;
+        }
+        Ok(rate)
+    })
+}
+
 /// Pinned host → device copies of 256 MiB, the ceiling for every GPU figure.
 fn pinned_h2d_peak() -> anyhow::Result<f64> {
     use tensorwire::gpu::{DeviceAllocation, GpuDevice, PinnedAllocation};
@@ -1575,12 +1652,17 @@ async fn gpu_section(
     // connections bring) show whether the copies or the host → device link set the rate.
     let mut ingest = Vec::new();
     let mut host_copy = Vec::new();
+    let mut staged_h2d = Vec::new();
     for sinks in [4, 8, 16] {
         let (rate, mean_copy_mib) = ingest_from_memory(&gpu, sinks, 64 << 20).await?;
         ingest.push((sinks, rate, mean_copy_mib));
         host_copy.push((
             sinks,
             tokio::task::spawn_blocking(move || host_copy_rate(sinks)).await?,
+        ));
+        staged_h2d.push((
+            sinks,
+            tokio::task::spawn_blocking(move || staged_h2d_rate(sinks)).await??,
         ));
     }
     let mut network = Vec::new();
@@ -1612,6 +1694,7 @@ async fn gpu_section(
         pinned_h2d_gb_per_s,
         ingest_from_memory: ingest,
         host_copy,
+        staged_h2d,
         network,
         staging_hit_rate: hit_rate_since(staging_before, pools.staging_stats()),
         device_pool_hit_rate: hit_rate_since(device_before, pools.memory_stats()),
@@ -1840,9 +1923,15 @@ async fn main() -> anyhow::Result<()> {
                 .iter()
                 .find(|(threads, _)| threads == sinks)
                 .map_or(f64::NAN, |(_, rate)| *rate);
+            let staged = g
+                .staged_h2d
+                .iter()
+                .find(|(threads, _)| threads == sinks)
+                .map_or(f64::NAN, |(_, rate)| *rate);
             println!(
-                "  ingest from memory, {sinks} tensors of 64 MiB at once, {} GiB: {gb_per_s:.1} GB/s, copies of {copy_mib:.2} MiB on average (the same copies without the GPU, {sinks} threads: {alone:.1} GB/s)",
-                INGEST_BYTES >> 30
+                "  ingest from memory, {sinks} tensors of 64 MiB at once, {} GiB: {gb_per_s:.1} GB/s, copies of {copy_mib:.2} MiB on average (the same copies without the GPU, {sinks} threads: {alone:.1} GB/s; staging and device copies without the sink, {sinks} threads: {staged:.1} GB/s; ingest / that {:.2})",
+                INGEST_BYTES >> 30,
+                gb_per_s / staged
             );
         }
         for (n, host, gpu, ratio) in &g.network {
