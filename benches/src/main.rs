@@ -331,16 +331,25 @@ struct Latency {
     allocations_per_message: Option<f64>,
 }
 
+/// One ingest-from-memory run and its two anchors at the same count.
+#[derive(Serialize, Debug)]
+struct IngestRun {
+    /// Sinks fed at once; threads, for the anchors.
+    sinks: usize,
+    gb_per_s: f64,
+    /// Mean host → device copy in MiB.
+    mean_copy_mib: f64,
+    /// Plain memory copies as ingest's into staging, no GPU involved.
+    host_copy_gb_per_s: f64,
+    /// Ingest's copies into staging and to the device, without the sink.
+    staged_h2d_gb_per_s: f64,
+}
+
 #[derive(Serialize, Debug)]
 struct GpuReport {
     device: String,
     pinned_h2d_gb_per_s: f64,
-    /// (sinks fed at once, GB/s, mean host → device copy in MiB)
-    ingest_from_memory: Vec<(usize, f64, f64)>,
-    /// (threads, GB/s): plain memory copies as ingest's into staging, no GPU involved
-    host_copy: Vec<(usize, f64)>,
-    /// (threads, GB/s): ingest's copies into staging and to the device, without the sink
-    staged_h2d: Vec<(usize, f64)>,
+    ingest_from_memory: Vec<IngestRun>,
     /// (connections, network→host Gbit/s, network→GPU Gbit/s, GPU / host)
     network: Vec<(usize, f64, f64, f64)>,
     staging_hit_rate: f64,
@@ -1419,15 +1428,19 @@ impl ProcessUsage {
 
 // ---------------------------------------------------------------- GPU
 
+/// What ingest's anchors copy: pieces of ingest's chunk size from one source this large.
+const ANCHOR_PIECE: usize = 1 << 20;
+const ANCHOR_SOURCE: usize = 64 << 20;
+
 /// Plain memory copies as ingest from memory makes them, without the GPU: `threads` threads
-/// copy 1 MiB pieces of one 64 MiB source into a ring of their own, together the size of the
-/// default staging pool (128 MiB), for about a second. What the copies alone can do, beside
-/// what they do while the GPU reads the staging buffers.
-fn host_copy_rate(threads: usize) -> f64 {
-    const PIECE: usize = 1 << 20;
-    const SOURCE: usize = 64 << 20;
+/// copy [`ANCHOR_PIECE`]s of one [`ANCHOR_SOURCE`] into a ring of their own, together
+/// `staging_pool` bytes, for about a second. What the copies alone can do, beside what they
+/// do while the GPU reads the staging buffers.
+fn host_copy_rate(threads: usize, staging_pool: usize) -> f64 {
+    const PIECE: usize = ANCHOR_PIECE;
+    const SOURCE: usize = ANCHOR_SOURCE;
     let source = payload(SOURCE);
-    let ring = ((128 << 20) / threads).max(PIECE) / PIECE * PIECE;
+    let ring = (staging_pool / threads).max(PIECE) / PIECE * PIECE;
     std::thread::scope(|scope| {
         let copiers: Vec<_> = (0..threads)
             .map(|t| {
@@ -1457,19 +1470,19 @@ fn host_copy_rate(threads: usize) -> f64 {
     })
 }
 
-/// Ingest's data path without the sink: `threads` threads, each with a ring of 4 MiB pinned
-/// staging buffers of its own (together the default staging pool, 128 MiB) and a stream of its
-/// own, fill a buffer from 1 MiB pieces of one 64 MiB source and copy it to the device, for
-/// about a second. What the host's copies and the GPU's reads of staging do together on this
+/// Ingest's data path without the sink: `threads` threads, each with a ring of pinned staging
+/// buffers of its own (together `staging_pool` bytes) and a stream of its own, fill a buffer
+/// from [`ANCHOR_PIECE`]s of one [`ANCHOR_SOURCE`] and copy it to the device, for about a
+/// second. What the host's copies and the GPU's reads of staging do together on this
 /// machine, beside what the sink makes of them.
-fn staged_h2d_rate(threads: usize) -> anyhow::Result<f64> {
+fn staged_h2d_rate(threads: usize, staging_pool: usize) -> anyhow::Result<f64> {
     use tensorwire::gpu::{GpuDevice, PinnedAllocation};
-    const PIECE: usize = 1 << 20;
-    const SOURCE: usize = 64 << 20;
+    const PIECE: usize = ANCHOR_PIECE;
+    const SOURCE: usize = ANCHOR_SOURCE;
     const STAGING: usize = tensorwire::gpu::STAGING_BUFFER;
     let device = GpuDevice::open(0)?;
     let source = payload(SOURCE);
-    let ring = ((128 << 20) / STAGING / threads).max(1);
+    let ring = (staging_pool / STAGING / threads).max(1);
     std::thread::scope(|scope| {
         let copiers: Vec<_> = (0..threads)
             .map(|t| {
@@ -1484,14 +1497,14 @@ fn staged_h2d_rate(threads: usize) -> anyhow::Result<f64> {
                     let events = (0..ring)
                         .map(|_| ctx.new_event(None))
                         .collect::<Result<Vec<_>, _>>()?;
-                    let mut recorded = vec![false; ring];
                     let started = Instant::now();
                     let (mut copied, mut i) = (0usize, t * 7);
                     let mut copy_for_a_second = || -> anyhow::Result<()> {
                         while started.elapsed() < Duration::from_secs(1) {
                             let slot = (copied / STAGING) % ring;
-                            // The copy that last read this buffer must be done before its refill.
-                            if recorded[slot] {
+                            // Past the first lap, the copy that last read this buffer must be
+                            // done before its refill.
+                            if copied >= ring * STAGING {
                                 events[slot].synchronize()?;
                             }
                             let buffer = staging[slot].as_mut_slice();
@@ -1508,7 +1521,6 @@ fn staged_h2d_rate(threads: usize) -> anyhow::Result<f64> {
                                 &mut dst.slice_mut(to..to + STAGING),
                             )?;
                             events[slot].record(&stream)?;
-                            recorded[slot] = true;
                             copied += STAGING;
                         }
                         Ok(())
@@ -1559,16 +1571,13 @@ const INGEST_BYTES: usize = 8 << 30;
 /// takes one staging buffer, and a sink copies a buffer before it is full when the pool runs
 /// out.
 async fn ingest_from_memory(
-    placement: &tensorwire::gpu::Placement,
+    pools: &tensorwire::gpu::PooledGpuReceiver,
     tensors: usize,
     tensor_bytes: usize,
 ) -> anyhow::Result<(f64, f64)> {
-    let staging_taken = || match placement {
-        tensorwire::gpu::Placement::Gpu(pools) => {
-            let stats = pools.staging_stats();
-            stats.hits + stats.misses
-        }
-        _ => 0,
+    let staging_taken = || {
+        let stats = pools.staging_stats();
+        stats.hits + stats.misses
     };
     let taken_before = staging_taken();
     let batches = (INGEST_BYTES / (tensors * tensor_bytes)).max(4);
@@ -1582,7 +1591,7 @@ async fn ingest_from_memory(
                 let oldest: tokio::task::JoinHandle<Result<(), SinkError>> = tasks.remove(0);
                 oldest.await??;
             }
-            let mut sink = placement.sink(&meta)?;
+            let mut sink = pools.sink(&meta)?;
             let data = data.clone();
             tasks.push(tokio::spawn(async move {
                 for at in (0..data.len()).step_by(1 << 20) {
@@ -1622,12 +1631,15 @@ async fn gpu_section(
     tensor_bytes: u64,
     runs: usize,
 ) -> anyhow::Result<GpuReport> {
-    use tensorwire::gpu::{DeviceRequest, GpuRequirement, Placement};
+    use tensorwire::gpu::{DEFAULT_STAGING_POOL, DeviceRequest, GpuRequirement, Placement};
+    let staging_pool = args
+        .staging_pool_mib
+        .map_or(DEFAULT_STAGING_POOL, |mib| mib << 20);
     let gpu = match (args.device_pool_mib, args.staging_pool_mib) {
         (None, None) => Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required)?,
-        (device_mib, staging_mib) => {
+        (device_mib, _) => {
             let staging = tensorwire::gpu::PoolConfig {
-                max_pool_bytes: staging_mib.unwrap_or(128) << 20,
+                max_pool_bytes: staging_pool,
                 preallocate: true,
                 ..Default::default()
             };
@@ -1646,24 +1658,26 @@ async fn gpu_section(
         anyhow::bail!("not a GPU placement")
     };
     let pinned_h2d_gb_per_s = pinned_h2d_peak()?;
-    ingest_from_memory(&gpu, 4, 64 << 20).await?; // warm-up: fills the pools
+    ingest_from_memory(pools, 4, 64 << 20).await?; // warm-up: fills the pools
     let (staging_before, device_before) = (pools.staging_stats(), pools.memory_stats());
     // Each sink's copy into pinned staging runs on one core: more sinks at once (as more
     // connections bring) show whether the copies or the host → device link set the rate.
     let mut ingest = Vec::new();
-    let mut host_copy = Vec::new();
-    let mut staged_h2d = Vec::new();
     for sinks in [4, 8, 16] {
-        let (rate, mean_copy_mib) = ingest_from_memory(&gpu, sinks, 64 << 20).await?;
-        ingest.push((sinks, rate, mean_copy_mib));
-        host_copy.push((
+        let (gb_per_s, mean_copy_mib) = ingest_from_memory(pools, sinks, 64 << 20).await?;
+        ingest.push(IngestRun {
             sinks,
-            tokio::task::spawn_blocking(move || host_copy_rate(sinks)).await?,
-        ));
-        staged_h2d.push((
-            sinks,
-            tokio::task::spawn_blocking(move || staged_h2d_rate(sinks)).await??,
-        ));
+            gb_per_s,
+            mean_copy_mib,
+            host_copy_gb_per_s: tokio::task::spawn_blocking(move || {
+                host_copy_rate(sinks, staging_pool)
+            })
+            .await?,
+            staged_h2d_gb_per_s: tokio::task::spawn_blocking(move || {
+                staged_h2d_rate(sinks, staging_pool)
+            })
+            .await??,
+        });
     }
     let mut network = Vec::new();
     for &n in &args.connections {
@@ -1693,8 +1707,6 @@ async fn gpu_section(
         device: gpu.describe(),
         pinned_h2d_gb_per_s,
         ingest_from_memory: ingest,
-        host_copy,
-        staged_h2d,
         network,
         staging_hit_rate: hit_rate_since(staging_before, pools.staging_stats()),
         device_pool_hit_rate: hit_rate_since(device_before, pools.memory_stats()),
@@ -1917,21 +1929,17 @@ async fn main() -> anyhow::Result<()> {
             "  pinned host → device, 256 MiB copies: {:.1} GB/s",
             g.pinned_h2d_gb_per_s
         );
-        for (sinks, gb_per_s, copy_mib) in &g.ingest_from_memory {
-            let alone = g
-                .host_copy
-                .iter()
-                .find(|(threads, _)| threads == sinks)
-                .map_or(f64::NAN, |(_, rate)| *rate);
-            let staged = g
-                .staged_h2d
-                .iter()
-                .find(|(threads, _)| threads == sinks)
-                .map_or(f64::NAN, |(_, rate)| *rate);
+        for run in &g.ingest_from_memory {
             println!(
-                "  ingest from memory, {sinks} tensors of 64 MiB at once, {} GiB: {gb_per_s:.1} GB/s, copies of {copy_mib:.2} MiB on average (the same copies without the GPU, {sinks} threads: {alone:.1} GB/s; staging and device copies without the sink, {sinks} threads: {staged:.1} GB/s; ingest / that {:.2})",
+                "  ingest from memory, {} tensors of 64 MiB at once, {} GiB: {:.1} GB/s, copies of {:.2} MiB on average (the same copies without the GPU, {} threads: {:.1} GB/s; staging and device copies without the sink: {:.1} GB/s; ingest / that {:.2})",
+                run.sinks,
                 INGEST_BYTES >> 30,
-                gb_per_s / staged
+                run.gb_per_s,
+                run.mean_copy_mib,
+                run.sinks,
+                run.host_copy_gb_per_s,
+                run.staged_h2d_gb_per_s,
+                run.gb_per_s / run.staged_h2d_gb_per_s
             );
         }
         for (n, host, gpu, ratio) in &g.network {
