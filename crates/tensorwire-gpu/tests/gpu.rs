@@ -346,6 +346,62 @@ mod on_gpu {
         );
     }
 
+    /// Lands `len` random bytes (from `seed`) through `gpu` in 1 MiB writes; checks them.
+    async fn land(gpu: &PooledGpuReceiver, len: usize, seed: u64) -> CudaBuffer {
+        let data = random(len, seed);
+        let meta = TensorMeta::new([len as u64], DType::U8).unwrap();
+        let mut sink = gpu.sink(&meta).unwrap();
+        sink.poison(0xAB).unwrap();
+        let chunks: Vec<(u64, Vec<u8>)> = (0..len)
+            .step_by(1 << 20)
+            .map(|at| (at as u64, data[at..(at + (1 << 20)).min(len)].to_vec()))
+            .collect();
+        feed(&mut sink, &chunks).await;
+        let landed = sink.finish().await.unwrap();
+        assert!(landed.copy_to_host().unwrap() == data, "{len} bytes");
+        landed
+    }
+
+    /// A tensor the device pool cannot serve (past its largest buffer, or while the pool is
+    /// in use) lands all the same, in memory of its own, and is counted; once the pool's
+    /// buffer is back, a tensor that fits is served from the pool again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tensors_outside_the_device_pool_land_and_are_counted() {
+        let Some(_) = gpus("tensors_outside_the_device_pool_land_and_are_counted") else {
+            return;
+        };
+        let staging = PoolConfig {
+            max_pool_bytes: 4 * STAGING_BUFFER,
+            preallocate: true,
+            ..PoolConfig::default()
+        };
+        // One 8 MiB buffer in all.
+        let memory = PoolConfig {
+            max_pool_bytes: 8 << 20,
+            max_buffer: 8 << 20,
+            ..PoolConfig::default()
+        };
+        let gpu = PooledGpuReceiver::new(0, staging, memory).unwrap();
+        let (fits, too_large) = ((5 << 20) + 1, (9 << 20) + 3);
+        assert_eq!(gpu.allocations_outside_pool(), 0);
+        drop(land(&gpu, too_large, 1).await);
+        assert_eq!(gpu.allocations_outside_pool(), 1, "past the largest buffer");
+        let first = land(&gpu, fits, 2).await;
+        assert_eq!(gpu.allocations_outside_pool(), 1, "the pool's buffer");
+        let second = land(&gpu, fits, 3).await;
+        assert_eq!(
+            gpu.allocations_outside_pool(),
+            2,
+            "the pool's buffer is in use"
+        );
+        drop((first, second));
+        drop(land(&gpu, fits, 4).await);
+        assert_eq!(gpu.allocations_outside_pool(), 2, "the pool's buffer again");
+        let stats = gpu.memory_stats();
+        assert_eq!((stats.in_use_buffers, stats.misses), (0, 1));
+        assert_eq!(gpu.staging_stats().in_use_buffers, 0, "staging all free");
+    }
+
     /// The receiver's one pass over each byte: the sink checksums each piece as it copies
     /// it into staging, in whatever pieces the payload comes, and lands every byte.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
