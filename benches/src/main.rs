@@ -129,9 +129,10 @@ struct Args {
     #[arg(long)]
     gpu: bool,
     /// With --gpu: the device memory pool's size in MiB (free destination buffers it keeps;
-    /// a tensor past it is allocated, and freed, on its own). Default: the library's.
-    #[arg(long)]
-    device_pool_mib: Option<usize>,
+    /// a tensor past it is allocated, and freed, on its own). The default holds what ingest
+    /// has in flight (16 tensors of 64 MiB) twice over; 0 takes the library's (256 MiB).
+    #[arg(long, default_value_t = 2048)]
+    device_pool_mib: usize,
     /// With --gpu: the pinned staging pool's size in MiB (4 MiB buffers). Default: the
     /// library's (128).
     #[arg(long)]
@@ -339,6 +340,8 @@ struct IngestRun {
     gb_per_s: f64,
     /// Mean host → device copy in MiB.
     mean_copy_mib: f64,
+    /// Tensors whose destination the device pool could not serve (allocated and freed alone).
+    allocated_outside_pool: u64,
     /// Plain memory copies as ingest's into staging, no GPU involved.
     host_copy_gb_per_s: f64,
     /// Ingest's copies into staging and to the device, without the sink.
@@ -1565,54 +1568,67 @@ fn pinned_h2d_peak() -> anyhow::Result<f64> {
 /// (4 batches of 8 sinks, 2 GiB, took about 50 ms at 41 GB/s, the same order as both).
 const INGEST_BYTES: usize = 8 << 30;
 
+/// What one ingest-from-memory run measured.
+struct SinkIngest {
+    gb_per_s: f64,
+    /// Mean host → device copy in MiB.
+    mean_copy_mib: f64,
+    /// Tensors whose destination the device pool could not serve.
+    allocated_outside_pool: u64,
+}
+
 /// `tensors` GPU sinks at once, fed 1 MiB chunks from host memory, [`INGEST_BYTES`] in all
-/// (at least four batches), no network: the ceiling of the sink (memcpy into pinned staging,
-/// async H2D, completion). Returns GB/s and the mean host → device copy in MiB: each copy
-/// takes one staging buffer, and a sink copies a buffer before it is full when the pool runs
-/// out.
+/// (at least four rounds), no network: the ceiling of the sink (memcpy into pinned staging,
+/// async H2D, completion). As a receiver's connections do, a new tensor starts as soon as any
+/// one ends, not once a whole round has. Each copy takes one staging buffer, and a sink
+/// copies a buffer before it is full when the pool runs out: the mean copy size shows it.
 async fn ingest_from_memory(
     pools: &tensorwire::gpu::PooledGpuReceiver,
     tensors: usize,
     tensor_bytes: usize,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<SinkIngest> {
     let staging_taken = || {
         let stats = pools.staging_stats();
         stats.hits + stats.misses
     };
     let taken_before = staging_taken();
-    let batches = (INGEST_BYTES / (tensors * tensor_bytes)).max(4);
+    let outside_before = pools.allocations_outside_pool();
+    let total = tensors * (INGEST_BYTES / (tensors * tensor_bytes)).max(4);
     let data = payload(tensor_bytes);
     let meta = TensorMeta::new([tensor_bytes as u64], DType::U8)?;
-    let run = async || -> anyhow::Result<f64> {
-        let started = Instant::now();
-        let mut tasks = Vec::new();
-        for _ in 0..tensors * batches {
-            if tasks.len() == tensors {
-                let oldest: tokio::task::JoinHandle<Result<(), SinkError>> = tasks.remove(0);
-                oldest.await??;
+    let started = Instant::now();
+    let mut running = tokio::task::JoinSet::new();
+    for started_tensors in 0..total + tensors {
+        if running.len() == tensors || started_tensors >= total {
+            let Some(ended) = running.join_next().await else {
+                break;
+            };
+            let ended: Result<(), SinkError> = ended?;
+            ended?;
+        }
+        if started_tensors >= total {
+            continue;
+        }
+        let mut sink = pools.sink(&meta)?;
+        let data = data.clone();
+        running.spawn(async move {
+            for at in (0..data.len()).step_by(1 << 20) {
+                let piece = data.slice(at..(at + (1 << 20)).min(data.len()));
+                let n = piece.len() as u64;
+                sink.write(at as u64, Payload::from(piece), CreditPermit::unbudgeted(n))
+                    .await?;
             }
-            let mut sink = pools.sink(&meta)?;
-            let data = data.clone();
-            tasks.push(tokio::spawn(async move {
-                for at in (0..data.len()).step_by(1 << 20) {
-                    let piece = data.slice(at..(at + (1 << 20)).min(data.len()));
-                    let n = piece.len() as u64;
-                    sink.write(at as u64, Payload::from(piece), CreditPermit::unbudgeted(n))
-                        .await?;
-                }
-                sink.finish().await.map(drop)
-            }));
-        }
-        for task in tasks {
-            task.await??;
-        }
-        Ok((batches * tensors * tensor_bytes) as f64 / started.elapsed().as_secs_f64() / 1e9)
-    };
-    let rate = run().await?;
+            sink.finish().await.map(drop)
+        });
+    }
+    let moved = (total * tensor_bytes) as f64;
+    let gb_per_s = moved / started.elapsed().as_secs_f64() / 1e9;
     let copies = (staging_taken() - taken_before).max(1);
-    let mean_copy_mib =
-        (batches * tensors * tensor_bytes) as f64 / copies as f64 / (1 << 20) as f64;
-    Ok((rate, mean_copy_mib))
+    Ok(SinkIngest {
+        gb_per_s,
+        mean_copy_mib: moved / copies as f64 / (1 << 20) as f64,
+        allocated_outside_pool: pools.allocations_outside_pool() - outside_before,
+    })
 }
 
 /// Share of pool requests served without allocating between two snapshots.
@@ -1635,7 +1651,8 @@ async fn gpu_section(
     let staging_pool = args
         .staging_pool_mib
         .map_or(DEFAULT_STAGING_POOL, |mib| mib << 20);
-    let gpu = match (args.device_pool_mib, args.staging_pool_mib) {
+    let device_pool_mib = Some(args.device_pool_mib).filter(|&mib| mib > 0);
+    let gpu = match (device_pool_mib, args.staging_pool_mib) {
         (None, None) => Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required)?,
         (device_mib, _) => {
             let staging = tensorwire::gpu::PoolConfig {
@@ -1658,17 +1675,19 @@ async fn gpu_section(
         anyhow::bail!("not a GPU placement")
     };
     let pinned_h2d_gb_per_s = pinned_h2d_peak()?;
-    ingest_from_memory(pools, 4, 64 << 20).await?; // warm-up: fills the pools
+    // Warm-up, with the most sinks measured: fills the pools.
+    ingest_from_memory(pools, 16, 64 << 20).await?;
     let (staging_before, device_before) = (pools.staging_stats(), pools.memory_stats());
     // Each sink's copy into pinned staging runs on one core: more sinks at once (as more
     // connections bring) show whether the copies or the host → device link set the rate.
     let mut ingest = Vec::new();
     for sinks in [4, 8, 16] {
-        let (gb_per_s, mean_copy_mib) = ingest_from_memory(pools, sinks, 64 << 20).await?;
+        let run = ingest_from_memory(pools, sinks, 64 << 20).await?;
         ingest.push(IngestRun {
             sinks,
-            gb_per_s,
-            mean_copy_mib,
+            gb_per_s: run.gb_per_s,
+            mean_copy_mib: run.mean_copy_mib,
+            allocated_outside_pool: run.allocated_outside_pool,
             host_copy_gb_per_s: tokio::task::spawn_blocking(move || {
                 host_copy_rate(sinks, staging_pool)
             })
@@ -1931,11 +1950,12 @@ async fn main() -> anyhow::Result<()> {
         );
         for run in &g.ingest_from_memory {
             println!(
-                "  ingest from memory, {} tensors of 64 MiB at once, {} GiB: {:.1} GB/s, copies of {:.2} MiB on average (the same copies without the GPU, {} threads: {:.1} GB/s; staging and device copies without the sink: {:.1} GB/s; ingest / that {:.2})",
+                "  ingest from memory, {} tensors of 64 MiB at once, {} GiB: {:.1} GB/s, copies of {:.2} MiB on average, {} tensors outside the device pool (the same copies without the GPU, {} threads: {:.1} GB/s; staging and device copies without the sink: {:.1} GB/s; ingest / that {:.2})",
                 run.sinks,
                 INGEST_BYTES >> 30,
                 run.gb_per_s,
                 run.mean_copy_mib,
+                run.allocated_outside_pool,
                 run.sinks,
                 run.host_copy_gb_per_s,
                 run.staged_h2d_gb_per_s,
