@@ -490,6 +490,49 @@ mod on_gpu {
         }
     }
 
+    /// Partial fills parked while the staging pool runs dry never leave another tensor
+    /// waiting for good. With two buffers: the first tensor fills one and parks a partial
+    /// fill in the other while its full one is copied; the second and third tensors' bytes
+    /// still land while the tensors before them send nothing more.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_parked_partial_fill_never_starves_another_tensor() {
+        let Some(_) = gpus("a_parked_partial_fill_never_starves_another_tensor") else {
+            return;
+        };
+        let device = GpuDevice::open(0).unwrap();
+        let two_buffers = PoolConfig {
+            max_pool_bytes: 2 * STAGING_BUFFER,
+            min_buffer: STAGING_BUFFER,
+            max_buffer: STAGING_BUFFER,
+            preallocate: true,
+        };
+        let staging = PinnedMemoryPool::for_device(&device, two_buffers).unwrap();
+        let len = 6 << 20;
+        let mut sinks = Vec::new();
+        let mut written = Vec::new();
+        for i in 0..3u64 {
+            let mut dest = CudaBuffer::allocate(len, 0).unwrap();
+            dest.fill(0xAB).unwrap();
+            let mut sink = GpuSink::new(device.clone(), dest, staging.clone());
+            let first = random(if i == 0 { 5 << 20 } else { 1 << 20 }, 40 + i);
+            tokio::time::timeout(
+                Duration::from_secs(20),
+                feed(&mut sink, &[(0, first.clone())]),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("tensor {i} starved of staging"));
+            sinks.push(sink);
+            written.push(first);
+        }
+        for (i, (mut sink, first)) in sinks.into_iter().zip(written).enumerate() {
+            let rest = random(len - first.len(), 50 + i as u64);
+            feed(&mut sink, &[(first.len() as u64, rest.clone())]).await;
+            let landed = sink.finish().await.unwrap().copy_to_host().unwrap();
+            assert!(landed == [first, rest].concat(), "tensor {i}");
+        }
+        assert_eq!(staging.stats().in_use_buffers, 0, "staging all free");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn many_tensors_stream_into_gpu_memory_at_once() {
         let Some(_) = gpus("many_tensors_stream_into_gpu_memory_at_once") else {
