@@ -400,9 +400,18 @@ async fn main() -> anyhow::Result<()> {
     let elapsed = started.elapsed().as_secs_f64();
     let credit = receiver.budget();
     let host = receiver.host_memory();
+    // A tensor the device pool could not serve was allocated, and freed, on its own: its
+    // free may have stalled the copies of the others.
+    let outside_pool = match &placement {
+        Placement::Gpu(gpu) => format!(
+            ", {} tensors in device memory outside the pool",
+            gpu.allocations_outside_pool()
+        ),
+        Placement::Host { .. } => String::new(),
+    };
     println!(
         "{finished} tensors, {} in {elapsed:.2} s ({}), {failed} failed; peak credit held {} of \
-         the {} budget, peak host memory {} of {}",
+         the {} budget, peak host memory {} of {}{outside_pool}",
         size(bytes),
         rate(bytes, elapsed),
         size(credit.peak_outstanding),
