@@ -495,7 +495,11 @@ class Receiver:
         return self._native.failures()
 
     def pool_stats(self) -> Dict[str, Dict[str, int]]:
-        """GPU pool statistics: ``{"device": {...}, "staging": {...}}`` (empty on the host)."""
+        """GPU pool statistics: ``{"device": {...}, "staging": {...}}`` (empty on the host).
+
+        ``device["outside_pool"]`` counts tensors that got device memory of their own because
+        the pool was full or its buffers too small; freeing such memory may stall copies.
+        """
         return self._native.pool_stats()
 
     def close(self) -> None:

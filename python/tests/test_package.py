@@ -433,6 +433,13 @@ def test_received_gpu_tensors_go_to_torch_with_no_copy_and_back_to_the_pool():
         after = rx.pool_stats()["device"]
         assert after["returns"] == before["returns"] + 1, (before, after)
         assert after["in_use_buffers"] == before["in_use_buffers"] - 1
+        assert after["outside_pool"] == 0, after
+        # 96 MiB: past the default pool's largest buffer (64 MiB), so memory of its own.
+        big = torch.ones(24 << 20, dtype=torch.float32, device="cuda:0")
+        tensorwire.send(rx.address, {"big": big})
+        landed = rx.recv(timeout=60)
+        assert torch.equal(torch.from_dlpack(landed), big)
+        assert rx.pool_stats()["device"]["outside_pool"] == 1
 
 
 def test_a_tensor_published_from_python_is_mapped_by_rust_and_python_and_written_in_place():

@@ -788,6 +788,10 @@ impl Receiver {
                 d.set_item("hits", stats.hits)?;
                 d.set_item("misses", stats.misses)?;
                 d.set_item("returns", stats.returns)?;
+                if name == "device" {
+                    // Tensors allocated on their own: the pool was full or too small for them.
+                    d.set_item("outside_pool", gpu.allocations_outside_pool())?;
+                }
                 out.set_item(name, d)?;
             }
         }
