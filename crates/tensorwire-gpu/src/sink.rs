@@ -244,11 +244,9 @@ impl PooledGpuReceiver {
                     bytes = len,
                     "device pool full or buffer too large: allocating directly"
                 );
+                let own = DeviceAllocation::with_kind(&self.device, len, self.kind)?;
                 self.outside_pool.fetch_add(1, Ordering::Relaxed);
-                CudaBuffer::from_owned(
-                    DeviceAllocation::with_kind(&self.device, len, self.kind)?,
-                    len,
-                )
+                CudaBuffer::from_owned(own, len)
             }
         };
         Ok(GpuSink::new(
