@@ -351,6 +351,9 @@ struct IngestRun {
 #[derive(Serialize, Debug)]
 struct GpuReport {
     device: String,
+    /// The pools the sinks drew from (free buffers each keeps at most).
+    staging_pool_mib: usize,
+    device_pool_mib: usize,
     pinned_h2d_gb_per_s: f64,
     ingest_from_memory: Vec<IngestRun>,
     /// (connections, network→host Gbit/s, network→GPU Gbit/s, GPU / host)
@@ -1724,6 +1727,9 @@ async fn gpu_section(
     }
     Ok(GpuReport {
         device: gpu.describe(),
+        staging_pool_mib: staging_pool >> 20,
+        device_pool_mib: device_pool_mib
+            .unwrap_or(tensorwire::gpu::PoolConfig::default().max_pool_bytes >> 20),
         pinned_h2d_gb_per_s,
         ingest_from_memory: ingest,
         network,
@@ -1943,7 +1949,10 @@ async fn main() -> anyhow::Result<()> {
         None
     };
     if let Some(g) = &gpu {
-        println!("GPU path, {}:", g.device);
+        println!(
+            "GPU path, {} (staging pool {} MiB, device pool {} MiB):",
+            g.device, g.staging_pool_mib, g.device_pool_mib
+        );
         println!(
             "  pinned host → device, 256 MiB copies: {:.1} GB/s",
             g.pinned_h2d_gb_per_s
