@@ -556,8 +556,8 @@ mod on_gpu {
         );
     }
 
-    /// Far more tensors at once than staging buffers: sinks under pool pressure copy partial
-    /// fills instead of parking them, and every byte still lands exactly.
+    /// Far more tensors at once than staging buffers: under pool pressure a sink copies its
+    /// partial fill unless a copy of its own is in flight, and every byte still lands exactly.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn more_tensors_than_staging_buffers_all_complete() {
         let Some(_) = gpus("more_tensors_than_staging_buffers_all_complete") else {
