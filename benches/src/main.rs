@@ -337,11 +337,8 @@ struct Latency {
 struct IngestRun {
     /// Sinks fed at once; threads, for the anchors.
     sinks: usize,
-    gb_per_s: f64,
-    /// Mean host → device copy in MiB.
-    mean_copy_mib: f64,
-    /// Tensors whose destination the device pool could not serve (allocated and freed alone).
-    allocated_outside_pool: u64,
+    #[serde(flatten)]
+    ingest: SinkIngest,
     /// Plain memory copies as ingest's into staging, no GPU involved.
     host_copy_gb_per_s: f64,
     /// Ingest's copies into staging and to the device, without the sink.
@@ -1572,6 +1569,7 @@ fn pinned_h2d_peak() -> anyhow::Result<f64> {
 const INGEST_BYTES: usize = 8 << 30;
 
 /// What one ingest-from-memory run measured.
+#[derive(Serialize, Debug)]
 struct SinkIngest {
     gb_per_s: f64,
     /// Mean host → device copy in MiB.
@@ -1601,16 +1599,11 @@ async fn ingest_from_memory(
     let meta = TensorMeta::new([tensor_bytes as u64], DType::U8)?;
     let started = Instant::now();
     let mut running = tokio::task::JoinSet::new();
-    for started_tensors in 0..total + tensors {
-        if running.len() == tensors || started_tensors >= total {
-            let Some(ended) = running.join_next().await else {
-                break;
-            };
-            let ended: Result<(), SinkError> = ended?;
-            ended?;
-        }
-        if started_tensors >= total {
-            continue;
+    for _ in 0..total {
+        if running.len() == tensors
+            && let Some(ended) = running.join_next().await
+        {
+            ended??;
         }
         let mut sink = pools.sink(&meta)?;
         let data = data.clone();
@@ -1623,6 +1616,9 @@ async fn ingest_from_memory(
             }
             sink.finish().await.map(drop)
         });
+    }
+    while let Some(ended) = running.join_next().await {
+        ended??;
     }
     let moved = (total * tensor_bytes) as f64;
     let gb_per_s = moved / started.elapsed().as_secs_f64() / 1e9;
@@ -1650,47 +1646,41 @@ async fn gpu_section(
     tensor_bytes: u64,
     runs: usize,
 ) -> anyhow::Result<GpuReport> {
-    use tensorwire::gpu::{DEFAULT_STAGING_POOL, DeviceRequest, GpuRequirement, Placement};
-    let staging_pool = args
-        .staging_pool_mib
-        .map_or(DEFAULT_STAGING_POOL, |mib| mib << 20);
-    let device_pool_mib = Some(args.device_pool_mib).filter(|&mib| mib > 0);
-    let gpu = match (device_pool_mib, args.staging_pool_mib) {
-        (None, None) => Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required)?,
-        (device_mib, _) => {
-            let staging = tensorwire::gpu::PoolConfig {
-                max_pool_bytes: staging_pool,
-                preallocate: true,
-                ..Default::default()
-            };
-            let memory = match device_mib {
-                Some(mib) => tensorwire::gpu::PoolConfig {
-                    max_pool_bytes: mib << 20,
-                    max_buffer: (mib << 20).max(64 << 20),
-                    ..Default::default()
-                },
-                None => tensorwire::gpu::PoolConfig::default(),
-            };
-            Placement::Gpu(tensorwire::gpu::PooledGpuReceiver::new(0, staging, memory)?)
-        }
+    use tensorwire::gpu::{
+        DEFAULT_STAGING_POOL, HostFallback, Placement, PoolConfig, PooledGpuReceiver,
     };
-    let Placement::Gpu(pools) = &gpu else {
-        anyhow::bail!("not a GPU placement")
+    let staging = PoolConfig {
+        max_pool_bytes: args
+            .staging_pool_mib
+            .map_or(DEFAULT_STAGING_POOL, |mib| mib << 20),
+        preallocate: true,
+        ..PoolConfig::default()
     };
+    let memory = match args.device_pool_mib {
+        0 => PoolConfig::default(),
+        mib => PoolConfig {
+            max_pool_bytes: mib << 20,
+            max_buffer: (mib << 20).max(64 << 20),
+            ..PoolConfig::default()
+        },
+    };
+    let staging_pool = staging.max_pool_bytes;
+    let device_pool_mib = memory.max_pool_bytes >> 20;
+    // A GPU measurement never lands a tensor in host memory instead.
+    let pools =
+        PooledGpuReceiver::new(0, staging, memory)?.with_host_fallback(HostFallback::Forbidden);
+    let gpu = Placement::Gpu(pools.clone());
     let pinned_h2d_gb_per_s = pinned_h2d_peak()?;
     // Warm-up, with the most sinks measured: fills the pools.
-    ingest_from_memory(pools, 16, 64 << 20).await?;
+    ingest_from_memory(&pools, 16, 64 << 20).await?;
     let (staging_before, device_before) = (pools.staging_stats(), pools.memory_stats());
     // Each sink's copy into pinned staging runs on one core: more sinks at once (as more
     // connections bring) show whether the copies or the host → device link set the rate.
     let mut ingest = Vec::new();
     for sinks in [4, 8, 16] {
-        let run = ingest_from_memory(pools, sinks, 64 << 20).await?;
         ingest.push(IngestRun {
             sinks,
-            gb_per_s: run.gb_per_s,
-            mean_copy_mib: run.mean_copy_mib,
-            allocated_outside_pool: run.allocated_outside_pool,
+            ingest: ingest_from_memory(&pools, sinks, 64 << 20).await?,
             host_copy_gb_per_s: tokio::task::spawn_blocking(move || {
                 host_copy_rate(sinks, staging_pool)
             })
@@ -1728,8 +1718,7 @@ async fn gpu_section(
     Ok(GpuReport {
         device: gpu.describe(),
         staging_pool_mib: staging_pool >> 20,
-        device_pool_mib: device_pool_mib
-            .unwrap_or(tensorwire::gpu::PoolConfig::default().max_pool_bytes >> 20),
+        device_pool_mib,
         pinned_h2d_gb_per_s,
         ingest_from_memory: ingest,
         network,
@@ -1962,13 +1951,13 @@ async fn main() -> anyhow::Result<()> {
                 "  ingest from memory, {} tensors of 64 MiB at once, {} GiB: {:.1} GB/s, copies of {:.2} MiB on average, {} tensors outside the device pool (the same copies without the GPU, {} threads: {:.1} GB/s; staging and device copies without the sink: {:.1} GB/s; ingest / that {:.2})",
                 run.sinks,
                 INGEST_BYTES >> 30,
-                run.gb_per_s,
-                run.mean_copy_mib,
-                run.allocated_outside_pool,
+                run.ingest.gb_per_s,
+                run.ingest.mean_copy_mib,
+                run.ingest.allocated_outside_pool,
                 run.sinks,
                 run.host_copy_gb_per_s,
                 run.staged_h2d_gb_per_s,
-                run.gb_per_s / run.staged_h2d_gb_per_s
+                run.ingest.gb_per_s / run.staged_h2d_gb_per_s
             );
         }
         for (n, host, gpu, ratio) in &g.network {

@@ -466,9 +466,10 @@ impl GpuSink {
         // now unless a copy of this sink is in flight, which returns a buffer (and credit)
         // without waiting for anyone's bytes. So whenever the pool runs dry, some copy is in
         // flight. Copying every partial fill instead made copies of 1-3 MiB when the GPU set
-        // the pace, each costing the copy engine its fixed overhead.
-        if self.staging.stats().available_buffers == 0
-            && self.in_flight.copies.load(Ordering::Acquire) == 0
+        // the pace, each costing the copy engine its fixed overhead. The atomic is read
+        // first: while this sink's copies run, no write takes the pool's lock for the rule.
+        if self.in_flight.copies.load(Ordering::Acquire) == 0
+            && self.staging.stats().available_buffers == 0
         {
             self.flush()?;
         }
