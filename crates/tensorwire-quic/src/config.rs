@@ -12,13 +12,14 @@ use tokio::runtime::Handle;
 use crate::error::TransportError;
 use crate::receiver::StoreOffload;
 use crate::runtime::{EndpointRuntime, EndpointThreads};
+use crate::socket::SegmentCap;
 use crate::steering::{
     Balance, MAX_STEERED_ENDPOINTS, ServerEndpoint, Steering, attach_steering, steered_ids,
 };
 
-/// Largest MTU allowed with segmentation offload on: above about 6500 bytes a 10-packet GSO
-/// batch exceeds 64 KiB and the send fails silently, stalling the connection (seen at 8000).
-pub const MAX_MTU_WITH_GSO: u16 = 6500;
+/// Largest MTU: a UDP datagram's largest payload over IPv4. Loopback carries it; a GSO batch
+/// then holds one packet ([`crate::socket`]).
+pub const MAX_MTU: u16 = 65_507;
 
 /// Unidirectional streams a peer may have open at once: its control stream (spec §4.1) and a
 /// few more, each stopped on arrival.
@@ -32,8 +33,9 @@ pub(crate) const CLOSE_DRAIN: Duration = Duration::from_millis(100);
 /// QUIC transport settings shared by senders and receivers.
 #[derive(Clone, Debug)]
 pub struct TransportSettings {
-    /// UDP payload size to start with and to probe up to. 1200 is safe anywhere; loopback and
-    /// jumbo-frame LANs carry up to [`MAX_MTU_WITH_GSO`] and are several times faster with it.
+    /// UDP payload size to start with and to probe up to. 1200 is safe anywhere; larger
+    /// packets cost less CPU per byte: a jumbo-frame LAN carries its link MTU less 28, and
+    /// loopback up to [`MAX_MTU`].
     pub mtu: u16,
     /// Whether to batch packets with segmentation offload (GSO).
     pub segmentation_offload: bool,
@@ -115,7 +117,7 @@ impl TransportSettings {
         }
     }
 
-    /// Checks the settings; refuses an MTU that stalls with segmentation offload.
+    /// Checks the settings; refuses an MTU outside what QUIC and UDP carry (1200 to [`MAX_MTU`]).
     pub fn validate(&self) -> Result<(), TransportError> {
         if self.mtu < 1200 {
             return Err(TransportError::Config(format!(
@@ -123,11 +125,9 @@ impl TransportSettings {
                 self.mtu
             )));
         }
-        if self.segmentation_offload && self.mtu > MAX_MTU_WITH_GSO {
+        if self.mtu > MAX_MTU {
             return Err(TransportError::Config(format!(
-                "MTU {} with segmentation offload makes GSO batches exceed 64 KiB and the \
-                 connection stalls silently; use an MTU of at most {MAX_MTU_WITH_GSO}, or turn \
-                 segmentation offload off",
+                "MTU {} is above the largest UDP payload over IPv4, {MAX_MTU}",
                 self.mtu
             )));
         }
@@ -290,10 +290,11 @@ impl TransportSettings {
         endpoint
             .max_udp_payload_size(self.mtu.max(1200))
             .map_err(|e| TransportError::Config(format!("MTU {}: {e}", self.mtu)))?;
-        Ok(quinn::Endpoint::new(
+        let socket = runtime.quinn.wrap_udp_socket(socket.into())?;
+        Ok(quinn::Endpoint::new_with_abstract_socket(
             endpoint,
             server,
-            socket.into(),
+            SegmentCap::wrap(socket, self.mtu),
             runtime.quinn,
         )?)
     }
@@ -329,8 +330,21 @@ impl TransportSettings {
             .keep_alive_interval(keep_alive)
             .initial_mtu(self.mtu)
             .enable_segmentation_offload(self.segmentation_offload);
-        if self.congestion == Congestion::Bbr {
-            t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
+        // RFC 9002 §7.2 sizes the initial window by the datagram size; quinn's default
+        // assumes 1200 bytes, under which a first packet above about 11 KB never goes out.
+        let mtu = u64::from(self.mtu.max(1200));
+        let initial_window = (2 * mtu).max(14_720).min(10 * mtu);
+        match self.congestion {
+            Congestion::Cubic => {
+                let mut cubic = quinn::congestion::CubicConfig::default();
+                cubic.initial_window(initial_window);
+                t.congestion_controller_factory(Arc::new(cubic));
+            }
+            Congestion::Bbr => {
+                let mut bbr = quinn::congestion::BbrConfig::default();
+                bbr.initial_window(initial_window);
+                t.congestion_controller_factory(Arc::new(bbr));
+            }
         }
         let mut mtu_discovery = MtuDiscoveryConfig::default();
         mtu_discovery.upper_bound(self.mtu.max(1200));

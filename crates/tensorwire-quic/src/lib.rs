@@ -22,6 +22,7 @@ mod receiver;
 mod runtime;
 mod sender;
 mod session;
+mod socket;
 mod source;
 mod steering;
 mod stream;
@@ -29,8 +30,8 @@ pub mod tls;
 
 pub use budget::BudgetSnapshot;
 pub use config::{
-    ClientTls, Congestion, MAX_DEFAULT_ENDPOINTS, MAX_MTU_WITH_GSO, ReceiverConfig, SenderConfig,
-    ServerTls, TransportSettings,
+    ClientTls, Congestion, MAX_DEFAULT_ENDPOINTS, MAX_MTU, ReceiverConfig, SenderConfig, ServerTls,
+    TransportSettings,
 };
 pub use dev_trust::dev_cert_path;
 pub use error::TransportError;

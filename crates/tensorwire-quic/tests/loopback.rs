@@ -53,6 +53,51 @@ async fn a_one_gib_tensor_arrives_intact() {
     tx.close().await;
 }
 
+/// Packets larger than quinn's defaults assume: a first datagram above its 1200-byte initial
+/// window, and segmentation-offload batches that would pass 64 KiB unless cut. Either stalls
+/// the connection (the test then times out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensors_arrive_with_packets_up_to_the_largest_udp_payload() {
+    init_tracing();
+    const LEN: usize = 48 << 20;
+    for mtu in [9000, 16_000, 65_507] {
+        let transport = tensorwire_quic::TransportSettings {
+            mtu,
+            ..tensorwire_quic::TransportSettings::jumbo()
+        };
+        let mut config = receiver_config();
+        config.transport = transport.clone();
+        let (mut rx, addr) = receiver(config).await;
+        let data = pattern(LEN, u64::from(mtu));
+        let expected = tensorwire_quic::proto::checksum::crc32c(&data);
+        let landed = tokio::spawn(async move {
+            let (meta, bytes) = receive_host(&mut rx).await.unwrap();
+            (meta, tensorwire_quic::proto::checksum::crc32c(&bytes))
+        });
+        let sent = async {
+            let config = tensorwire_quic::SenderConfig {
+                transport,
+                ..tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development)
+            };
+            let tx = tensorwire_quic::Sender::connect(addr, config)
+                .await
+                .unwrap();
+            let report = tx.send(u8_meta("big", LEN), data).finished().await.unwrap();
+            let path_mtu = tx.connection_stats().path.current_mtu;
+            (report, path_mtu)
+        };
+        let ((report, path_mtu), landed) = tokio::time::timeout(Duration::from_secs(60), async {
+            (sent.await, landed.await)
+        })
+        .await
+        .unwrap_or_else(|_| panic!("MTU {mtu}: the transfer stalled"));
+        let (meta, crc) = landed.unwrap();
+        assert_eq!(report.bytes, LEN as u64, "MTU {mtu}");
+        assert_eq!((meta.name(), crc), ("big", expected), "MTU {mtu}");
+        assert_eq!(path_mtu, mtu, "the connection used the packets asked for");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_small_tensors_arrive_concurrently() {
     init_tracing();
