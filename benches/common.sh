@@ -1,5 +1,10 @@
 # Helpers sourced by the benchmark scripts in this folder.
 
+# The UDP payload size every QUIC program and anchor of a script uses: MTU=16000 (or up to
+# 65507) on loopback, where larger packets cost less CPU per byte; 6000 was the figures'
+# setting before 2026-11-27's larger packets (benches/README.md).
+MTU=${MTU:-6000}
+
 # Waits up to 10 s for `listening on ADDR` in LOG (written by a program starting in the
 # background) and prints ADDR; prints the log and fails if it never comes.
 listening_address() {
@@ -26,7 +31,7 @@ raw_quinn_as_processes() {
   local sources=("$@")
   local connections=$((processes * each)) workers=$((2 * each)) server addr start end
   [ "$workers" -le "$(nproc)" ] || workers=$(nproc)
-  "$bin/bench" --raw-server "$work/raw.der" --connections "$connections" --mtu 6000 \
+  "$bin/bench" --raw-server "$work/raw.der" --connections "$connections" --mtu "$MTU" \
     ${RAW_SERVER_FLAGS:-} > "$work/raw-server.log" 2>&1 &
   server=$!
   addr=$(listening_address "$work/raw-server.log")
@@ -36,7 +41,7 @@ raw_quinn_as_processes() {
   for i in $(seq "$processes"); do
     source=${sources[$((i <= ${#sources[@]} ? i - 1 : ${#sources[@]} - 1))]}
     TOKIO_WORKER_THREADS=$workers "$bin/bench" --raw-client "$addr" --cert "$work/raw.der" \
-      --connections "$each" --mtu 6000 --mib "$mib" --source "$source" > "$work/raw-client-$i.log" 2>&1 &
+      --connections "$each" --mtu "$MTU" --mib "$mib" --source "$source" > "$work/raw-client-$i.log" 2>&1 &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
@@ -57,7 +62,7 @@ raw_quinn_as_processes() {
 raw_quinn_in_process() {
   local bin=$1 connections=$2 mib=$3 source=$4 log
   shift 4
-  log=$("$bin/bench" --only raw-quinn --connections "$connections" --mtu 6000 --runs 1 \
+  log=$("$bin/bench" --only raw-quinn --connections "$connections" --mtu "$MTU" --runs 1 \
     --mib "$mib" --source "$source" "$@" 2>&1) || true
   awk '/^ *raw quinn +[0-9]/ { same = $4 } /^ *raw quinn, hot +[0-9]/ { hot = $5 }
     END { print (same == "" ? "n/a" : same), (hot == "" ? "n/a" : hot) }' <<< "$log"

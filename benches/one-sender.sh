@@ -38,13 +38,13 @@ le=""
 for shift in 0 8 16 24 32 40 48 56; do le+=$(printf '\\x%02x' $(((len >> shift) & 255))); done
 { printf "$le"; printf '%s' "$header"; head -c $((tensors * bytes)) /dev/urandom; } > "$work/model.safetensors"
 
-"$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device "$device" --count "$tensors" \
+"$bin/receiver" --listen 127.0.0.1:0 --mtu "$MTU" --device "$device" --count "$tensors" \
   ${RECEIVER_FLAGS:-} > "$work/receiver.log" 2>&1 &
 receiver=$!
 addr=$(listening_address "$work/receiver.log")
 start=$(date +%s.%N)
 failed=0
-"$bin/sender" --connect "$addr" --mtu 6000 --quiet --connections "$connections" \
+"$bin/sender" --connect "$addr" --mtu "$MTU" --quiet --connections "$connections" \
   ${SENDER_FLAGS:-} "$work/model.safetensors" > "$work/sender.log" 2>&1 || failed=1
 end=$(date +%s.%N)
 wait "$receiver" || failed=1

@@ -22,14 +22,14 @@ work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 for i in $(seq "$senders"); do head -c $((mib << 20)) /dev/urandom > "$work/t$i.bin"; done
 "$perf" record -F 499 -o "$out/receiver.data" -- "$bin/receiver" --listen 127.0.0.1:0 \
-  --mtu 6000 --device "$device" --budget-mib 512 --count "$senders" > "$work/receiver.log" 2>&1 &
+  --mtu "$MTU" --device "$device" --budget-mib 512 --count "$senders" > "$work/receiver.log" 2>&1 &
 receiver=$!
 addr=$(listening_address "$work/receiver.log")
 pids=()
 for i in $(seq "$senders"); do
   profile=()
   [ "$i" = 1 ] && profile=("$perf" record -F 499 -o "$out/sender.data" --)
-  "${profile[@]}" "$bin/sender" --connect "$addr" --mtu 6000 --quiet --connections 1 --dtype U8 \
+  "${profile[@]}" "$bin/sender" --connect "$addr" --mtu "$MTU" --quiet --connections 1 --dtype U8 \
     --shape $((mib << 20)) "$work/t$i.bin" > "$work/sender-$i.log" 2>&1 &
   pids+=($!)
 done

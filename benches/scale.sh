@@ -33,7 +33,7 @@ done
 TIMEFORMAT='%R %U %S'
 busy() { awk '/^cpu /{print $2+$3+$4+$7+$8, $5+$6}' /proc/stat 2>/dev/null; }
 udp_drops() { awk '/^Udp:/ && $2 ~ /^[0-9]/ {print $6}' /proc/net/snmp 2>/dev/null; }
-( time env ${RECEIVER_ENV:-} "$bin/receiver" --listen 127.0.0.1:0 --mtu 6000 --device "$device" \
+( time env ${RECEIVER_ENV:-} "$bin/receiver" --listen 127.0.0.1:0 --mtu "$MTU" --device "$device" \
   --endpoints "$endpoints" --budget-mib "$budget_mib" --count "$senders" ${RECEIVER_FLAGS:-} \
   > "$work/receiver.log" 2>&1 ) 2> "$work/receiver.time" &
 receiver=$!
@@ -43,7 +43,7 @@ drops0=$(udp_drops)
 start=$(date +%s.%N)
 pids=()
 for i in $(seq "$senders"); do
-  ( time env ${SENDER_ENV:-} "$bin/sender" --connect "$addr" --mtu 6000 --quiet --connections 1 --dtype U8 \
+  ( time env ${SENDER_ENV:-} "$bin/sender" --connect "$addr" --mtu "$MTU" --quiet --connections 1 --dtype U8 \
     --shape $((mib << 20)) ${SENDER_FLAGS:-} "$work/t$i.bin" > "$work/sender-$i.log" 2>&1 ) 2> "$work/sender-$i.time" &
   pids+=($!)
 done
