@@ -12,13 +12,13 @@ use tokio::runtime::Handle;
 use crate::error::TransportError;
 use crate::receiver::StoreOffload;
 use crate::runtime::{EndpointRuntime, EndpointThreads};
-use crate::socket::SegmentCap;
+use crate::socket::BatchSplitter;
 use crate::steering::{
     Balance, MAX_STEERED_ENDPOINTS, ServerEndpoint, Steering, attach_steering, steered_ids,
 };
 
-/// Largest MTU: a UDP datagram's largest payload over IPv4. Loopback carries it; a GSO batch
-/// then holds one packet ([`crate::socket`]).
+/// Largest MTU: a UDP datagram's largest payload over IPv4, which loopback carries. GSO
+/// batches of packets this large go out one packet per send ([`crate::socket`]).
 pub const MAX_MTU: u16 = 65_507;
 
 /// Unidirectional streams a peer may have open at once: its control stream (spec §4.1) and a
@@ -294,7 +294,7 @@ impl TransportSettings {
         Ok(quinn::Endpoint::new_with_abstract_socket(
             endpoint,
             server,
-            SegmentCap::wrap(socket, self.mtu),
+            BatchSplitter::wrap(socket),
             runtime.quinn,
         )?)
     }

@@ -1,10 +1,13 @@
-//! A UDP socket that keeps each segmentation-offload batch within one UDP datagram's limit.
+//! A UDP socket that sends each segmentation-offload batch in pieces of at most one UDP
+//! datagram's size.
 //!
 //! quinn batches up to 10 packets per send with GSO. The kernel refuses a batch larger than
 //! one UDP datagram (64 KiB) and its packets are lost: above an MTU of about 6500, quinn's
 //! black-hole detection then falls back to 1200-byte packets (older versions stalled).
-//! Cutting the batch to what fits lets loopback and jumbo-frame links use larger packets,
-//! and so fewer of them per byte (benches/README.md, "Larger packets").
+//! Sending such a batch in pieces lets loopback and jumbo-frame links use larger packets,
+//! and so fewer of them per byte (benches/README.md, "Larger packets"). The pieces are cut
+//! from the packets' actual size, which may be below the configured MTU: a peer that accepts
+//! smaller datagrams lowers it after the handshake.
 
 use std::fmt;
 use std::io::{self, IoSliceMut};
@@ -15,45 +18,54 @@ use std::task::{Context, Poll};
 use quinn::udp::{RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, UdpPoller};
 
-/// Bytes one GSO batch may carry: a UDP datagram's payload over IPv4 (65,507), rounded down.
+/// Bytes one GSO send may carry: a UDP datagram's payload over IPv4 (65,507), rounded down.
 pub(crate) const GSO_BATCH_BYTES: usize = 65_000;
 
-/// `inner`, with at most as many segments per send as `mtu`-byte packets fit in
-/// [`GSO_BATCH_BYTES`].
-pub(crate) struct SegmentCap {
+/// A runtime's socket whose GSO batches go out in pieces of at most [`GSO_BATCH_BYTES`].
+pub(crate) struct BatchSplitter {
     /// The runtime's socket, which does the I/O.
     inner: Arc<dyn AsyncUdpSocket>,
-    /// The most packets one send may carry at this MTU.
-    max_segments: usize,
 }
 
-impl SegmentCap {
-    /// `inner`, its batches cut to fit for packets of `mtu` bytes.
-    pub(crate) fn wrap(inner: Arc<dyn AsyncUdpSocket>, mtu: u16) -> Arc<dyn AsyncUdpSocket> {
-        let max_segments = (GSO_BATCH_BYTES / usize::from(mtu.max(1200))).max(1);
-        Arc::new(Self {
-            inner,
-            max_segments,
-        })
+impl BatchSplitter {
+    /// `inner`, its oversized batches split.
+    pub(crate) fn wrap(inner: Arc<dyn AsyncUdpSocket>) -> Arc<dyn AsyncUdpSocket> {
+        Arc::new(Self { inner })
     }
 }
 
-impl fmt::Debug for SegmentCap {
+impl fmt::Debug for BatchSplitter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SegmentCap")
+        f.debug_struct("BatchSplitter")
             .field("inner", &self.inner)
-            .field("max_segments", &self.max_segments)
             .finish()
     }
 }
 
-impl AsyncUdpSocket for SegmentCap {
+impl AsyncUdpSocket for BatchSplitter {
     fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
         self.inner.clone().create_io_poller()
     }
 
     fn try_send(&self, transmit: &Transmit) -> io::Result<()> {
-        self.inner.try_send(transmit)
+        let Some(segment) = transmit.segment_size else {
+            return self.inner.try_send(transmit);
+        };
+        let piece = (GSO_BATCH_BYTES / segment.max(1)).max(1) * segment;
+        if transmit.contents.len() <= piece {
+            return self.inner.try_send(transmit);
+        }
+        // If a later piece would block, quinn retries the whole batch once the socket is
+        // writable: the pieces already sent arrive twice, and the peer drops the duplicates
+        // by packet number (RFC 9000 §12.3). Nothing is lost.
+        for contents in transmit.contents.chunks(piece) {
+            self.inner.try_send(&Transmit {
+                contents,
+                segment_size: (contents.len() > segment).then_some(segment),
+                ..transmit.clone()
+            })?;
+        }
+        Ok(())
     }
 
     fn poll_recv(
@@ -70,7 +82,7 @@ impl AsyncUdpSocket for SegmentCap {
     }
 
     fn max_transmit_segments(&self) -> usize {
-        self.inner.max_transmit_segments().min(self.max_segments)
+        self.inner.max_transmit_segments()
     }
 
     fn max_receive_segments(&self) -> usize {
