@@ -1,18 +1,22 @@
 //! Command-line options shared by the programs.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use std::time::Duration;
 
-use tensorwire::quic::{ClientTls, Congestion, EndpointThreads, ServerTls, TransportSettings};
+use tensorwire::quic::{
+    ClientTls, Congestion, EndpointThreads, ServerTls, TransportSettings, automatic_mtu,
+};
 
 /// QUIC options.
 #[derive(clap::Args, Debug, Clone)]
 pub struct TransportArgs {
     /// UDP payload size, 1200 to 65507. Larger packets cost less CPU per byte: loopback
-    /// carries up to 65507 (fastest), a jumbo-frame LAN its link MTU less 28 (8972 for 9000).
-    #[arg(long, default_value_t = 1200)]
-    pub mtu: u16,
+    /// carries up to 65507, a jumbo-frame LAN its link MTU less 28 (8972 for 9000). Default:
+    /// 65507 on a loopback address, 1200 elsewhere; two sides that differ use the smaller.
+    #[arg(long)]
+    pub mtu: Option<u16>,
     /// Congestion control: cubic, or bbr for long paths with loss (far faster there).
     #[arg(long, default_value = "cubic")]
     pub congestion: Congestion,
@@ -26,11 +30,12 @@ pub struct TransportArgs {
 }
 
 impl TransportArgs {
-    /// The transport settings these options describe.
-    pub fn settings(&self) -> TransportSettings {
+    /// The transport settings these options describe, for a connection to or a receiver on
+    /// `addr` (which picks the MTU where none is given).
+    pub fn settings(&self, addr: SocketAddr) -> TransportSettings {
         let idle_timeout = Duration::from_secs(self.idle_timeout_s);
         TransportSettings {
-            mtu: self.mtu,
+            mtu: self.mtu.unwrap_or_else(|| automatic_mtu(addr)),
             congestion: self.congestion,
             idle_timeout,
             keep_alive: (idle_timeout / 6).max(Duration::from_millis(500)),

@@ -269,7 +269,7 @@ def send(
     client_cert: Optional[str] = None,
     client_key: Optional[str] = None,
     server_name: str = "localhost",
-    mtu: int = 1200,
+    mtu: Optional[int] = None,
     device: Optional[str] = None,
     progress: bool = False,
 ) -> List[SendResult]:
@@ -283,7 +283,8 @@ def send(
     than its connection's share goes as parts of consecutive rows over several of them and
     lands whole (spec §15; `split=False` for receivers older than protocol 1.3, which would
     land the parts separately). `device` ("host", "cuda:N") asks the receiver to land them
-    there (spec §5.2).
+    there (spec §5.2). `mtu` is the UDP payload size (default: 65507 to a loopback address,
+    1200 elsewhere; the smaller of the two sides' is used).
     With no `ca`, development trust: a receiver on this host. Raises TensorwireError.
     """
     if isinstance(tensors, (str, os.PathLike)):
@@ -443,7 +444,8 @@ class Receiver:
     Iterate it (or ``async for``) to take tensors as they land; ``recv(timeout)`` for one.
     Memory is admitted against budgets before any byte is accepted: a credit budget of
     `budget_mib`, host memory of `host_memory_mib` (default a quarter of RAM), and device
-    memory; `require_gpu` makes a missing GPU an error instead of host memory.
+    memory; `require_gpu` makes a missing GPU an error instead of host memory. `mtu`, the
+    largest UDP payload it takes, defaults to 65507 on a loopback address and 1200 elsewhere.
     """
 
     def __init__(
@@ -458,7 +460,7 @@ class Receiver:
         cert: Optional[str] = None,
         key: Optional[str] = None,
         client_ca: Optional[str] = None,
-        mtu: int = 1200,
+        mtu: Optional[int] = None,
     ) -> None:
         self._native = _native.Receiver(
             listen,

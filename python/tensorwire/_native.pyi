@@ -14,7 +14,7 @@ def send(
     client_cert: Optional[str] = None,
     client_key: Optional[str] = None,
     server_name: str = "localhost",
-    mtu: int = 1200,
+    mtu: Optional[int] = None,
     device: Optional[str] = None,
 ) -> List[Tuple[str, int, float]]: ...
 def gpu_status() -> Tuple[bool, int, str]: ...
@@ -56,7 +56,7 @@ class Receiver:
         cert: Optional[str] = None,
         key: Optional[str] = None,
         client_ca: Optional[str] = None,
-        mtu: int = 1200,
+        mtu: Optional[int] = None,
     ) -> None: ...
     def recv(self, timeout: Optional[float] = None) -> ReceivedTensor: ...
     def failures(self) -> List[str]: ...

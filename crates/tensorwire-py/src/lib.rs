@@ -24,7 +24,7 @@ use tensorwire::gpu::{
 use tensorwire::proto::{DType, Device, ErrorCode, ProtocolError, TensorMeta};
 use tensorwire::quic::{
     ClientTls, IncomingTensor, Receiver as QuicReceiver, ReceiverConfig, SendHandle, Sender,
-    SenderConfig, SenderPool, ServerTls, Source, TransportError, TransportSettings,
+    SenderConfig, SenderPool, ServerTls, Source, TransportError, TransportSettings, automatic_mtu,
 };
 use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tokio::sync::mpsc;
@@ -282,7 +282,7 @@ fn client_tls(
 /// that failed.
 #[pyfunction]
 #[pyo3(signature = (addr, items, *, connections=None, split=true, ca=None, client_cert=None,
-    client_key=None, server_name="localhost".to_owned(), mtu=1200, device=None))]
+    client_key=None, server_name="localhost".to_owned(), mtu=None, device=None))]
 #[allow(clippy::too_many_arguments)]
 fn send(
     py: Python<'_>,
@@ -294,7 +294,7 @@ fn send(
     client_cert: Option<PathBuf>,
     client_key: Option<PathBuf>,
     server_name: String,
-    mtu: u16,
+    mtu: Option<u16>,
     device: Option<String>,
 ) -> PyResult<Vec<(String, u64, f64)>> {
     let addr: SocketAddr = addr.parse().map_err(|e| {
@@ -326,7 +326,7 @@ fn send(
     let mut config = SenderConfig::new(client_tls(ca, client_cert, client_key)?);
     config.server_name = server_name;
     config.transport = TransportSettings {
-        mtu,
+        mtu: mtu.unwrap_or_else(|| automatic_mtu(addr)),
         ..TransportSettings::default()
     };
     let total: u64 = outgoing.iter().map(|(meta, _)| meta.byte_len()).sum();
@@ -598,7 +598,7 @@ impl Receiver {
     #[new]
     #[pyo3(signature = (listen="127.0.0.1:0", *, device="auto", require_gpu=false, budget_mib=256,
         host_memory_mib=None, admission_timeout_s=30.0, cert=None, key=None, client_ca=None,
-        mtu=1200))]
+        mtu=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -611,7 +611,7 @@ impl Receiver {
         cert: Option<PathBuf>,
         key: Option<PathBuf>,
         client_ca: Option<PathBuf>,
-        mtu: u16,
+        mtu: Option<u16>,
     ) -> PyResult<Self> {
         let listen: SocketAddr = listen
             .parse()
@@ -643,7 +643,7 @@ impl Receiver {
         config.connection_window = config.budget / 2;
         config.admission_timeout = wait;
         config.transport = TransportSettings {
-            mtu,
+            mtu: mtu.unwrap_or_else(|| automatic_mtu(listen)),
             ..TransportSettings::default()
         };
         if let Some(mib) = host_memory_mib {

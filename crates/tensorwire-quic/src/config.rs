@@ -30,6 +30,18 @@ const UNI_STREAMS: u32 = 4;
 /// measured over a second); a sender only for its CONNECTION_CLOSE to go out.
 pub(crate) const CLOSE_DRAIN: Duration = Duration::from_millis(100);
 
+/// The MTU for a connection to, or a receiver on, `addr` where none is given: the largest
+/// UDP payload ([`MAX_MTU`]) on loopback, which carries it and moves several times as much
+/// per core with it, and QUIC's 1200, safe on any path, elsewhere (give a jumbo-frame LAN's
+/// MTU less 28 explicitly). Two sides that differ use the smaller.
+pub fn automatic_mtu(addr: SocketAddr) -> u16 {
+    if addr.ip().to_canonical().is_loopback() {
+        MAX_MTU
+    } else {
+        1200
+    }
+}
+
 /// QUIC transport settings shared by senders and receivers.
 #[derive(Clone, Debug)]
 pub struct TransportSettings {

@@ -446,6 +446,23 @@ fn an_mtu_outside_what_udp_carries_is_refused() {
     }
 }
 
+#[test]
+fn loopback_gets_the_largest_packets_and_other_addresses_the_safe_size() {
+    let largest = tensorwire_quic::MAX_MTU;
+    for (addr, mtu) in [
+        ("127.0.0.1:7000", largest),
+        ("127.3.2.1:7000", largest),
+        ("[::1]:7000", largest),
+        ("[::ffff:127.0.0.1]:7000", largest),
+        ("0.0.0.0:7000", 1200),
+        ("[::]:7000", 1200),
+        ("10.1.2.3:7000", 1200),
+    ] {
+        let mtu_for = tensorwire_quic::automatic_mtu(addr.parse().unwrap());
+        assert_eq!(mtu_for, mtu, "{addr}");
+    }
+}
+
 #[tokio::test]
 async fn a_cancel_flood_closes_the_connection() {
     let mut config = receiver_config();

@@ -14,8 +14,8 @@ use tensorwire_examples::cli::{init_logging, rate, size};
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
-    /// UDP payload size; loopback carries jumbo packets.
-    #[arg(long, default_value_t = 6000)]
+    /// UDP payload size; loopback carries up to the largest UDP payload.
+    #[arg(long, default_value_t = tensorwire::quic::MAX_MTU)]
     mtu: u16,
     /// Send the set this many times.
     #[arg(long, default_value_t = 1)]

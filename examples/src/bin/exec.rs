@@ -120,7 +120,7 @@ fn explain(error: &anyhow::Error) -> String {
 async fn run(args: Args, matches: &ArgMatches) -> anyhow::Result<()> {
     let mut config = SenderConfig::new(args.tls.tls());
     config.server_name = args.tls.server_name.clone();
-    config.transport = args.transport.settings();
+    config.transport = args.transport.settings(args.connect);
     let client = ExecClient::connect(args.connect, config)
         .await
         .with_context(|| format!("connecting to {}", args.connect))?;

@@ -150,7 +150,7 @@ async fn main() -> anyhow::Result<()> {
     let budget = args.budget;
     let mut config = ReceiverConfig::new(args.listen, tensorwire::quic::ServerTls::Development);
     config.tls = args.tls.tls();
-    config.transport = args.transport.settings();
+    config.transport = args.transport.settings(args.listen);
     config.budget = budget;
     config.high_watermark = budget / 100 * args.high_percent;
     config.low_watermark = budget / 100 * args.low_percent;

@@ -121,7 +121,7 @@ async fn send(
     }
     let config = SenderConfig {
         tls: args.tls.tls(),
-        transport: args.transport.settings(),
+        transport: args.transport.settings(args.connect),
         server_name: args.tls.server_name.clone(),
         progress_timeout: args.progress_timeout,
         ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
