@@ -99,7 +99,7 @@ REQUIRE_GPU=1 REQUIRE_CPP=1 C_LIB_DIR="$here/lib" C_SRC_DIR="$here/c" \
   "$here/scripts/share-e2e.sh" "$here/bin" 2>&1 | tee "$logs/share-e2e.log"
 check "${PIPESTATUS[0]}" "receiver --share, Python consumer with PyTorch/CuPy"
 echo "== remote execution: SpMV walkthrough beside plain sender/receiver"
-for mtu in 1200 6000; do
+for mtu in 1200 6000 65507; do
   MTU=$mtu "$here/scripts/spmv-e2e.sh" "$here/bin" "$here/src/examples/spmv" 2>&1 \
     | tee "$logs/spmv-e2e-$mtu.log"
   check "${PIPESTATUS[0]}" "remote execution: SpMV walkthrough beside plain sender/receiver"
