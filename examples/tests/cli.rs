@@ -21,6 +21,44 @@ fn send_raw(addr: &str, len: usize, file: &Path, extra: &[&str]) -> std::process
         .unwrap()
 }
 
+#[test]
+fn a_dtype_is_named_in_any_case_and_an_unknown_one_lists_the_known() {
+    let dir = temp_dir("dtype");
+    let file = dir.join("raw.bin");
+    std::fs::write(&file, [1u8; 16]).unwrap();
+    // Nothing listens on this port: a dtype that parses gets as far as connecting.
+    let lower = send_raw_as(&file, "u8", &["--idle-timeout-s", "2"]);
+    let lower_err = String::from_utf8_lossy(&lower.stderr);
+    assert!(!lower_err.contains("dtype"), "{lower_err}");
+    let unknown = send_raw_as(&file, "q4", &[]);
+    let unknown_err = String::from_utf8_lossy(&unknown.stderr);
+    assert!(!unknown.status.success());
+    assert!(
+        unknown_err.contains("unknown dtype \"q4\"") && unknown_err.contains("BF16, "),
+        "{unknown_err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs `sender --quiet` on `file` as a 16-element tensor of `dtype`, to a port where
+/// nothing listens, with `extra` flags.
+fn send_raw_as(file: &Path, dtype: &str, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_sender"))
+        .args([
+            "--connect",
+            "127.0.0.1:9",
+            "--quiet",
+            "--dtype",
+            dtype,
+            "--shape",
+            "16",
+        ])
+        .args(extra)
+        .arg(file)
+        .output()
+        .unwrap()
+}
+
 /// Runs `sender --quiet` with `args` (the connect address among them) on `file`; fails the
 /// test if it fails; returns its summary line(s).
 fn send_file(args: &[&str], file: &Path) -> String {

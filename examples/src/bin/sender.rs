@@ -24,9 +24,10 @@ struct Args {
     /// Files to send.
     #[arg(required = true)]
     files: Vec<PathBuf>,
-    /// Send other files as raw bytes of this dtype (safetensors names: F32, BF16, U8, ...).
-    #[arg(long, requires = "shape")]
-    dtype: Option<String>,
+    /// Send other files as raw bytes of this dtype (safetensors names, any case: F32, BF16,
+    /// U8, ...).
+    #[arg(long, requires = "shape", value_parser = parse_dtype)]
+    dtype: Option<DType>,
     /// Shape for --dtype, e.g. 1024,4096.
     #[arg(long, requires = "dtype")]
     shape: Option<String>,
@@ -63,11 +64,7 @@ fn main() -> anyhow::Result<()> {
     init_logging("warn");
     let args = Args::parse();
     let raw = match (&args.dtype, &args.shape) {
-        (Some(dtype), Some(shape)) => {
-            let dtype =
-                DType::from_name(dtype).ok_or_else(|| anyhow::anyhow!("unknown dtype {dtype}"))?;
-            Some((dtype, parse_shape(shape)?))
-        }
+        (Some(dtype), Some(shape)) => Some((*dtype, parse_shape(shape)?)),
         _ => None,
     };
     let mut outgoing = Vec::new();
@@ -200,6 +197,14 @@ async fn send(
 }
 
 /// `host` or `cuda:N`.
+/// A safetensors dtype name in any case; an unknown one is answered with the known ones.
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    DType::from_name(&s.to_ascii_uppercase()).ok_or_else(|| {
+        let known: Vec<&str> = DType::ALL.iter().map(|dtype| dtype.name()).collect();
+        format!("unknown dtype {s:?}; expected one of {}", known.join(", "))
+    })
+}
+
 fn parse_device(s: &str) -> Result<Device, String> {
     match s {
         "host" | "cpu" => Ok(Device::Host),
