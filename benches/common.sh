@@ -1,8 +1,8 @@
 # Helpers sourced by the benchmark scripts in this folder.
 
-# The UDP payload size every QUIC program and anchor of a script uses: MTU=16000 (or up to
-# 65507) on loopback, where larger packets cost less CPU per byte; 6000 was the figures'
-# setting before 2026-11-27's larger packets (benches/README.md).
+# The UDP payload size every QUIC program and anchor of a script uses (1200 to 65507):
+# 6000 by default, as every figure before "Larger packets" in benches/README.md; MTU=65507
+# is what loopback carries, and what the programs pick there without --mtu.
 MTU=${MTU:-6000}
 
 # Waits up to 10 s for `listening on ADDR` in LOG (written by a program starting in the

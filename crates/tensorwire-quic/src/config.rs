@@ -17,6 +17,9 @@ use crate::steering::{
     Balance, MAX_STEERED_ENDPOINTS, ServerEndpoint, Steering, attach_steering, steered_ids,
 };
 
+/// Smallest MTU: the datagram size QUIC requires every path to carry (RFC 9000 §14).
+pub const MIN_MTU: u16 = 1200;
+
 /// Largest MTU: a UDP datagram's largest payload over IPv4, which loopback carries. GSO
 /// batches of packets this large go out one packet per send ([`crate::socket`]).
 pub const MAX_MTU: u16 = 65_507;
@@ -32,20 +35,20 @@ pub(crate) const CLOSE_DRAIN: Duration = Duration::from_millis(100);
 
 /// The MTU for a connection to, or a receiver on, `addr` where none is given: the largest
 /// UDP payload ([`MAX_MTU`]) on loopback, which carries it and moves several times as much
-/// per core with it, and QUIC's 1200, safe on any path, elsewhere (give a jumbo-frame LAN's
+/// per core with it, and QUIC's [`MIN_MTU`], safe on any path, elsewhere (give a jumbo-frame LAN's
 /// MTU less 28 explicitly). Two sides that differ use the smaller.
 pub fn automatic_mtu(addr: SocketAddr) -> u16 {
     if addr.ip().to_canonical().is_loopback() {
         MAX_MTU
     } else {
-        1200
+        MIN_MTU
     }
 }
 
 /// QUIC transport settings shared by senders and receivers.
 #[derive(Clone, Debug)]
 pub struct TransportSettings {
-    /// UDP payload size to start with and to probe up to. 1200 is safe anywhere; larger
+    /// UDP payload size to start with and to probe up to. [`MIN_MTU`] is safe anywhere; larger
     /// packets cost less CPU per byte: a jumbo-frame LAN carries its link MTU less 28, and
     /// loopback up to [`MAX_MTU`].
     pub mtu: u16,
@@ -105,7 +108,7 @@ impl std::str::FromStr for Congestion {
 impl Default for TransportSettings {
     fn default() -> Self {
         Self {
-            mtu: 1200,
+            mtu: MIN_MTU,
             segmentation_offload: true,
             stream_receive_window: 16 << 20,
             connection_receive_window: 64 << 20,
@@ -129,11 +132,12 @@ impl TransportSettings {
         }
     }
 
-    /// Checks the settings; refuses an MTU outside what QUIC and UDP carry (1200 to [`MAX_MTU`]).
+    /// Checks the settings; refuses an MTU outside what QUIC and UDP carry ([`MIN_MTU`] to
+    /// [`MAX_MTU`]).
     pub fn validate(&self) -> Result<(), TransportError> {
-        if self.mtu < 1200 {
+        if self.mtu < MIN_MTU {
             return Err(TransportError::Config(format!(
-                "MTU {} is below QUIC's minimum of 1200",
+                "MTU {} is below QUIC's minimum of {MIN_MTU}",
                 self.mtu
             )));
         }
@@ -300,7 +304,7 @@ impl TransportSettings {
             endpoint.cid_generator(steered_ids(index));
         }
         endpoint
-            .max_udp_payload_size(self.mtu.max(1200))
+            .max_udp_payload_size(self.mtu)
             .map_err(|e| TransportError::Config(format!("MTU {}: {e}", self.mtu)))?;
         let socket = runtime.quinn.wrap_udp_socket(socket.into())?;
         Ok(quinn::Endpoint::new_with_abstract_socket(
@@ -344,22 +348,23 @@ impl TransportSettings {
             .enable_segmentation_offload(self.segmentation_offload);
         // RFC 9002 §7.2 sizes the initial window by the datagram size; quinn's default
         // assumes 1200 bytes, under which a first packet above about 11 KB never goes out.
-        let mtu = u64::from(self.mtu.max(1200));
-        let initial_window = (2 * mtu).max(14_720).min(10 * mtu);
+        let mtu = u64::from(self.mtu);
+        let window = (2 * mtu).max(14_720).min(10 * mtu);
         match self.congestion {
-            Congestion::Cubic => {
-                let mut cubic = quinn::congestion::CubicConfig::default();
-                cubic.initial_window(initial_window);
-                t.congestion_controller_factory(Arc::new(cubic));
-            }
-            Congestion::Bbr => {
-                let mut bbr = quinn::congestion::BbrConfig::default();
-                bbr.initial_window(initial_window);
-                t.congestion_controller_factory(Arc::new(bbr));
-            }
-        }
+            Congestion::Cubic => t.congestion_controller_factory(Arc::new(
+                quinn::congestion::CubicConfig::default()
+                    .initial_window(window)
+                    .clone(),
+            )),
+            Congestion::Bbr => t.congestion_controller_factory(Arc::new(
+                quinn::congestion::BbrConfig::default()
+                    .initial_window(window)
+                    .clone(),
+            )),
+        };
         let mut mtu_discovery = MtuDiscoveryConfig::default();
-        mtu_discovery.upper_bound(self.mtu.max(1200));
+        // `validate` above keeps the MTU within QUIC's and UDP's bounds.
+        mtu_discovery.upper_bound(self.mtu);
         t.mtu_discovery_config(Some(mtu_discovery));
         Ok(Arc::new(t))
     }

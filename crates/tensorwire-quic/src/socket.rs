@@ -9,7 +9,6 @@
 //! from the packets' actual size, which may be below the configured MTU: a peer that accepts
 //! smaller datagrams lowers it after the handshake.
 
-use std::fmt;
 use std::io::{self, IoSliceMut};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -19,9 +18,10 @@ use quinn::udp::{RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, UdpPoller};
 
 /// Bytes one GSO send may carry: a UDP datagram's payload over IPv4 (65,507), rounded down.
-pub(crate) const GSO_BATCH_BYTES: usize = 65_000;
+const GSO_BATCH_BYTES: usize = 65_000;
 
 /// A runtime's socket whose GSO batches go out in pieces of at most [`GSO_BATCH_BYTES`].
+#[derive(Debug)]
 pub(crate) struct BatchSplitter {
     /// The runtime's socket, which does the I/O.
     inner: Arc<dyn AsyncUdpSocket>,
@@ -31,14 +31,6 @@ impl BatchSplitter {
     /// `inner`, its oversized batches split.
     pub(crate) fn wrap(inner: Arc<dyn AsyncUdpSocket>) -> Arc<dyn AsyncUdpSocket> {
         Arc::new(Self { inner })
-    }
-}
-
-impl fmt::Debug for BatchSplitter {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BatchSplitter")
-            .field("inner", &self.inner)
-            .finish()
     }
 }
 

@@ -196,7 +196,6 @@ async fn send(
     Ok(())
 }
 
-/// `host` or `cuda:N`.
 /// A safetensors dtype name in any case; an unknown one is answered with the known ones.
 fn parse_dtype(s: &str) -> Result<DType, String> {
     DType::from_name(&s.to_ascii_uppercase()).ok_or_else(|| {
@@ -205,6 +204,7 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
     })
 }
 
+/// `host` or `cuda:N`.
 fn parse_device(s: &str) -> Result<Device, String> {
     match s {
         "host" | "cpu" => Ok(Device::Host),
