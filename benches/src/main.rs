@@ -382,10 +382,10 @@ static STORE_OFFLOAD: std::sync::OnceLock<tensorwire::quic::StoreOffload> =
 
 fn transport(mtu: u16) -> TransportSettings {
     TransportSettings {
-        mtu,
         endpoint_threads: ENDPOINT_THREADS.get().copied().unwrap_or_default(),
         ..TransportSettings::default()
     }
+    .fixed_mtu(mtu)
 }
 
 fn payload(len: usize) -> Bytes {

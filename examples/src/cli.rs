@@ -5,16 +5,15 @@ use std::path::PathBuf;
 
 use std::time::Duration;
 
-use tensorwire::quic::{
-    ClientTls, Congestion, EndpointThreads, ServerTls, TransportSettings, automatic_mtu,
-};
+use tensorwire::quic::{ClientTls, Congestion, EndpointThreads, ServerTls, TransportSettings};
 
 /// QUIC options.
 #[derive(clap::Args, Debug, Clone)]
 pub struct TransportArgs {
-    /// UDP payload size, 1200 to 65507. Larger packets cost less CPU per byte: loopback
-    /// carries up to 65507, a jumbo-frame LAN its link MTU less 28 (8972 for 9000). Default:
-    /// 65507 on a loopback address, 1200 elsewhere; two sides that differ use the smaller.
+    /// UDP payload size, 1200 to 65507, fixed. Larger packets cost less CPU per byte:
+    /// loopback carries up to 65507, a jumbo-frame LAN its link MTU less 28 (8972 for 9000).
+    /// Default: 65507 on a loopback address; elsewhere 1200 to start, then probing up to
+    /// 65507 for what the path carries. Two sides that differ use the smaller.
     #[arg(long)]
     pub mtu: Option<u16>,
     /// Congestion control: cubic, or bbr for long paths with loss (far faster there).
@@ -34,13 +33,16 @@ impl TransportArgs {
     /// `addr` (which picks the MTU where none is given).
     pub fn settings(&self, addr: SocketAddr) -> TransportSettings {
         let idle_timeout = Duration::from_secs(self.idle_timeout_s);
-        TransportSettings {
-            mtu: self.mtu.unwrap_or_else(|| automatic_mtu(addr)),
+        let settings = TransportSettings {
             congestion: self.congestion,
             idle_timeout,
             keep_alive: (idle_timeout / 6).max(Duration::from_millis(500)),
             endpoint_threads: self.endpoint_threads,
             ..TransportSettings::default()
+        };
+        match self.mtu {
+            Some(mtu) => settings.fixed_mtu(mtu),
+            None => settings.automatic_mtu(addr),
         }
     }
 }

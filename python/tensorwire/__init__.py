@@ -283,8 +283,9 @@ def send(
     than its connection's share goes as parts of consecutive rows over several of them and
     lands whole (spec §15; `split=False` for receivers older than protocol 1.3, which would
     land the parts separately). `device` ("host", "cuda:N") asks the receiver to land them
-    there (spec §5.2). `mtu` is the UDP payload size (default: 65507 to a loopback address,
-    1200 elsewhere; the smaller of the two sides' is used).
+    there (spec §5.2). `mtu` fixes the UDP payload size (default: 65507 to a loopback
+    address; elsewhere 1200, then probing up to what the path carries; the smaller of the two
+    sides' is used).
     With no `ca`, development trust: a receiver on this host. Raises TensorwireError.
     """
     if isinstance(tensors, (str, os.PathLike)):
@@ -444,8 +445,10 @@ class Receiver:
     Iterate it (or ``async for``) to take tensors as they land; ``recv(timeout)`` for one.
     Memory is admitted against budgets before any byte is accepted: a credit budget of
     `budget_mib`, host memory of `host_memory_mib` (default a quarter of RAM), and device
-    memory; `require_gpu` makes a missing GPU an error instead of host memory. `mtu`, the
-    largest UDP payload it takes, defaults to 65507 on a loopback address and 1200 elsewhere.
+    memory; `require_gpu` makes a missing GPU an error instead of host memory. `mtu` fixes
+    the UDP payload size it sends and takes (default: 65507 on a loopback address; elsewhere,
+    every address included, it takes up to 65507, and its own packets start at 1200 and probe
+    up).
     """
 
     def __init__(

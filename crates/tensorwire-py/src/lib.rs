@@ -24,7 +24,7 @@ use tensorwire::gpu::{
 use tensorwire::proto::{DType, Device, ErrorCode, ProtocolError, TensorMeta};
 use tensorwire::quic::{
     ClientTls, IncomingTensor, Receiver as QuicReceiver, ReceiverConfig, SendHandle, Sender,
-    SenderConfig, SenderPool, ServerTls, Source, TransportError, TransportSettings, automatic_mtu,
+    SenderConfig, SenderPool, ServerTls, Source, TransportError, TransportSettings,
 };
 use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tokio::sync::mpsc;
@@ -275,6 +275,15 @@ fn client_tls(
     }
 }
 
+/// Default transport settings with `mtu` fixed where given, else the automatic sizes for
+/// `addr` (the largest on loopback; elsewhere 1200, probing up).
+fn packet_sizes(mtu: Option<u16>, addr: SocketAddr) -> TransportSettings {
+    match mtu {
+        Some(mtu) => TransportSettings::default().fixed_mtu(mtu),
+        None => TransportSettings::default().automatic_mtu(addr),
+    }
+}
+
 /// Sends `items` to `addr` over `connections` connections (None: one per core, at most 8,
 /// and no more than the tensors, or their 16 MiB parts, can use); with `split`, a tensor
 /// larger than its connection's share goes as parts over several (spec §15). Returns
@@ -325,10 +334,7 @@ fn send(
         .collect::<PyResult<Vec<_>>>()?;
     let mut config = SenderConfig::new(client_tls(ca, client_cert, client_key)?);
     config.server_name = server_name;
-    config.transport = TransportSettings {
-        mtu: mtu.unwrap_or_else(|| automatic_mtu(addr)),
-        ..TransportSettings::default()
-    };
+    config.transport = packet_sizes(mtu, addr);
     let total: u64 = outgoing.iter().map(|(meta, _)| meta.byte_len()).sum();
     let splittable = if split { total } else { 0 };
     let connections = connections
@@ -642,10 +648,7 @@ impl Receiver {
         config.low_watermark = config.budget / 2;
         config.connection_window = config.budget / 2;
         config.admission_timeout = wait;
-        config.transport = TransportSettings {
-            mtu: mtu.unwrap_or_else(|| automatic_mtu(listen)),
-            ..TransportSettings::default()
-        };
+        config.transport = packet_sizes(mtu, listen);
         if let Some(mib) = host_memory_mib {
             config.host_memory_budget = mib << 20;
         }

@@ -33,25 +33,17 @@ const UNI_STREAMS: u32 = 4;
 /// measured over a second); a sender only for its CONNECTION_CLOSE to go out.
 pub(crate) const CLOSE_DRAIN: Duration = Duration::from_millis(100);
 
-/// The MTU for a connection to, or a receiver on, `addr` where none is given: the largest
-/// UDP payload ([`MAX_MTU`]) on loopback, which carries it and moves several times as much
-/// per core with it, and QUIC's [`MIN_MTU`], safe on any path, elsewhere (give a jumbo-frame LAN's
-/// MTU less 28 explicitly). Two sides that differ use the smaller.
-pub fn automatic_mtu(addr: SocketAddr) -> u16 {
-    if addr.ip().to_canonical().is_loopback() {
-        MAX_MTU
-    } else {
-        MIN_MTU
-    }
-}
-
 /// QUIC transport settings shared by senders and receivers.
 #[derive(Clone, Debug)]
 pub struct TransportSettings {
-    /// UDP payload size to start with and to probe up to. [`MIN_MTU`] is safe anywhere; larger
-    /// packets cost less CPU per byte: a jumbo-frame LAN carries its link MTU less 28, and
-    /// loopback up to [`MAX_MTU`].
+    /// UDP payload size to start with. [`MIN_MTU`] is safe anywhere; larger packets cost
+    /// less CPU per byte: a jumbo-frame LAN carries its link MTU less 28, and loopback up to
+    /// [`MAX_MTU`].
     pub mtu: u16,
+    /// Largest UDP payload size: path MTU discovery (RFC 9000 §14.3) probes up to it and
+    /// keeps the largest the path carries, and the peer may send up to it. At least `mtu`;
+    /// equal to it, the size stays fixed. Two sides that differ use the smaller.
+    pub max_mtu: u16,
     /// Whether to batch packets with segmentation offload (GSO).
     pub segmentation_offload: bool,
     /// Bytes one stream may have unread in the peer's QUIC buffers.
@@ -109,6 +101,7 @@ impl Default for TransportSettings {
     fn default() -> Self {
         Self {
             mtu: MIN_MTU,
+            max_mtu: MAX_MTU,
             segmentation_offload: true,
             stream_receive_window: 16 << 20,
             connection_receive_window: 64 << 20,
@@ -124,16 +117,39 @@ impl Default for TransportSettings {
 }
 
 impl TransportSettings {
-    /// Settings for loopback and jumbo-frame LANs: MTU 6000.
+    /// Settings for loopback and jumbo-frame LANs: MTU 6000, fixed.
     pub fn jumbo() -> Self {
+        Self::default().fixed_mtu(6000)
+    }
+
+    /// These settings with packets of `mtu` bytes from the start and never larger.
+    pub fn fixed_mtu(self, mtu: u16) -> Self {
         Self {
-            mtu: 6000,
-            ..Self::default()
+            mtu,
+            max_mtu: mtu,
+            ..self
+        }
+    }
+
+    /// These settings with the packet sizes for a connection to, or a receiver on, `addr`
+    /// where none is given. On loopback: [`MAX_MTU`] from the start, which loopback carries
+    /// and which moves several times as much per core. Elsewhere, including a receiver on
+    /// every address: [`MIN_MTU`], safe on any path, and path MTU discovery up to
+    /// [`MAX_MTU`], which finds 1472 on Ethernet and 8972 on 9000-byte jumbo frames.
+    pub fn automatic_mtu(self, addr: SocketAddr) -> Self {
+        if addr.ip().to_canonical().is_loopback() {
+            self.fixed_mtu(MAX_MTU)
+        } else {
+            Self {
+                mtu: MIN_MTU,
+                max_mtu: MAX_MTU,
+                ..self
+            }
         }
     }
 
     /// Checks the settings; refuses an MTU outside what QUIC and UDP carry ([`MIN_MTU`] to
-    /// [`MAX_MTU`]).
+    /// [`MAX_MTU`]), and a starting MTU above the largest.
     pub fn validate(&self) -> Result<(), TransportError> {
         if self.mtu < MIN_MTU {
             return Err(TransportError::Config(format!(
@@ -141,10 +157,16 @@ impl TransportSettings {
                 self.mtu
             )));
         }
-        if self.mtu > MAX_MTU {
+        if self.max_mtu > MAX_MTU {
             return Err(TransportError::Config(format!(
                 "MTU {} is above the largest UDP payload over IPv4, {MAX_MTU}",
-                self.mtu
+                self.max_mtu
+            )));
+        }
+        if self.mtu > self.max_mtu {
+            return Err(TransportError::Config(format!(
+                "starting MTU {} is above the largest MTU, {}",
+                self.mtu, self.max_mtu
             )));
         }
         if self.keep_alive >= self.idle_timeout {
@@ -156,7 +178,7 @@ impl TransportSettings {
     }
 
     /// A quinn endpoint on `addr` with these settings: socket buffers sized, and the largest
-    /// UDP payload raised to the MTU (quinn caps MTU discovery at 1472 otherwise).
+    /// UDP payload raised to `max_mtu` (quinn caps MTU discovery at 1472 otherwise).
     pub fn endpoint(
         &self,
         addr: SocketAddr,
@@ -304,8 +326,8 @@ impl TransportSettings {
             endpoint.cid_generator(steered_ids(index));
         }
         endpoint
-            .max_udp_payload_size(self.mtu)
-            .map_err(|e| TransportError::Config(format!("MTU {}: {e}", self.mtu)))?;
+            .max_udp_payload_size(self.max_mtu)
+            .map_err(|e| TransportError::Config(format!("MTU {}: {e}", self.max_mtu)))?;
         let socket = runtime.quinn.wrap_udp_socket(socket.into())?;
         Ok(quinn::Endpoint::new_with_abstract_socket(
             endpoint,
@@ -363,8 +385,8 @@ impl TransportSettings {
             )),
         };
         let mut mtu_discovery = MtuDiscoveryConfig::default();
-        // `validate` above keeps the MTU within QUIC's and UDP's bounds.
-        mtu_discovery.upper_bound(self.mtu);
+        // `validate` above keeps both MTUs within QUIC's and UDP's bounds.
+        mtu_discovery.upper_bound(self.max_mtu);
         t.mtu_discovery_config(Some(mtu_discovery));
         Ok(Arc::new(t))
     }

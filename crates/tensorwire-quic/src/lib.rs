@@ -31,7 +31,7 @@ pub mod tls;
 pub use budget::BudgetSnapshot;
 pub use config::{
     ClientTls, Congestion, MAX_DEFAULT_ENDPOINTS, MAX_MTU, MIN_MTU, ReceiverConfig, SenderConfig,
-    ServerTls, TransportSettings, automatic_mtu,
+    ServerTls, TransportSettings,
 };
 pub use dev_trust::dev_cert_path;
 pub use error::TransportError;

@@ -432,24 +432,29 @@ async fn a_wrong_certificate_is_refused_with_a_clear_error() {
 
 #[test]
 fn an_mtu_outside_what_udp_carries_is_refused() {
-    let with_mtu = |mtu| TransportSettings {
-        mtu,
-        ..TransportSettings::default()
-    };
-    let err = with_mtu(65_508).validate().unwrap_err().to_string();
+    let fixed = |mtu| TransportSettings::default().fixed_mtu(mtu);
+    let err = fixed(65_508).validate().unwrap_err().to_string();
     assert!(err.contains("65508") && err.contains("65507"), "{err}");
-    let err = with_mtu(1000).validate().unwrap_err().to_string();
+    let err = fixed(1000).validate().unwrap_err().to_string();
     assert!(err.contains("1200"), "{err}");
     // Segmentation offload no longer bounds it: batches are cut to fit (see loopback.rs).
     for mtu in [1200, 8000, 65_507] {
-        with_mtu(mtu).validate().unwrap();
+        fixed(mtu).validate().unwrap();
     }
+    // A start above the largest size could never be sent.
+    let start_above = TransportSettings {
+        mtu: 9000,
+        max_mtu: 6000,
+        ..TransportSettings::default()
+    };
+    let err = start_above.validate().unwrap_err().to_string();
+    assert!(err.contains("9000") && err.contains("6000"), "{err}");
 }
 
 #[test]
-fn loopback_gets_the_largest_packets_and_other_addresses_the_safe_size() {
+fn loopback_gets_the_largest_packets_and_other_addresses_probe_up_from_the_safe_size() {
     let largest = tensorwire_quic::MAX_MTU;
-    for (addr, mtu) in [
+    for (addr, start) in [
         ("127.0.0.1:7000", largest),
         ("127.3.2.1:7000", largest),
         ("[::1]:7000", largest),
@@ -458,8 +463,9 @@ fn loopback_gets_the_largest_packets_and_other_addresses_the_safe_size() {
         ("[::]:7000", 1200),
         ("10.1.2.3:7000", 1200),
     ] {
-        let mtu_for = tensorwire_quic::automatic_mtu(addr.parse().unwrap());
-        assert_eq!(mtu_for, mtu, "{addr}");
+        let settings = TransportSettings::jumbo().automatic_mtu(addr.parse().unwrap());
+        assert_eq!((settings.mtu, settings.max_mtu), (start, largest), "{addr}");
+        settings.validate().unwrap();
     }
 }
 

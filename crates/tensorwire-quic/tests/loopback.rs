@@ -70,10 +70,7 @@ async fn tensors_arrive_with_packets_up_to_the_largest_udp_payload() {
         (jumbo, largest),
     ] {
         let case = format!("sender MTU {sender_mtu}, receiver MTU {receiver_mtu}");
-        let with_mtu = |mtu| tensorwire_quic::TransportSettings {
-            mtu,
-            ..tensorwire_quic::TransportSettings::jumbo()
-        };
+        let with_mtu = |mtu| tensorwire_quic::TransportSettings::jumbo().fixed_mtu(mtu);
         let mut config = receiver_config();
         config.transport = with_mtu(receiver_mtu);
         let (mut rx, addr) = receiver(config).await;
@@ -107,6 +104,75 @@ async fn tensors_arrive_with_packets_up_to_the_largest_udp_payload() {
             sender_mtu.min(receiver_mtu),
             "{case}: the packets sent"
         );
+    }
+}
+
+/// Off loopback both sides start at 1200 bytes and probe up (RFC 9000 §14.3): over a path
+/// that drops datagrams above Ethernet's or jumbo frames' payload, the connection settles just
+/// under that size and never above it; over one that carries everything, at the largest.
+/// Every byte arrives meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn path_mtu_discovery_settles_on_what_the_path_carries() {
+    init_tracing();
+    const LEN: usize = 4 << 20;
+    // quinn's binary search stops once a step would change the size by under 20 bytes.
+    const SEARCH_STEP: u16 = 20;
+    let largest = tensorwire_quic::MAX_MTU;
+    for path_mtu in [1472, 8972, largest] {
+        let defaults = tensorwire_quic::TransportSettings::default();
+        assert_eq!((defaults.mtu, defaults.max_mtu), (1200, largest));
+        let mut config = receiver_config();
+        config.transport = defaults.clone();
+        let (mut rx, addr) = receiver(config).await;
+        let (relay, dropped) = common::narrow_path(addr, usize::from(path_mtu)).await;
+        // Development trust finds the certificate by port, and the relay's port differs.
+        let tls = tensorwire_quic::ClientTls::Pem {
+            ca: tensorwire_quic::dev_cert_path(addr.port()),
+            identity: None,
+        };
+        let config = tensorwire_quic::SenderConfig {
+            transport: defaults,
+            ..tensorwire_quic::SenderConfig::new(tls)
+        };
+        let tx = tensorwire_quic::Sender::connect(relay, config)
+            .await
+            .unwrap();
+        // Within two search steps of the path's limit; the largest is probed last, exactly.
+        let settled = |mtu: u16| match path_mtu {
+            largest_path if largest_path == largest => mtu == largest,
+            _ => mtu >= path_mtu - SEARCH_STEP * 2,
+        };
+        let mut tensors = 0;
+        let mut mtu = tx.connection_stats().path.current_mtu;
+        // Discovery probes alongside the data; a few dozen tensors are far more than it needs.
+        while tensors < 200 && !settled(mtu) {
+            tensors += 1;
+            let data = pattern(LEN, tensors);
+            let expected = tensorwire_quic::proto::checksum::crc32c(&data);
+            let sent = tx
+                .send(u8_meta(&format!("t{tensors}"), LEN), data)
+                .finished();
+            let (sent, landed) = tokio::time::timeout(Duration::from_secs(30), async {
+                tokio::join!(sent, receive_host(&mut rx))
+            })
+            .await
+            .unwrap_or_else(|_| panic!("path MTU {path_mtu}: tensor {tensors} stalled"));
+            assert_eq!(sent.unwrap().bytes, LEN as u64);
+            let (_, bytes) = landed.unwrap();
+            assert_eq!(tensorwire_quic::proto::checksum::crc32c(&bytes), expected);
+            mtu = tx.connection_stats().path.current_mtu;
+            assert!(
+                mtu <= path_mtu,
+                "path MTU {path_mtu}: sending {mtu}-byte packets"
+            );
+        }
+        let case = format!("path MTU {path_mtu}, settled at {mtu} after {tensors} tensors");
+        assert!(settled(mtu), "{case}");
+        if path_mtu < largest {
+            let dropped = dropped.load(std::sync::atomic::Ordering::Relaxed);
+            assert!(dropped > 0, "{case}: nothing was probed above the path");
+        }
+        tx.close().await;
     }
 }
 

@@ -82,10 +82,7 @@ fn report(name: &str, dtype: &str, shape: &str, bytes: u64, buffer: &TensorBuffe
 async fn main() -> anyhow::Result<()> {
     init_logging("error");
     let args = Args::parse();
-    let transport = TransportSettings {
-        mtu: args.mtu,
-        ..TransportSettings::default()
-    };
+    let transport = TransportSettings::default().fixed_mtu(args.mtu);
     let mut config = ReceiverConfig::new(
         "127.0.0.1:0".parse()?,
         tensorwire::quic::ServerTls::Development,

@@ -185,3 +185,61 @@ pub fn cancel_code(answers: &[Frame]) -> Option<ErrorCode> {
         _ => None,
     })
 }
+
+/// A UDP relay on loopback standing for a network path that carries datagrams of at most
+/// `path_mtu` bytes: larger ones are dropped both ways, as a router drops them. Returns the
+/// address to connect to instead of `to`, and a count of the datagrams dropped.
+pub async fn narrow_path(
+    to: SocketAddr,
+    path_mtu: usize,
+) -> (SocketAddr, Arc<std::sync::atomic::AtomicU64>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    // Large buffers: datagrams the relay drops for want of room would look like a path that
+    // lost its large packets (quinn's black-hole detection), not like congestion.
+    let bind = || {
+        let socket = socket2::Socket::new(
+            socket2::Domain::IPV4,
+            socket2::Type::DGRAM,
+            Some(socket2::Protocol::UDP),
+        )
+        .unwrap();
+        let _ = socket.set_recv_buffer_size(16 << 20);
+        socket.set_nonblocking(true).unwrap();
+        socket
+            .bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+            .unwrap();
+        tokio::net::UdpSocket::from_std(socket.into()).unwrap()
+    };
+    let (front, back) = (bind(), bind());
+    back.connect(to).await.unwrap();
+    let addr = front.local_addr().unwrap();
+    let dropped = Arc::new(AtomicU64::new(0));
+    let counter = dropped.clone();
+    tokio::spawn(async move {
+        let (mut forward, mut backward) = (vec![0; 1 << 16], vec![0; 1 << 16]);
+        let mut peer = None;
+        loop {
+            tokio::select! {
+                Ok((n, from)) = front.recv_from(&mut forward) => {
+                    peer = Some(from);
+                    if n > path_mtu {
+                        counter.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        let _ = back.send(&forward[..n]).await;
+                    }
+                }
+                Ok(n) = back.recv(&mut backward) => {
+                    match peer {
+                        Some(peer) if n <= path_mtu => {
+                            let _ = front.send_to(&backward[..n], peer).await;
+                        }
+                        _ => {
+                            counter.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+        }
+    });
+    (addr, dropped)
+}
