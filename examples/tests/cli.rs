@@ -172,6 +172,44 @@ fn a_safetensors_file_round_trips_through_sender_and_receiver_bit_for_bit() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A receiver on every address takes the largest packets a loopback sender sends; before,
+/// it announced QUIC's 1200 bytes, which held every sender to them. The sender says the size.
+#[test]
+fn a_receiver_on_every_address_takes_loopback_senders_largest_packets() {
+    let dir = temp_dir("every-address");
+    let model = dir.join("model.safetensors");
+    write_model(&model);
+    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
+        .args(["--listen", "0.0.0.0:0", "--count", "3", "--device", "host"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let port = first
+        .rsplit_once(':')
+        .unwrap_or_else(|| panic!("{first}"))
+        .1
+        .to_owned();
+    let summary = send_file(&["--connect", &format!("127.0.0.1:{port}")], &model);
+    assert!(summary.contains("sent 3 tensors"), "{summary}");
+    let largest = format!("packets of {} bytes", tensorwire::quic::MAX_MTU);
+    assert!(summary.contains(&largest), "{summary}");
+    assert!(receiver.wait().unwrap().success());
+    // A fixed size is kept, and the smaller side's is used.
+    // Its output is read, or it could not print what it received.
+    let (mut receiver, _lines, addr) = spawn_receiver(&[
+        "--count".as_ref(),
+        "3".as_ref(),
+        "--mtu".as_ref(),
+        "6000".as_ref(),
+    ]);
+    let summary = send_file(&["--connect", &addr], &model);
+    assert!(summary.contains("packets of 6000 bytes"), "{summary}");
+    assert!(receiver.wait().unwrap().success());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A tensor larger than its connection's share goes as parts over several connections
 /// (spec §15); the receiver puts it back together, and the saved file is the sent one.
 #[test]

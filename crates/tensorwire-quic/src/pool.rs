@@ -147,6 +147,18 @@ impl SenderPool {
         self.senders.len()
     }
 
+    /// The largest UDP payload its connections send now: the smallest over them, since each
+    /// probes its path on its own ([`TransportSettings::max_mtu`]).
+    ///
+    /// [`TransportSettings::max_mtu`]: crate::TransportSettings::max_mtu
+    pub fn path_mtu(&self) -> u16 {
+        self.senders
+            .iter()
+            .map(|sender| sender.connection_stats().path.current_mtu)
+            .min()
+            .unwrap_or(crate::MIN_MTU)
+    }
+
     /// Tensor and byte counters over all its connections.
     pub fn metrics(&self) -> MetricsSnapshot {
         self.metrics.snapshot()

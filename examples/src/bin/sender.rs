@@ -179,13 +179,14 @@ async fn send(
     let elapsed = started.elapsed().as_secs_f64();
     let metrics = sender.metrics();
     println!(
-        "sent {} tensors ({} streams), {} in {elapsed:.2} s over {} connections: {}; latency \
-         p50 {} µs, p99 {} µs; {failed} failed",
+        "sent {} tensors ({} streams), {} in {elapsed:.2} s over {} connections: {}; packets of \
+         {} bytes; latency p50 {} µs, p99 {} µs; {failed} failed",
         tensors - failed,
         metrics.tensors_completed,
         size(total),
         sender.connections(),
         rate(total, elapsed),
+        sender.path_mtu(),
         metrics.latency_p50_us,
         metrics.latency_p99_us,
     );
