@@ -7,12 +7,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tensorwire_proto::{Payload, TensorMeta};
 use tensorwire_sink::{
-    CreditPermit, Divisible, MemoryBudget, MemoryReservation, Sink, SinkError, checksum_then_copy,
+    CreditPermit, Divisible, MemoryBudget, MemoryReservation, Sink, SinkError,
+    checksum_then_copy_with,
 };
 use tokio::sync::{Notify, oneshot};
 
 use crate::buffer::CudaBuffer;
-use crate::cuda::{DeviceAllocation, DeviceMemoryKind, GpuDevice, PinnedAllocation};
+use crate::cuda::{DeviceAllocation, DeviceMemoryKind, GpuDevice, PinnedAllocation, stream_into};
 use crate::error::GpuError;
 use crate::pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 
@@ -499,8 +500,10 @@ impl GpuSink {
             };
             let n = part.len().min(fill.buffer.len() - fill.filled);
             let to = &mut fill.buffer.as_mut_slice()[fill.filled..fill.filled + n];
+            // A connection's DATA streams into staging; a copy from memory (no checksum)
+            // keeps ordinary stores, which one thread moves faster (`cuda::streaming`).
             match crc.as_deref_mut() {
-                Some(crc) => *crc = checksum_then_copy(*crc, &part[..n], to),
+                Some(crc) => *crc = checksum_then_copy_with(*crc, &part[..n], to, stream_into),
                 None => to.copy_from_slice(&part[..n]),
             }
             fill.filled += n;

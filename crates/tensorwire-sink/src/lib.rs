@@ -32,10 +32,21 @@ const FUSED_PIECE: usize = 16 << 10;
 /// Copies `src` into `dst` (the same length) and returns the CRC-32C of the bytes whose CRC
 /// is `crc` followed by `src`, reading each piece from memory once: it is checksummed, then
 /// copied while still in cache.
-pub fn checksum_then_copy(mut crc: u32, src: &[u8], dst: &mut [u8]) -> u32 {
+pub fn checksum_then_copy(crc: u32, src: &[u8], dst: &mut [u8]) -> u32 {
+    checksum_then_copy_with(crc, src, dst, |to, from| to.copy_from_slice(from))
+}
+
+/// As [`checksum_then_copy`], each piece copied by `copy(to, from)` (e.g. a GPU sink's
+/// streaming stores into staging).
+pub fn checksum_then_copy_with(
+    mut crc: u32,
+    src: &[u8],
+    dst: &mut [u8],
+    mut copy: impl FnMut(&mut [u8], &[u8]),
+) -> u32 {
     for (from, to) in src.chunks(FUSED_PIECE).zip(dst.chunks_mut(FUSED_PIECE)) {
         crc = tensorwire_proto::checksum::crc32c_append(crc, from);
-        to.copy_from_slice(from);
+        copy(to, from);
     }
     crc
 }

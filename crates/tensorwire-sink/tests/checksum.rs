@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use tensorwire_proto::Payload;
 use tensorwire_proto::checksum::crc32c;
-use tensorwire_sink::{CreditPermit, HostSink, Sink, checksum_then_copy};
+use tensorwire_sink::{CreditPermit, HostSink, Sink, checksum_then_copy, checksum_then_copy_with};
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -25,6 +25,22 @@ fn checksum_then_copy_copies_and_continues_a_checksum() {
         assert_eq!(dst, [first.clone(), second.clone()].concat());
         assert_eq!(crc, crc32c(&dst), "{len} bytes, continued");
     }
+}
+
+#[test]
+fn checksum_then_copy_with_hands_each_piece_to_the_copy_once() {
+    let src = pattern(100_000, 4);
+    let mut dst = vec![0; src.len()];
+    let mut pieces = Vec::new();
+    let crc = checksum_then_copy_with(0, &src, &mut dst, |to, from| {
+        pieces.push(from.len());
+        to.copy_from_slice(from);
+    });
+    assert_eq!((crc, &dst), (crc32c(&src), &src));
+    // Pieces of 16 KiB, checksummed right before each is copied.
+    assert_eq!(pieces.iter().sum::<usize>(), src.len());
+    assert!(pieces.iter().all(|&n| n <= 16 << 10), "{pieces:?}");
+    assert_eq!(pieces.len(), src.len().div_ceil(16 << 10));
 }
 
 #[tokio::test]

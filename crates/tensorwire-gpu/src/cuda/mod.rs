@@ -11,12 +11,14 @@ mod device;
 pub mod kernel;
 mod memory;
 mod share;
+mod streaming;
 mod view;
 
 pub use device::{DeviceInfo, GpuDevice};
 pub(crate) use memory::check_range;
 pub use memory::{DeviceAllocation, DeviceRange, PinnedAllocation};
 pub use share::{DeviceMemoryKind, IPC_HANDLE_LEN, ImportedMemory, IpcHandle};
+pub(crate) use streaming::stream_into;
 pub(crate) use view::UsedBy;
 pub use view::{DeviceSlice, Element};
 
