@@ -42,7 +42,9 @@ pub struct TransportSettings {
     pub mtu: u16,
     /// Largest UDP payload size: path MTU discovery (RFC 9000 §14.3) probes up to it and
     /// keeps the largest the path carries, and the peer may send up to it. At least `mtu`;
-    /// equal to it, the size stays fixed. Two sides that differ use the smaller.
+    /// equal to it, the size stays fixed. Two sides that differ use the smaller. quinn sizes
+    /// each endpoint's receive buffers by it: at [`MAX_MTU`], about 134 MB of address space
+    /// per endpoint, of which only what datagrams fill is ever committed.
     pub max_mtu: u16,
     /// Whether to batch packets with segmentation offload (GSO).
     pub segmentation_offload: bool,
