@@ -92,8 +92,20 @@ fn spawn_receiver(
     std::io::Lines<BufReader<std::process::ChildStdout>>,
     String,
 ) {
+    spawn_receiver_on("127.0.0.1:0", args)
+}
+
+/// As [`spawn_receiver`], listening on `listen`.
+fn spawn_receiver_on(
+    listen: &str,
+    args: &[&std::ffi::OsStr],
+) -> (
+    std::process::Child,
+    std::io::Lines<BufReader<std::process::ChildStdout>>,
+    String,
+) {
     let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
-        .args(["--listen", "127.0.0.1:0"])
+        .args(["--listen", listen])
         .args(args)
         .stdout(Stdio::piped())
         .spawn()
@@ -179,18 +191,16 @@ fn a_receiver_on_every_address_takes_loopback_senders_largest_packets() {
     let dir = temp_dir("every-address");
     let model = dir.join("model.safetensors");
     write_model(&model);
-    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
-        .args(["--listen", "0.0.0.0:0", "--count", "3", "--device", "host"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    let port = first
-        .rsplit_once(':')
-        .unwrap_or_else(|| panic!("{first}"))
-        .1
-        .to_owned();
+    let (mut receiver, _lines, addr) = spawn_receiver_on(
+        "0.0.0.0:0",
+        &[
+            "--count".as_ref(),
+            "3".as_ref(),
+            "--device".as_ref(),
+            "host".as_ref(),
+        ],
+    );
+    let port = addr.rsplit_once(':').unwrap_or_else(|| panic!("{addr}")).1;
     let summary = send_file(&["--connect", &format!("127.0.0.1:{port}")], &model);
     assert!(summary.contains("sent 3 tensors"), "{summary}");
     let largest = format!("packets of {} bytes", tensorwire::quic::MAX_MTU);
