@@ -33,17 +33,14 @@ impl TransportArgs {
     /// `addr` (which picks the MTU where none is given).
     pub fn settings(&self, addr: SocketAddr) -> TransportSettings {
         let idle_timeout = Duration::from_secs(self.idle_timeout_s);
-        let settings = TransportSettings {
+        TransportSettings {
             congestion: self.congestion,
             idle_timeout,
             keep_alive: (idle_timeout / 6).max(Duration::from_millis(500)),
             endpoint_threads: self.endpoint_threads,
             ..TransportSettings::default()
-        };
-        match self.mtu {
-            Some(mtu) => settings.fixed_mtu(mtu),
-            None => settings.automatic_mtu(addr),
         }
+        .with_mtu(self.mtu, addr)
     }
 }
 

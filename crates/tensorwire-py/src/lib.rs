@@ -275,15 +275,6 @@ fn client_tls(
     }
 }
 
-/// Default transport settings with `mtu` fixed where given, else the automatic sizes for
-/// `addr` (the largest on loopback; elsewhere 1200, probing up).
-fn packet_sizes(mtu: Option<u16>, addr: SocketAddr) -> TransportSettings {
-    match mtu {
-        Some(mtu) => TransportSettings::default().fixed_mtu(mtu),
-        None => TransportSettings::default().automatic_mtu(addr),
-    }
-}
-
 /// Sends `items` to `addr` over `connections` connections (None: one per core, at most 8,
 /// and no more than the tensors, or their 16 MiB parts, can use); with `split`, a tensor
 /// larger than its connection's share goes as parts over several (spec §15). Returns
@@ -334,7 +325,7 @@ fn send(
         .collect::<PyResult<Vec<_>>>()?;
     let mut config = SenderConfig::new(client_tls(ca, client_cert, client_key)?);
     config.server_name = server_name;
-    config.transport = packet_sizes(mtu, addr);
+    config.transport = TransportSettings::default().with_mtu(mtu, addr);
     let total: u64 = outgoing.iter().map(|(meta, _)| meta.byte_len()).sum();
     let splittable = if split { total } else { 0 };
     let connections = connections
@@ -648,7 +639,7 @@ impl Receiver {
         config.low_watermark = config.budget / 2;
         config.connection_window = config.budget / 2;
         config.admission_timeout = wait;
-        config.transport = packet_sizes(mtu, listen);
+        config.transport = TransportSettings::default().with_mtu(mtu, listen);
         if let Some(mib) = host_memory_mib {
             config.host_memory_budget = mib << 20;
         }

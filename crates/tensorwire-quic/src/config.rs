@@ -133,6 +133,15 @@ impl TransportSettings {
         }
     }
 
+    /// These settings with `mtu` fixed where given ([`Self::fixed_mtu`]), else the automatic
+    /// sizes for `addr` ([`Self::automatic_mtu`]): what a program's `--mtu` option means.
+    pub fn with_mtu(self, mtu: Option<u16>, addr: SocketAddr) -> Self {
+        match mtu {
+            Some(mtu) => self.fixed_mtu(mtu),
+            None => self.automatic_mtu(addr),
+        }
+    }
+
     /// These settings with the packet sizes for a connection to, or a receiver on, `addr`
     /// where none is given. On loopback: [`MAX_MTU`] from the start, which loopback carries
     /// and which moves several times as much per core. Elsewhere, including a receiver on

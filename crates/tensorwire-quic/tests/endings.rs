@@ -466,6 +466,11 @@ fn loopback_gets_the_largest_packets_and_other_addresses_probe_up_from_the_safe_
         let settings = TransportSettings::jumbo().automatic_mtu(addr.parse().unwrap());
         assert_eq!((settings.mtu, settings.max_mtu), (start, largest), "{addr}");
         settings.validate().unwrap();
+        // A given MTU is kept, fixed, wherever the address; none is the automatic sizes.
+        let given = TransportSettings::default().with_mtu(Some(6000), addr.parse().unwrap());
+        assert_eq!((given.mtu, given.max_mtu), (6000, 6000), "{addr}");
+        let none = TransportSettings::default().with_mtu(None, addr.parse().unwrap());
+        assert_eq!((none.mtu, none.max_mtu), (start, largest), "{addr}");
     }
 }
 
