@@ -12,8 +12,19 @@ use tensorwire_examples::files::load;
 
 /// Runs `sender --quiet` on `file` as a raw U8 tensor of `len` bytes, with `extra` flags.
 fn send_raw(addr: &str, len: usize, file: &Path, extra: &[&str]) -> std::process::Output {
+    send_raw_as(addr, "U8", len, file, extra)
+}
+
+/// As [`send_raw`], the tensor of `len` elements of `dtype`.
+fn send_raw_as(
+    addr: &str,
+    dtype: &str,
+    len: usize,
+    file: &Path,
+    extra: &[&str],
+) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_sender"))
-        .args(["--connect", addr, "--quiet", "--dtype", "U8", "--shape"])
+        .args(["--connect", addr, "--quiet", "--dtype", dtype, "--shape"])
         .arg(len.to_string())
         .args(extra)
         .arg(file)
@@ -27,10 +38,11 @@ fn a_dtype_is_named_in_any_case_and_an_unknown_one_lists_the_known() {
     let file = dir.join("raw.bin");
     std::fs::write(&file, [1u8; 16]).unwrap();
     // Nothing listens on this port: a dtype that parses gets as far as connecting.
-    let lower = send_raw_as(&file, "u8", &["--idle-timeout-s", "2"]);
+    let nobody = "127.0.0.1:9";
+    let lower = send_raw_as(nobody, "u8", 16, &file, &["--idle-timeout-s", "2"]);
     let lower_err = String::from_utf8_lossy(&lower.stderr);
     assert!(!lower_err.contains("dtype"), "{lower_err}");
-    let unknown = send_raw_as(&file, "q4", &[]);
+    let unknown = send_raw_as(nobody, "q4", 16, &file, &[]);
     let unknown_err = String::from_utf8_lossy(&unknown.stderr);
     assert!(!unknown.status.success());
     assert!(
@@ -38,25 +50,6 @@ fn a_dtype_is_named_in_any_case_and_an_unknown_one_lists_the_known() {
         "{unknown_err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Runs `sender --quiet` on `file` as a 16-element tensor of `dtype`, to a port where
-/// nothing listens, with `extra` flags.
-fn send_raw_as(file: &Path, dtype: &str, extra: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_sender"))
-        .args([
-            "--connect",
-            "127.0.0.1:9",
-            "--quiet",
-            "--dtype",
-            dtype,
-            "--shape",
-            "16",
-        ])
-        .args(extra)
-        .arg(file)
-        .output()
-        .unwrap()
 }
 
 /// Runs `sender --quiet` with `args` (the connect address among them) on `file`; fails the

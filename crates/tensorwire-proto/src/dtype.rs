@@ -39,6 +39,12 @@ macro_rules! dtypes {
             pub fn from_name(name: &str) -> Option<DType> {
                 match name { $($name => Some(DType::$variant),)* _ => None }
             }
+
+            /// As [`from_name`](Self::from_name), in any case (`bf16`, `Bf16`, `BF16`), as
+            /// people type them.
+            pub fn from_name_any_case(name: &str) -> Option<DType> {
+                Self::ALL.iter().copied().find(|dtype| dtype.name().eq_ignore_ascii_case(name))
+            }
         }
     };
 }

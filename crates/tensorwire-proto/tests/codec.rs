@@ -242,6 +242,8 @@ fn tensor_meta_computes_byte_length_with_checked_arithmetic() {
     for &dtype in DType::ALL {
         assert_eq!(DType::from_code(dtype.code()), Some(dtype));
         assert_eq!(DType::from_name(dtype.name()), Some(dtype));
+        let lower = dtype.name().to_ascii_lowercase();
+        assert_eq!(DType::from_name_any_case(&lower), Some(dtype));
     }
     assert_eq!(DType::ALL.len(), 15);
 }

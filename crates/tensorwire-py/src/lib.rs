@@ -70,7 +70,7 @@ fn transport_error(py: Python<'_>, e: &TransportError, tensor: Option<&str>) -> 
 }
 
 fn dtype_of(name: &str) -> PyResult<DType> {
-    DType::from_name(&name.to_ascii_uppercase())
+    DType::from_name_any_case(name)
         .ok_or_else(|| PyValueError::new_err(format!("dtype {name:?} is not one of spec §5.1")))
 }
 

@@ -148,14 +148,11 @@ impl TransportSettings {
     /// every address: [`MIN_MTU`], safe on any path, and path MTU discovery up to
     /// [`MAX_MTU`], which finds 1472 on Ethernet and 8972 on 9000-byte jumbo frames.
     pub fn automatic_mtu(self, addr: SocketAddr) -> Self {
-        if addr.ip().to_canonical().is_loopback() {
-            self.fixed_mtu(MAX_MTU)
-        } else {
-            Self {
-                mtu: MIN_MTU,
-                max_mtu: MAX_MTU,
-                ..self
-            }
+        let loopback = addr.ip().to_canonical().is_loopback();
+        Self {
+            mtu: if loopback { MAX_MTU } else { MIN_MTU },
+            max_mtu: MAX_MTU,
+            ..self
         }
     }
 

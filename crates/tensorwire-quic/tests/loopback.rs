@@ -138,9 +138,9 @@ async fn path_mtu_discovery_settles_on_what_the_path_carries() {
             .await
             .unwrap();
         // Within two search steps of the path's limit; the largest is probed last, exactly.
-        let settled = |mtu: u16| match path_mtu {
-            largest_path if largest_path == largest => mtu == largest,
-            _ => mtu >= path_mtu - SEARCH_STEP * 2,
+        let settled = |mtu: u16| match path_mtu == largest {
+            true => mtu == largest,
+            false => mtu >= path_mtu - SEARCH_STEP * 2,
         };
         let mut tensors = 0;
         let mut mtu = tx.connection_stats().path.current_mtu;

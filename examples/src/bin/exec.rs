@@ -239,7 +239,7 @@ fn dims(text: &str, flag: &str) -> anyhow::Result<[u32; 3]> {
 }
 
 fn dtype_of(text: &str) -> anyhow::Result<DType> {
-    DType::from_name(&text.to_ascii_uppercase())
+    DType::from_name_any_case(text)
         .with_context(|| format!("dtype {text:?}: expected one of f32, f64, i32, u8, bf16, ..."))
 }
 

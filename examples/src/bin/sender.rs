@@ -199,7 +199,7 @@ async fn send(
 
 /// A safetensors dtype name in any case; an unknown one is answered with the known ones.
 fn parse_dtype(s: &str) -> Result<DType, String> {
-    DType::from_name(&s.to_ascii_uppercase()).ok_or_else(|| {
+    DType::from_name_any_case(s).ok_or_else(|| {
         let known: Vec<&str> = DType::ALL.iter().map(|dtype| dtype.name()).collect();
         format!("unknown dtype {s:?}; expected one of {}", known.join(", "))
     })

@@ -188,7 +188,7 @@ pub fn cancel_code(answers: &[Frame]) -> Option<ErrorCode> {
 
 /// A UDP relay on loopback standing for a network path that carries datagrams of at most
 /// `path_mtu` bytes: larger ones are dropped both ways, as a router drops them. Returns the
-/// address to connect to instead of `to`, and a count of the datagrams dropped.
+/// address to connect to instead of `to`, and a count of the datagrams dropped for their size.
 pub async fn narrow_path(
     to: SocketAddr,
     path_mtu: usize,
@@ -229,13 +229,10 @@ pub async fn narrow_path(
                     }
                 }
                 Ok(n) = back.recv(&mut backward) => {
-                    match peer {
-                        Some(peer) if n <= path_mtu => {
-                            let _ = front.send_to(&backward[..n], peer).await;
-                        }
-                        _ => {
-                            counter.fetch_add(1, Ordering::Relaxed);
-                        }
+                    if n > path_mtu {
+                        counter.fetch_add(1, Ordering::Relaxed);
+                    } else if let Some(peer) = peer {
+                        let _ = front.send_to(&backward[..n], peer).await;
                     }
                 }
             }
