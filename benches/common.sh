@@ -74,3 +74,23 @@ raw_quinn_in_process() {
 ratio_to() {
   awk -v t="$1" -v r="${2:-0}" 'BEGIN { if (r + 0 > 0) printf "%.2f", t / r; else print "n/a" }'
 }
+
+# The median, least and greatest of numbers, ignoring n/a; n/a where none is left.
+#
+#   median VALUE...   minimum VALUE...   maximum VALUE...
+median() { _order_statistic median "$@"; }
+minimum() { _order_statistic min "$@"; }
+maximum() { _order_statistic max "$@"; }
+_order_statistic() {
+  local which=$1
+  shift
+  printf '%s\n' "$@" | grep -E '^[0-9.]+$' | sort -g | awk -v w="$which" '
+    { v[NR] = $1 }
+    END {
+      if (NR == 0) { print "n/a"; exit }
+      if (w == "min") print v[1]
+      else if (w == "max") print v[NR]
+      else if (NR % 2) print v[(NR + 1) / 2]
+      else printf "%.2f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2
+    }'
+}

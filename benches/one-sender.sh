@@ -14,6 +14,9 @@
 # RECEIVER_FLAGS adds receiver flags (e.g. "--steering address"), SENDER_FLAGS the sender's
 # (e.g. "--no-split"), RAW_SERVER_FLAGS the raw quinn server's. With one tensor
 # (TENSORS=1), the sender splits it over its connections (spec §15) unless told not to.
+# ROUNDS=N (default 1) repeats the programs and the anchors N times on the same file, and
+# then prints the median rate and the median of the rounds' ratios: on one host, single
+# runs of a few seconds spread by 20% or more.
 set -euo pipefail
 . "$(dirname "$0")/common.sh"
 bin=$(cd "$1" && pwd)
@@ -21,6 +24,7 @@ connections=${2:-8}
 tensors=${3:-16}
 mib=${4:-256}
 device=${5:-cuda:0}
+rounds=${ROUNDS:-1}
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
@@ -38,38 +42,58 @@ le=""
 for shift in 0 8 16 24 32 40 48 56; do le+=$(printf '\\x%02x' $(((len >> shift) & 255))); done
 { printf "$le"; printf '%s' "$header"; head -c $((tensors * bytes)) /dev/urandom; } > "$work/model.safetensors"
 
-"$bin/receiver" --listen 127.0.0.1:0 --mtu "$MTU" --device "$device" --count "$tensors" \
-  ${RECEIVER_FLAGS:-} > "$work/receiver.log" 2>&1 &
-receiver=$!
-addr=$(listening_address "$work/receiver.log")
-start=$(date +%s.%N)
-failed=0
-"$bin/sender" --connect "$addr" --mtu "$MTU" --quiet --connections "$connections" \
-  ${SENDER_FLAGS:-} "$work/model.safetensors" > "$work/sender.log" 2>&1 || failed=1
-end=$(date +%s.%N)
-wait "$receiver" || failed=1
-cat "$work/sender.log"
-grep -o "peak credit held.*" "$work/receiver.log" || true
 total_mib=$((tensors * mib))
-gbit=$(awk -v b="$total_mib" -v s="$start" -v e="$end" 'BEGIN { print b * 1048576 * 8 / (e - s) / 1e9 }')
-# Raw quinn sends the same file, mapped as `sender` maps it (each connection its own part),
-# and, as the anchors of earlier figures did, one 4 MiB buffer again and again, which stays
-# in the CPU's cache ("hot").
 each=$((total_mib / connections))
-read -r raw raw_hot < <(raw_quinn_in_process "$bin" "$connections" "$each" "$work/model.safetensors")
-# Raw quinn with every endpoint's work on one shared runtime (`--endpoint-threads caller`).
-read -r raw_shared raw_shared_hot < <(raw_quinn_in_process "$bin" "$connections" "$each" \
-  "$work/model.safetensors" --endpoint-threads caller)
-# Raw quinn the way the programs run: one client process opening all the connections.
-raw_procs=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" "$work/model.safetensors")
-raw_procs_hot=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" hot)
-printf 'raw quinn, %d connections, sending the same file (hot): in one process %s (%s) Gbit/s, on one shared runtime %s (%s), as processes (1 server, 1 client) %s (%s)\n' \
-  "$connections" "$raw" "$raw_hot" "$raw_shared" "$raw_shared_hot" "$raw_procs" "$raw_procs_hot"
-printf 'one sender / raw quinn sending the same file: %s in one process, %s on one shared runtime, %s as processes\n' \
-  "$(ratio_to "$gbit" "$raw")" "$(ratio_to "$gbit" "$raw_shared")" "$(ratio_to "$gbit" "$raw_procs")"
-printf 'one sender / raw quinn, hot: %s in one process, %s on one shared runtime, %s as processes\n' \
-  "$(ratio_to "$gbit" "$raw_hot")" "$(ratio_to "$gbit" "$raw_shared_hot")" "$(ratio_to "$gbit" "$raw_procs_hot")"
-printf 'one sender, %d connections -> receiver (%s): %d x %d MiB in %.2f s: %.1f Gbit/s (%.2f GB/s); raw quinn %d connections: %s Gbit/s; ratio %s; %d failed\n' \
-  "$connections" "$device" "$tensors" "$mib" "$(awk -v s="$start" -v e="$end" 'BEGIN{print e-s}')" \
-  "$gbit" "$(awk -v g="$gbit" 'BEGIN{print g/8}')" "$connections" "${raw:-n/a}" "$(ratio_to "$gbit" "$raw")" "$failed"
+failed=0
+# One round: the programs, then the raw quinn anchors on the same file, so that each ratio
+# compares runs a few seconds apart. Appends this round's figures to the arrays below.
+sent=() ratio_process=() ratio_shared=() ratio_processes=()
+one_round() {
+  local receiver start end gbit raw raw_hot raw_shared raw_shared_hot raw_procs raw_procs_hot
+  "$bin/receiver" --listen 127.0.0.1:0 --mtu "$MTU" --device "$device" --count "$tensors" \
+    ${RECEIVER_FLAGS:-} > "$work/receiver.log" 2>&1 &
+  receiver=$!
+  addr=$(listening_address "$work/receiver.log")
+  start=$(date +%s.%N)
+  "$bin/sender" --connect "$addr" --mtu "$MTU" --quiet --connections "$connections" \
+    ${SENDER_FLAGS:-} "$work/model.safetensors" > "$work/sender.log" 2>&1 || failed=1
+  end=$(date +%s.%N)
+  wait "$receiver" || failed=1
+  cat "$work/sender.log"
+  grep -o "peak credit held.*" "$work/receiver.log" || true
+  gbit=$(awk -v b="$total_mib" -v s="$start" -v e="$end" 'BEGIN { printf "%.2f", b * 1048576 * 8 / (e - s) / 1e9 }')
+  # Raw quinn sends the same file, mapped as `sender` maps it (each connection its own part),
+  # and, as the anchors of earlier figures did, one 4 MiB buffer again and again, which stays
+  # in the CPU's cache ("hot").
+  read -r raw raw_hot < <(raw_quinn_in_process "$bin" "$connections" "$each" "$work/model.safetensors")
+  # Raw quinn with every endpoint's work on one shared runtime (`--endpoint-threads caller`).
+  read -r raw_shared raw_shared_hot < <(raw_quinn_in_process "$bin" "$connections" "$each" \
+    "$work/model.safetensors" --endpoint-threads caller)
+  # Raw quinn the way the programs run: one client process opening all the connections.
+  raw_procs=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" "$work/model.safetensors")
+  raw_procs_hot=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" hot)
+  printf 'raw quinn, %d connections, sending the same file (hot): in one process %s (%s) Gbit/s, on one shared runtime %s (%s), as processes (1 server, 1 client) %s (%s)\n' \
+    "$connections" "$raw" "$raw_hot" "$raw_shared" "$raw_shared_hot" "$raw_procs" "$raw_procs_hot"
+  printf 'one sender / raw quinn sending the same file: %s in one process, %s on one shared runtime, %s as processes\n' \
+    "$(ratio_to "$gbit" "$raw")" "$(ratio_to "$gbit" "$raw_shared")" "$(ratio_to "$gbit" "$raw_procs")"
+  printf 'one sender / raw quinn, hot: %s in one process, %s on one shared runtime, %s as processes\n' \
+    "$(ratio_to "$gbit" "$raw_hot")" "$(ratio_to "$gbit" "$raw_shared_hot")" "$(ratio_to "$gbit" "$raw_procs_hot")"
+  printf 'one sender, %d connections -> receiver (%s): %d x %d MiB in %.2f s: %.1f Gbit/s (%.2f GB/s); raw quinn %d connections: %s Gbit/s; ratio %s; %d failed\n' \
+    "$connections" "$device" "$tensors" "$mib" "$(awk -v s="$start" -v e="$end" 'BEGIN{print e-s}')" \
+    "$gbit" "$(awk -v g="$gbit" 'BEGIN{print g/8}')" "$connections" "${raw:-n/a}" "$(ratio_to "$gbit" "$raw")" "$failed"
+  sent+=("$gbit")
+  ratio_process+=("$(ratio_to "$gbit" "$raw")")
+  ratio_shared+=("$(ratio_to "$gbit" "$raw_shared")")
+  ratio_processes+=("$(ratio_to "$gbit" "$raw_procs")")
+}
+
+for round in $(seq "$rounds"); do
+  [ "$rounds" -eq 1 ] || echo "round $round of $rounds"
+  one_round
+done
+if [ "$rounds" -gt 1 ]; then
+  printf 'one sender over %d rounds: median %s Gbit/s (%s to %s); / raw quinn, the median of the rounds'"'"' ratios: %s in one process, %s on one shared runtime, %s as processes\n' \
+    "$rounds" "$(median "${sent[@]}")" "$(minimum "${sent[@]}")" "$(maximum "${sent[@]}")" \
+    "$(median "${ratio_process[@]}")" "$(median "${ratio_shared[@]}")" "$(median "${ratio_processes[@]}")"
+fi
 [ "$failed" -eq 0 ]
