@@ -66,16 +66,23 @@ impl SenderPool {
         })
     }
 
-    /// Starts sending one tensor on the connection with the fewest bytes given to it so far.
+    /// Starts sending one tensor on the connection with the fewest bytes given to it so far,
+    /// after that connection's large tensors sent before it ([`Sender::send`]).
     pub fn send(&self, meta: TensorMeta, source: impl Into<Source>) -> SendHandle {
+        self.least_loaded(meta.byte_len()).send(meta, source)
+    }
+
+    /// The connection with the fewest bytes given to it so far, which `bytes` more are
+    /// given to.
+    fn least_loaded(&self, bytes: u64) -> &Sender {
         let least = self
             .assigned
             .iter()
             .enumerate()
-            .min_by_key(|(_, bytes)| bytes.load(Ordering::Relaxed))
+            .min_by_key(|(_, given)| given.load(Ordering::Relaxed))
             .map_or(0, |(i, _)| i);
-        self.assigned[least].fetch_add(meta.byte_len(), Ordering::Relaxed);
-        self.senders[least].send(meta, source)
+        self.assigned[least].fetch_add(bytes, Ordering::Relaxed);
+        &self.senders[least]
     }
 
     /// Starts sending one tensor as `parts` parts of consecutive rows (spec §15), each on
@@ -120,7 +127,10 @@ impl SenderPool {
         let sends = planned
             .into_iter()
             .zip(sources)
-            .map(|(part, source)| self.send(part.meta, source))
+            .map(|(part, source)| {
+                self.least_loaded(part.meta.byte_len())
+                    .send_part(part.meta, source)
+            })
             .collect();
         Ok(SendHandle::joined(sends, total))
     }

@@ -16,6 +16,7 @@ use tensorwire_proto::{
     ErrorCode, Limits, SessionConfig, SessionEvent, StreamId, TensorMeta, TensorSender,
 };
 use tokio::runtime::Handle;
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span};
@@ -102,6 +103,19 @@ pub struct ConnectionSender {
     options: SendOptions,
 }
 
+/// Whether a tensor's DATA waits its turn on the connection
+/// ([`ConnectionSession::take_turn`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Sharing {
+    /// A tensor of more than one DATA frame waits for the large tensors before it on the
+    /// connection to hand all their DATA to QUIC; a smaller one goes at once.
+    InTurn,
+    /// At once, beside the others: the parts of a split tensor (spec §15). A part waiting
+    /// behind a whole tensor that waits for memory at the receiver, memory held by the
+    /// part's own parent, would wait until that tensor's admission timed out.
+    Alongside,
+}
+
 /// The parts of [`SenderConfig`] each send uses.
 #[derive(Clone, Copy, Debug)]
 struct SendOptions {
@@ -114,7 +128,7 @@ struct SendOptions {
 pub struct SendReport {
     /// Payload bytes sent.
     pub bytes: u64,
-    /// From opening the stream to COMPLETE.
+    /// From the send's start, its turn on the connection waited for included, to COMPLETE.
     pub elapsed: Duration,
 }
 
@@ -161,8 +175,14 @@ impl Sender {
     }
 
     /// Starts sending one tensor; resolves (through the handle) on the receiver's COMPLETE.
+    /// Large tensors take turns: see [`ConnectionSender::send`].
     pub fn send(&self, meta: TensorMeta, source: impl Into<Source>) -> SendHandle {
         self.sender.send(meta, source)
+    }
+
+    /// Starts sending one part of a split tensor, beside the connection's other tensors.
+    pub(crate) fn send_part(&self, meta: TensorMeta, source: Source) -> SendHandle {
+        self.sender.send_part(meta, source)
     }
 
     /// Sends one tensor on the calling task, with no task spawned: see
@@ -261,7 +281,22 @@ impl ConnectionSender {
     }
 
     /// Starts sending one tensor; resolves (through the handle) on the peer's COMPLETE.
+    ///
+    /// Tensors of more than one DATA frame ([`SenderConfig::chunk_size`]) sent at once on
+    /// the connection take turns, in the order they were sent: each opens its stream once
+    /// the one before has handed all its DATA to QUIC. Smaller tensors go at once.
+    ///
+    /// [`SenderConfig::chunk_size`]: crate::SenderConfig::chunk_size
     pub fn send(&self, meta: TensorMeta, source: impl Into<Source>) -> SendHandle {
+        self.spawn_send(meta, source.into(), Sharing::InTurn)
+    }
+
+    /// Starts sending one part of a split tensor, beside the connection's other tensors.
+    pub(crate) fn send_part(&self, meta: TensorMeta, source: Source) -> SendHandle {
+        self.spawn_send(meta, source, Sharing::Alongside)
+    }
+
+    fn spawn_send(&self, meta: TensorMeta, source: Source, sharing: Sharing) -> SendHandle {
         let sent = Arc::new(AtomicU64::new(0));
         let cancel = CancellationToken::new();
         let total = meta.byte_len();
@@ -269,7 +304,6 @@ impl ConnectionSender {
         // Beside the connection's packet processing (its endpoint's runtime).
         let (connection, session) = (self.connection.clone(), self.session.clone());
         let (progress, token, metrics) = (sent.clone(), cancel.clone(), self.metrics.clone());
-        let source = source.into();
         let options = self.options;
         let task = self.runtime.spawn(
             async move {
@@ -282,6 +316,7 @@ impl ConnectionSender {
                     Some(&token),
                     metrics,
                     options,
+                    sharing,
                 )
                 .await
             }
@@ -320,6 +355,7 @@ impl ConnectionSender {
             None,
             self.metrics.clone(),
             self.options,
+            Sharing::InTurn,
         )
         .instrument(span)
         .await
@@ -476,6 +512,7 @@ async fn send_tensor(
     cancel: Option<&CancellationToken>,
     metrics: Arc<Metrics>,
     options: SendOptions,
+    sharing: Sharing,
 ) -> Result<SendReport, TransportError> {
     let mut count = CountedSend::start(metrics);
     let started = count.started;
@@ -483,6 +520,15 @@ async fn send_tensor(
     let result = async {
         // Built before the stream is opened: building checks the metadata fits the wire.
         let machine = TensorSender::new(meta)?;
+        let turn = if sharing == Sharing::InTurn && total > options.chunk_size {
+            tokio::select! {
+                biased;
+                turn = session.take_turn() => turn,
+                () = cancelled(cancel) => return Err(TransportError::cancelled_by("waiting for its turn")),
+            }
+        } else {
+            None
+        };
         let (send, recv) = connection.open_bi().await?;
         let id = VarInt::from(send.id()).into_inner();
         session.lock().start_sending(id, machine)?;
@@ -491,6 +537,7 @@ async fn send_tensor(
             session: session.clone(),
             stream: FrameStream::new(send, recv, Limits::default()),
             settled: false,
+            turn,
         };
         let outcome = tensor
             .drive(&connection, source, total, sent, cancel, options)
@@ -577,6 +624,8 @@ struct OutgoingTensor {
     /// Whether the session let go of the stream; if not when dropped (a send future dropped
     /// midway), the tensor is cancelled.
     settled: bool,
+    /// The connection's turn for large tensors' DATA, while this one holds it.
+    turn: Option<OwnedSemaphorePermit>,
 }
 
 impl Drop for OutgoingTensor {
@@ -602,7 +651,8 @@ impl OutgoingTensor {
         bytes
     }
 
-    /// Sends METADATA, then DATA as credit allows, then END; returns on COMPLETE.
+    /// Sends METADATA, then DATA as credit allows, then END; returns on COMPLETE. Gives up
+    /// the connection's turn (if held) once all its DATA is QUIC's.
     ///
     /// The progress timeout counts time without progress, not silence: while the receiver has
     /// nothing to say (all credit granted, bytes still crossing a slow path), our data being
@@ -668,6 +718,11 @@ impl OutgoingTensor {
             }
             // Our half stays open after END, so that a CANCEL can still follow it (spec §4).
             self.flush().await?;
+            if self.turn.is_some() && self.session.lock().sent(id) == total {
+                // The next large tensor's METADATA and admission overlap our last DATA in
+                // QUIC's send buffer and our wait for COMPLETE.
+                self.turn = None;
+            }
             let frame = tokio::select! {
                 // The reply first: no random draw per poll, and a reply that is in wins.
                 biased;

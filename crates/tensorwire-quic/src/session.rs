@@ -7,24 +7,53 @@ use std::time::Instant;
 use smallvec::SmallVec;
 use tensorwire_proto::{Frame, Session, SessionConfig, StreamId, WireChunks};
 
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
 use crate::error::TransportError;
 use crate::stream::FrameStream;
 
 /// A connection's session. Lock it only for a sans-IO call, never across an await, and
 /// before the receiver's credit tracker, never after. Cheap to clone.
 #[derive(Clone, Debug)]
-pub(crate) struct ConnectionSession(Arc<Mutex<Session>>);
+pub(crate) struct ConnectionSession(Arc<Shared>);
+
+#[derive(Debug)]
+struct Shared {
+    session: Mutex<Session>,
+    /// The one turn to send a large tensor's DATA on this connection
+    /// ([`ConnectionSession::take_turn`]).
+    turn: Arc<Semaphore>,
+}
 
 impl ConnectionSession {
     /// A session with `config`, idle from now.
     pub(crate) fn new(config: SessionConfig) -> Self {
-        Self(Arc::new(Mutex::new(Session::new(config, Instant::now()))))
+        Self(Arc::new(Shared {
+            session: Mutex::new(Session::new(config, Instant::now())),
+            turn: Arc::new(Semaphore::new(1)),
+        }))
     }
 
     /// The session, for one sans-IO call.
     pub(crate) fn lock(&self) -> MutexGuard<'_, Session> {
         // The session's invariants hold between calls; a panic elsewhere cannot break them.
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.0
+            .session
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Waits, first come first served, until no other large tensor of this connection is
+    /// handing its DATA to QUIC, and holds the turn until the permit is dropped.
+    ///
+    /// Tensors sent at once on one connection otherwise all open their streams, and QUIC
+    /// interleaves their DATA: the receiver then admits every one of them (destination
+    /// memory), spreads its credit over them and fills a staging buffer for each. One
+    /// `sender --connections 8` of 32 to 64 tensors into a GPU moved 7.4–9.5 GB/s so, and
+    /// 10.8–12.2 GB/s taking turns (benches/README.md).
+    /// `None` only if the turn were closed, which it never is.
+    pub(crate) async fn take_turn(&self) -> Option<OwnedSemaphorePermit> {
+        self.0.turn.clone().acquire_owned().await.ok()
     }
 }
 

@@ -839,3 +839,81 @@ async fn receive_err(incoming: tensorwire_quic::IncomingTensor) -> tensorwire_qu
         .await
         .unwrap_err()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_tensors_on_one_connection_take_turns_and_small_ones_go_at_once() {
+    init_tracing();
+    // Above the default DATA size (1 MiB), and above the early credit: each waits for ACCEPT.
+    const LARGE: usize = 4 << 20;
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let tx = sender(addr).await;
+    let large: Vec<_> = (0..3u64)
+        .map(|i| {
+            let name = format!("large-{i}");
+            tx.send(u8_meta(&name, LARGE), pattern(LARGE, i))
+        })
+        .collect();
+    let small = tx.send(u8_meta("small", 1000), pattern(1000, 9));
+
+    // The first large tensor and the small one arrive; the other large ones wait their turn
+    // while the first, not yet accepted, has DATA to send.
+    let mut first = None;
+    for _ in 0..2 {
+        let incoming = rx.next().await.unwrap();
+        match incoming.meta().name() {
+            "large-0" => first = Some(incoming),
+            "small" => drop(land_host(incoming).await),
+            other => panic!("{other} arrived before large-0 handed over its DATA"),
+        }
+    }
+    small.finished().await.unwrap();
+    let waiting = tokio::time::timeout(Duration::from_millis(300), rx.next()).await;
+    assert!(
+        waiting.is_err(),
+        "{:?} opened its stream before large-0 sent its DATA",
+        waiting.unwrap().map(|t| t.meta().name().to_owned())
+    );
+
+    // Accepted, each hands over its DATA and the next one comes, in the order they were sent.
+    let mut landed = vec![land_host(first.unwrap()).await];
+    for _ in 1..3 {
+        landed.push(land_host(rx.next().await.unwrap()).await);
+    }
+    for (i, (handle, (meta, bytes))) in large.into_iter().zip(&landed).enumerate() {
+        assert_eq!(meta.name(), format!("large-{i}"));
+        assert_eq!(*bytes, pattern(LARGE, i as u64));
+        assert_eq!(handle.finished().await.unwrap().bytes, LARGE as u64);
+    }
+    common::assert_budget_returned(&rx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tensor_waiting_for_its_turn_can_be_cancelled_and_never_opens() {
+    const LARGE: usize = 4 << 20;
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let tx = sender(addr).await;
+    let first = tx.send(u8_meta("first", LARGE), pattern(LARGE, 1));
+    let waiting = tx.send(u8_meta("waiting", LARGE), pattern(LARGE, 2));
+    let incoming = rx.next().await.unwrap();
+    assert_eq!(incoming.meta().name(), "first");
+
+    waiting.cancel();
+    let err = tokio::time::timeout(Duration::from_secs(10), waiting.finished())
+        .await
+        .expect("a cancelled wait ends at once")
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::CANCELLED), "{err}");
+
+    land_host(incoming).await;
+    first.finished().await.unwrap();
+    let next = tx.send(u8_meta("next", LARGE), pattern(LARGE, 3));
+    let (meta, _) = land_host(rx.next().await.unwrap()).await;
+    assert_eq!(
+        meta.name(),
+        "next",
+        "the cancelled tensor never opened its stream"
+    );
+    next.finished().await.unwrap();
+    assert_eq!(tx.metrics().tensors_failed, 1);
+    common::assert_budget_returned(&rx).await;
+}

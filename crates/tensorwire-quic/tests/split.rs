@@ -105,6 +105,41 @@ async fn a_split_tensor_goes_over_several_connections_and_lands_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parts_on_one_connection_go_alongside_not_in_turn() {
+    // Large tensors on one connection take turns; the parts of a split tensor do not: a part
+    // waiting behind a tensor that waits for memory its parent holds would wait for nothing.
+    let (mut rx, _) = receiver(receiver_config()).await;
+    let tx = pool(&rx, 1).await;
+    let bytes = pattern((ROWS * ROW) as usize, 4);
+    let send = tx.send_split(whole(), bytes.clone(), 2).unwrap();
+    let mut arrived = Vec::new();
+    for _ in 0..2 {
+        let next = tokio::time::timeout(Duration::from_secs(10), rx.next()).await;
+        arrived.push(
+            next.expect("both parts open before either is accepted")
+                .unwrap(),
+        );
+    }
+    let splits = SplitTensors::new(Duration::from_secs(10));
+    let mut wholes = Vec::new();
+    let landing: Vec<_> = arrived
+        .into_iter()
+        .map(|incoming| tokio::spawn(land(splits.clone(), incoming)))
+        .collect();
+    for landed in landing {
+        wholes.extend(landed.await.unwrap().unwrap());
+    }
+    assert_eq!(send.finished().await.unwrap().bytes, ROWS * ROW);
+    assert!(
+        wholes.len() == 1 && wholes[0].output == bytes,
+        "the whole arrived intact"
+    );
+    assert_budget_returned(&rx).await;
+    tx.close().await;
+    rx.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_part_that_overlaps_another_is_refused_with_split_mismatch() {
     let (mut rx, _) = receiver(receiver_config()).await;
     let tx = pool(&rx, 2).await;
