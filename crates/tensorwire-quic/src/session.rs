@@ -17,6 +17,7 @@ use crate::stream::FrameStream;
 #[derive(Clone, Debug)]
 pub(crate) struct ConnectionSession(Arc<Shared>);
 
+/// What the clones of a [`ConnectionSession`] share.
 #[derive(Debug)]
 struct Shared {
     session: Mutex<Session>,
@@ -49,8 +50,9 @@ impl ConnectionSession {
     /// Tensors sent at once on one connection otherwise all open their streams, and QUIC
     /// interleaves their DATA: the receiver then admits every one of them (destination
     /// memory), spreads its credit over them and fills a staging buffer for each. One
-    /// `sender --connections 8` of 32 to 64 tensors into a GPU moved 7.4–9.5 GB/s so, and
-    /// 10.8–12.2 GB/s taking turns (benches/README.md).
+    /// `sender --connections 8` of 32 tensors into a GPU moved 8.2 GB/s so, and 10.4 GB/s
+    /// taking turns (medians on a 32-core host, benches/README.md).
+    ///
     /// `None` only if the turn were closed, which it never is.
     pub(crate) async fn take_turn(&self) -> Option<OwnedSemaphorePermit> {
         self.0.turn.clone().acquire_owned().await.ok()
