@@ -21,7 +21,7 @@ use crate::steering::{
 pub const MIN_MTU: u16 = 1200;
 
 /// Largest MTU: a UDP datagram's largest payload over IPv4, which loopback carries. GSO
-/// batches of packets this large go out one packet per send ([`crate::socket`]).
+/// batches of packets this large go out one packet per send (the crate's `socket` module).
 pub const MAX_MTU: u16 = 65_507;
 
 /// Unidirectional streams a peer may have open at once: its control stream (spec §4.1) and a

@@ -284,7 +284,10 @@ impl ConnectionSender {
     ///
     /// Tensors of more than one DATA frame ([`SenderConfig::chunk_size`]) sent at once on
     /// the connection take turns, in the order they were sent: each opens its stream once
-    /// the one before has handed all its DATA to QUIC. Smaller tensors go at once.
+    /// the one before has handed all its DATA to QUIC. Smaller tensors go at once. So a
+    /// receiving application that leaves a large tensor undecided until a later one from the
+    /// same connection arrives waits until the first fails (its progress timeout): decide
+    /// each tensor as it comes.
     ///
     /// [`SenderConfig::chunk_size`]: crate::SenderConfig::chunk_size
     pub fn send(&self, meta: TensorMeta, source: impl Into<Source>) -> SendHandle {
