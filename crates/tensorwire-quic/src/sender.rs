@@ -527,7 +527,7 @@ async fn send_tensor(
             tokio::select! {
                 biased;
                 turn = session.take_turn() => turn,
-                () = cancelled(cancel) => return Err(TransportError::cancelled_by("waiting for its turn")),
+                () = cancelled(cancel) => return Err(TransportError::cancelled_by("sending")),
             }
         } else {
             None

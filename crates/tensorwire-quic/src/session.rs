@@ -6,7 +6,6 @@ use std::time::Instant;
 
 use smallvec::SmallVec;
 use tensorwire_proto::{Frame, Session, SessionConfig, StreamId, WireChunks};
-
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::TransportError;

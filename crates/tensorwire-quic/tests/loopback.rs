@@ -917,3 +917,28 @@ async fn a_tensor_waiting_for_its_turn_can_be_cancelled_and_never_opens() {
     assert_eq!(tx.metrics().tensors_failed, 1);
     common::assert_budget_returned(&rx).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_tensor_that_fails_hands_the_turn_on() {
+    const LARGE: usize = 4 << 20;
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let server = tokio::spawn(async move {
+        let short = receive_host(&mut rx).await.unwrap_err();
+        let next = receive_host(&mut rx).await.unwrap();
+        (short, next, rx)
+    });
+    let tx = sender(addr).await;
+    // Its source ends a quarter of the way in: it fails while holding the turn.
+    let short = tx.send(u8_meta("short", LARGE), vec![1u8; LARGE / 4]);
+    let next = tx.send(u8_meta("next", LARGE), pattern(LARGE, 5));
+    let err = short.finished().await.unwrap_err();
+    assert!(err.to_string().contains("source ended"), "{err}");
+    let next = tokio::time::timeout(Duration::from_secs(30), next.finished())
+        .await
+        .expect("the failed tensor gave up its turn");
+    assert_eq!(next.unwrap().bytes, LARGE as u64);
+    let (short, (meta, bytes), rx) = server.await.unwrap();
+    assert!(short.to_string().contains("source ended"), "{short}");
+    assert_eq!((meta.name(), bytes), ("next", pattern(LARGE, 5)));
+    common::assert_budget_returned(&rx).await;
+}
