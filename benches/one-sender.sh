@@ -50,6 +50,7 @@ failed=0
 sent=() ratio_process=() ratio_shared=() ratio_processes=()
 one_round() {
   local receiver start end gbit raw raw_hot raw_shared raw_shared_hot raw_procs raw_procs_hot
+  local to_process to_shared to_processes
   "$bin/receiver" --listen 127.0.0.1:0 --mtu "$MTU" --device "$device" --count "$tensors" \
     ${RECEIVER_FLAGS:-} > "$work/receiver.log" 2>&1 &
   receiver=$!
@@ -72,19 +73,22 @@ one_round() {
   # Raw quinn the way the programs run: one client process opening all the connections.
   raw_procs=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" "$work/model.safetensors")
   raw_procs_hot=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" hot)
+  to_process=$(ratio_to "$gbit" "$raw")
+  to_shared=$(ratio_to "$gbit" "$raw_shared")
+  to_processes=$(ratio_to "$gbit" "$raw_procs")
   printf 'raw quinn, %d connections, sending the same file (hot): in one process %s (%s) Gbit/s, on one shared runtime %s (%s), as processes (1 server, 1 client) %s (%s)\n' \
     "$connections" "$raw" "$raw_hot" "$raw_shared" "$raw_shared_hot" "$raw_procs" "$raw_procs_hot"
   printf 'one sender / raw quinn sending the same file: %s in one process, %s on one shared runtime, %s as processes\n' \
-    "$(ratio_to "$gbit" "$raw")" "$(ratio_to "$gbit" "$raw_shared")" "$(ratio_to "$gbit" "$raw_procs")"
+    "$to_process" "$to_shared" "$to_processes"
   printf 'one sender / raw quinn, hot: %s in one process, %s on one shared runtime, %s as processes\n' \
     "$(ratio_to "$gbit" "$raw_hot")" "$(ratio_to "$gbit" "$raw_shared_hot")" "$(ratio_to "$gbit" "$raw_procs_hot")"
   printf 'one sender, %d connections -> receiver (%s): %d x %d MiB in %.2f s: %.1f Gbit/s (%.2f GB/s); raw quinn %d connections: %s Gbit/s; ratio %s; %d failed\n' \
     "$connections" "$device" "$tensors" "$mib" "$(awk -v s="$start" -v e="$end" 'BEGIN{print e-s}')" \
-    "$gbit" "$(awk -v g="$gbit" 'BEGIN{print g/8}')" "$connections" "${raw:-n/a}" "$(ratio_to "$gbit" "$raw")" "$failed"
+    "$gbit" "$(awk -v g="$gbit" 'BEGIN{print g/8}')" "$connections" "${raw:-n/a}" "$to_process" "$failed"
   sent+=("$gbit")
-  ratio_process+=("$(ratio_to "$gbit" "$raw")")
-  ratio_shared+=("$(ratio_to "$gbit" "$raw_shared")")
-  ratio_processes+=("$(ratio_to "$gbit" "$raw_procs")")
+  ratio_process+=("$to_process")
+  ratio_shared+=("$to_shared")
+  ratio_processes+=("$to_processes")
 }
 
 for round in $(seq "$rounds"); do

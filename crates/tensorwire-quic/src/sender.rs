@@ -713,15 +713,17 @@ impl OutgoingTensor {
                 }
                 sent.store(done + len, Ordering::Relaxed);
             }
-            {
+            let all_queued = {
                 let mut session = self.session.lock();
-                if session.is_sending(id) && session.sent(id) == total {
+                let all_queued = session.sent(id) == total;
+                if all_queued && session.is_sending(id) {
                     session.finish(id)?;
                 }
-            }
+                all_queued
+            };
             // Our half stays open after END, so that a CANCEL can still follow it (spec §4).
             self.flush().await?;
-            if self.turn.is_some() && self.session.lock().sent(id) == total {
+            if all_queued {
                 // The next large tensor's METADATA and admission overlap our last DATA in
                 // QUIC's send buffer and our wait for COMPLETE.
                 self.turn = None;
