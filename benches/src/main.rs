@@ -156,9 +156,14 @@ struct Args {
     /// less than a tenth.
     #[arg(long)]
     samples: Option<u64>,
-    /// Repeat each throughput run this many times and keep the best.
+    /// Repeat each throughput run this many times, the transports taking turns in each
+    /// round; keeps each one's best and prints the median of the rounds' ratios.
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// After each throughput run, print the threads busy more than a tenth of its time:
+    /// which one limits a connection.
+    #[arg(long)]
+    thread_usage: bool,
     /// Serve raw quinn to client processes (`--raw-client`) instead of measuring: bind as
     /// many endpoints on one port as the first `--connections`, write the certificate (DER)
     /// to this file, print `listening on ADDR`, and exit once that many connections have
@@ -367,6 +372,8 @@ struct Report {
     throughput: Vec<Throughput>,
     /// (connections, tensorwire's rate / raw quinn's from `--source`)
     ratio_tensorwire_over_quinn: Vec<(usize, f64)>,
+    /// (connections, the median over rounds of tensorwire's rate / raw quinn's in that round)
+    median_round_ratio_tensorwire_over_quinn: Vec<(usize, f64)>,
     /// (connections, tensorwire's rate / raw quinn's from a cache-hot 4 MiB buffer)
     ratio_tensorwire_over_hot_quinn: Vec<(usize, f64)>,
     latency: Vec<Latency>,
@@ -375,6 +382,17 @@ struct Report {
 
 /// `--endpoint-threads`, set once at start.
 static ENDPOINT_THREADS: std::sync::OnceLock<EndpointThreads> = std::sync::OnceLock::new();
+
+/// `--thread-usage`, set once at start.
+static THREAD_USAGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// With `--thread-usage`, prints what each thread busy more than a tenth of the `seconds`
+/// since `before` spent on a CPU, as a fraction of them.
+fn print_busy_threads(run: &str, before: &ThreadUsage, seconds: f64) {
+    if THREAD_USAGE.get().copied().unwrap_or_default() {
+        eprintln!("  {run}: busy threads {}", ThreadUsage::now().busy_since(before, seconds));
+    }
+}
 
 /// `--store-offload`, set once at start.
 static STORE_OFFLOAD: std::sync::OnceLock<tensorwire::quic::StoreOffload> =
@@ -621,15 +639,22 @@ async fn raw_quinn(
         servers.push(server_task);
         clients.push((client, client_runtime, conn));
     }
-    let started = Instant::now();
+    let (usage, started) = (ThreadUsage::now(), Instant::now());
     raw_quinn_send_on_each(&clients, data, bytes_per_conn).await?;
     let seconds = started.elapsed().as_secs_f64();
+    print_busy_threads("raw quinn", &usage, seconds);
     for (client, _, conn) in clients {
         if std::env::var_os("BENCH_STATS").is_some() {
             let stats = conn.stats();
             eprintln!(
-                "raw quinn: sent {} packets, lost {}, mtu {}",
-                stats.path.sent_packets, stats.path.lost_packets, stats.path.current_mtu
+                "raw quinn: sent {} packets, lost {}, mtu {}, congestion window {} KiB, rtt {:?}, congestion events {}, received {} datagrams",
+                stats.path.sent_packets,
+                stats.path.lost_packets,
+                stats.path.current_mtu,
+                stats.path.cwnd >> 10,
+                stats.path.rtt,
+                stats.path.congestion_events,
+                stats.udp_rx.datagrams
             );
         }
         conn.close(0u32.into(), b"done");
@@ -778,7 +803,7 @@ async fn tensorwire_run(
     }
     let meta = TensorMeta::new([tensor_bytes], DType::U8)?.with_name("bench");
     let senders: Vec<Arc<Sender>> = senders.into_iter().map(Arc::new).collect();
-    let started = Instant::now();
+    let (usage, started) = (ThreadUsage::now(), Instant::now());
     let mut tasks = Vec::new();
     for sender in &senders {
         let (sender, meta, data) = (sender.clone(), meta.clone(), data.clone());
@@ -803,13 +828,20 @@ async fn tensorwire_run(
         task.await??;
     }
     let seconds = started.elapsed().as_secs_f64();
+    print_busy_threads("tensorwire", &usage, seconds);
     for s in senders {
         let s = Arc::into_inner(s).ok_or_else(|| anyhow::anyhow!("sender still shared"))?;
         if std::env::var_os("BENCH_STATS").is_some() {
             let stats = s.connection_stats();
             eprintln!(
-                "tensorwire: sent {} packets, lost {}, mtu {}",
-                stats.path.sent_packets, stats.path.lost_packets, stats.path.current_mtu
+                "tensorwire: sent {} packets, lost {}, mtu {}, congestion window {} KiB, rtt {:?}, congestion events {}, received {} datagrams",
+                stats.path.sent_packets,
+                stats.path.lost_packets,
+                stats.path.current_mtu,
+                stats.path.cwnd >> 10,
+                stats.path.rtt,
+                stats.path.congestion_events,
+                stats.udp_rx.datagrams
             );
         }
         s.close().await;
@@ -1126,6 +1158,25 @@ impl ThreadUsage {
             })
             .collect();
         Self(threads)
+    }
+
+    /// Threads on a CPU more than a tenth of the `seconds` since `before`, busiest first, as
+    /// "name#tid 0.98, name#tid 0.40": the fraction of those seconds on a CPU.
+    fn busy_since(&self, before: &Self, seconds: f64) -> String {
+        let mut busy: Vec<(f64, String)> = self
+            .0
+            .iter()
+            .filter_map(|(tid, now)| {
+                let ns = before.0.get(tid).map_or(0, |then| then.on_cpu_ns);
+                let share = now.on_cpu_ns.saturating_sub(ns) as f64 / 1e9 / seconds.max(1e-9);
+                (share > 0.1).then(|| (share, format!("{}#{tid}", now.name)))
+            })
+            .collect();
+        busy.sort_by(|a, b| b.0.total_cmp(&a.0));
+        busy.iter()
+            .map(|(share, name)| format!("{name} {share:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// Per message since `before`, threads that switched at least once per 100 messages,
@@ -1729,6 +1780,23 @@ async fn gpu_section(
 
 // ---------------------------------------------------------------- main
 
+/// Keeps the shorter of `best` and `seconds`; a skipped run (NaN) keeps the other.
+fn keep_best(best: &mut f64, seconds: f64) {
+    if best.is_nan() || seconds < *best {
+        *best = seconds;
+    }
+}
+
+/// The median of `values` (the mean of the middle two for an even count); NaN for none.
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
 async fn best_of(
     runs: usize,
     mut run: impl AsyncFnMut() -> anyhow::Result<f64>,
@@ -1745,6 +1813,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let _ = ENDPOINT_THREADS.set(args.endpoint_threads);
     let _ = STORE_OFFLOAD.set(args.store_offload);
+    let _ = THREAD_USAGE.set(args.thread_usage);
     let mib = args.mib.unwrap_or(if args.quick { 512 } else { 2048 });
     if let Some(cert) = &args.raw_server {
         let count = args.connections.first().copied().unwrap_or(1);
@@ -1775,45 +1844,49 @@ async fn main() -> anyhow::Result<()> {
     };
     let mut throughput = Vec::new();
     let mut ratios = Vec::new();
+    let mut median_ratios = Vec::new();
     let mut hot_ratios = Vec::new();
     let connections: &[usize] = if latency_only { &[] } else { &args.connections };
     for &n in connections {
         let wanted = |name: &str| args.only.as_deref().is_none_or(|only| only == name);
         let skipped = f64::NAN;
-        let quinn_s = if wanted("raw-quinn") {
-            best_of(runs, async || raw_quinn(n, bytes, args.mtu, &source).await).await?
-        } else {
-            skipped
+        let tw_run = TensorwireRun {
+            sink: SinkKind::Discard,
+            tensor_bytes,
+            mtu: args.mtu,
+            chunk: args.chunk_kib << 10,
+            window: args.window_mib << 20,
+            grant: args.grant_mib << 20,
+            inflight: args.inflight,
         };
+        // Each round runs every transport once, so a machine that slows down or speeds up
+        // between rounds moves both sides of that round's ratio.
+        let (mut quinn_s, mut hot_quinn_s, mut tw_s, mut tcp_s) = (skipped, skipped, skipped, skipped);
+        let mut round_ratios = Vec::new();
+        for _ in 0..runs.max(1) {
+            let quinn = if wanted("raw-quinn") {
+                raw_quinn(n, bytes, args.mtu, &source).await?
+            } else {
+                skipped
+            };
+            if let Some(hot) = hot.as_ref().filter(|_| wanted("raw-quinn")) {
+                keep_best(&mut hot_quinn_s, raw_quinn(n, bytes, args.mtu, hot).await?);
+            }
+            let tw = if wanted("tensorwire") {
+                tensorwire_run(n, bytes, tw_run.clone()).await?
+            } else {
+                skipped
+            };
+            if wanted("tcp-tls") {
+                keep_best(&mut tcp_s, tcp_tls(n, bytes, &source).await?);
+            }
+            keep_best(&mut quinn_s, quinn);
+            keep_best(&mut tw_s, tw);
+            round_ratios.push(quinn / tw);
+        }
         // None where `--source hot` made the first anchor the hot one.
-        let hot_quinn_s = match &hot {
-            Some(hot) if wanted("raw-quinn") => {
-                Some(best_of(runs, async || raw_quinn(n, bytes, args.mtu, hot).await).await?)
-            }
-            Some(_) => Some(skipped),
-            None => None,
-        };
-        let tw_s = if wanted("tensorwire") {
-            {
-                let run = TensorwireRun {
-                    sink: SinkKind::Discard,
-                    tensor_bytes,
-                    mtu: args.mtu,
-                    chunk: args.chunk_kib << 10,
-                    window: args.window_mib << 20,
-                    grant: args.grant_mib << 20,
-                    inflight: args.inflight,
-                };
-                best_of(runs, async || tensorwire_run(n, bytes, run.clone()).await).await?
-            }
-        } else {
-            skipped
-        };
-        let tcp_s = if wanted("tcp-tls") {
-            best_of(runs, async || tcp_tls(n, bytes, &source).await).await?
-        } else {
-            skipped
-        };
+        let hot_quinn_s = hot.as_ref().map(|_| hot_quinn_s);
+        median_ratios.push((n, median(&mut round_ratios)));
         let total = bytes * n as u64;
         let rows = [
             Some(("raw quinn", quinn_s)),
@@ -1890,14 +1963,14 @@ async fn main() -> anyhow::Result<()> {
                 t.transport, t.connections, t.gbit_per_s, t.seconds
             );
         }
-        for (n, ratio) in &ratios {
+        for ((n, ratio), (_, median_ratio)) in ratios.iter().zip(&median_ratios) {
             let hot = hot_ratios.iter().find(|(m, _)| m == n);
-            match hot {
-                Some((_, hot_ratio)) => println!(
-                    "  tensorwire / raw quinn, {n} connection(s): {ratio:.3}; / raw quinn, hot: {hot_ratio:.3}"
-                ),
-                None => println!("  tensorwire / raw quinn, {n} connection(s): {ratio:.3}"),
-            }
+            let hot = hot.map_or_else(String::new, |(_, hot_ratio)| {
+                format!("; / raw quinn, hot: {hot_ratio:.3}")
+            });
+            println!(
+                "  tensorwire / raw quinn, {n} connection(s): {ratio:.3} (best of each), {median_ratio:.3} (median of the rounds' ratios){hot}"
+            );
         }
     }
     if !latency.is_empty() {
@@ -1985,6 +2058,7 @@ async fn main() -> anyhow::Result<()> {
         mtu: args.mtu,
         throughput,
         ratio_tensorwire_over_quinn: ratios,
+        median_round_ratio_tensorwire_over_quinn: median_ratios,
         ratio_tensorwire_over_hot_quinn: hot_ratios,
         latency,
         gpu,
