@@ -61,7 +61,9 @@ pub use memory::{Admission, MemoryLedger};
 pub use meta::TensorMeta;
 pub use payload::Payload;
 pub use ranges::ReceivedRanges;
-pub use receiver::{CheckedFrame, ReceiverEvent, ReceiverInput, ReceiverState, TensorReceiver};
+pub use receiver::{
+    CheckedFrame, MAX_CHECKSUMS_OWED, ReceiverEvent, ReceiverInput, ReceiverState, TensorReceiver,
+};
 pub use sender::{CheckedChunk, SenderEvent, SenderInput, SenderState, TensorSender};
 pub use session::{Session, SessionConfig, SessionEvent, StreamClosed, StreamId};
 

@@ -40,8 +40,9 @@ impl CheckedFrame {
 
     /// A frame whose DATA payload the driver checksums in the same pass that stores it (its
     /// sink's copy), after the session checked the frame: the driver then reports the CRC
-    /// with [`TensorReceiver::record_payload_crc`] before it hands over the stream's next
-    /// frame.
+    /// with [`TensorReceiver::record_payload_crc`], in the order the DATA was handled. Up to
+    /// [`MAX_CHECKSUMS_OWED`] may be owed at once, so later DATA can be handled (and its
+    /// credit counted) while earlier bytes are still being stored; END waits for them all.
     pub fn checksum_later(frame: Frame) -> Self {
         let payload_crc = match &frame {
             Frame::Data(_) => PayloadCrc::Later,
@@ -55,6 +56,10 @@ impl CheckedFrame {
         self.frame
     }
 }
+
+/// The most DATA payloads a driver may have handled with
+/// [`CheckedFrame::checksum_later`] and not yet reported the CRC of.
+pub const MAX_CHECKSUMS_OWED: usize = 64;
 
 /// Where a receiving stream stands (spec §7.2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -189,11 +194,15 @@ pub struct TensorReceiver {
     limits: Limits,
     state: ReceiverState,
     meta: Option<TensorMeta>,
+    /// The ranges whose CRCs are known, in the order they were reported.
     ranges: ReceivedRanges,
+    /// Every range handled, CRC known or owed: the rules of spec §7.3 are checked here, so
+    /// they hold at the frame whenever its CRC comes (their CRCs are not kept).
+    claimed: ReceivedRanges,
     granted: u64,
     received: u64,
-    /// The range of a DATA handled with its checksum to follow.
-    crc_owed: Option<(u64, u64)>,
+    /// The ranges of DATA handled with their checksums to follow, oldest first.
+    crc_owed: VecDeque<(u64, u64)>,
     outgoing: VecDeque<Frame>,
     ending: Option<ProtocolError>,
 }
@@ -201,15 +210,19 @@ pub struct TensorReceiver {
 impl TensorReceiver {
     /// A stream that enforces `limits`.
     pub fn new(limits: Limits) -> Self {
-        let ranges = ReceivedRanges::new(limits.max_ranges);
+        // Ranges with owed CRCs join in report order, so `ranges` may briefly hold more
+        // separate ranges than `claimed`, never more than the owed ones add.
+        let ranges = ReceivedRanges::new(limits.max_ranges.saturating_add(MAX_CHECKSUMS_OWED));
+        let claimed = ReceivedRanges::new(limits.max_ranges);
         Self {
             limits,
             state: ReceiverState::AwaitingMetadata,
             meta: None,
             ranges,
+            claimed,
             granted: 0,
             received: 0,
-            crc_owed: None,
+            crc_owed: VecDeque::new(),
             outgoing: VecDeque::new(),
             ending: None,
         }
@@ -275,12 +288,20 @@ impl TensorReceiver {
     }
 
     fn dispatch(&mut self, checked: CheckedFrame) -> Result<ReceiverEvent, ProtocolError> {
-        if self.crc_owed.is_some() {
-            return Err(ProtocolError::Misuse(
-                "a frame before the previous DATA's checksum was recorded",
-            ));
-        }
         let CheckedFrame { frame, payload_crc } = checked;
+        match &frame {
+            Frame::Data(_) if self.crc_owed.len() >= MAX_CHECKSUMS_OWED => {
+                return Err(ProtocolError::Misuse(
+                    "DATA with the checksums of MAX_CHECKSUMS_OWED earlier DATA not recorded",
+                ));
+            }
+            Frame::End(_) if !self.crc_owed.is_empty() => {
+                return Err(ProtocolError::Misuse(
+                    "END before every DATA's checksum was recorded",
+                ));
+            }
+            _ => {}
+        }
         let input = match &frame {
             Frame::Early(_) => ReceiverInput::RecvEarly,
             Frame::Metadata(_) => ReceiverInput::RecvMetadata,
@@ -337,19 +358,25 @@ impl TensorReceiver {
 
     /// Spec §7.3: credit first, then bounds, then overlap and gap count.
     fn on_data(&mut self, data: Data, payload_crc: u32) -> Result<ReceiverEvent, ProtocolError> {
-        let (start, end) = self.check_data(&data)?;
+        let (start, end) = self.claim(&data)?;
         self.ranges.insert(start, end, payload_crc)?;
-        self.received += end - start;
         Ok(ReceiverEvent::Data(data))
     }
 
-    /// As [`on_data`](Self::on_data), the range recorded once its CRC is reported.
+    /// As [`on_data`](Self::on_data), the range's CRC recorded once it is reported.
     fn on_data_checksum_later(&mut self, data: Data) -> Result<ReceiverEvent, ProtocolError> {
-        let (start, end) = self.check_data(&data)?;
-        self.ranges.check(start, end)?;
-        self.received += end - start;
-        self.crc_owed = Some((start, end));
+        let range = self.claim(&data)?;
+        self.crc_owed.push_back(range);
         Ok(ReceiverEvent::Data(data))
+    }
+
+    /// Checks DATA by spec §7.3's rules, then counts its bytes as received; its byte range.
+    fn claim(&mut self, data: &Data) -> Result<(u64, u64), ProtocolError> {
+        let (start, end) = self.check_data(data)?;
+        // The CRCs of `claimed` are never read: its ranges carry the rules.
+        self.claimed.insert_with(start, end, |_| 0)?;
+        self.received += end - start;
+        Ok((start, end))
     }
 
     /// DATA's credit and bounds (spec §7.3); its byte range.
@@ -377,12 +404,12 @@ impl TensorReceiver {
         Ok((data.offset, end))
     }
 
-    /// The CRC-32C of the last DATA's payload, handled with
-    /// [`CheckedFrame::checksum_later`] and since stored by the driver.
+    /// The CRC-32C of the oldest DATA payload handled with [`CheckedFrame::checksum_later`]
+    /// whose CRC is owed, since stored by the driver.
     pub fn record_payload_crc(&mut self, crc: u32) -> Result<(), ProtocolError> {
         let (start, end) = self
             .crc_owed
-            .take()
+            .pop_front()
             .ok_or(ProtocolError::Misuse("no DATA is waiting for its checksum"))?;
         let recorded = self.ranges.insert(start, end, crc);
         if let Err(err) = &recorded {

@@ -374,10 +374,11 @@ impl Session {
         }
     }
 
-    /// The CRC-32C of the last DATA on incoming stream `id`, handled with
-    /// [`CheckedFrame::checksum_later`] and since stored (spec §7.3); it must come before
-    /// that stream's next frame. An error closes the tensor (a duplicate range found only now
-    /// is DATA_OVERLAP).
+    /// The CRC-32C of the oldest DATA on incoming stream `id` handled with
+    /// [`CheckedFrame::checksum_later`] whose CRC is owed, since stored (spec §7.3). CRCs are
+    /// reported in the order their DATA was handled, all of them before END is handed over
+    /// (at most [`MAX_CHECKSUMS_OWED`](crate::MAX_CHECKSUMS_OWED) owed at once). An error
+    /// closes the tensor.
     pub fn record_payload_crc(&mut self, id: StreamId, crc: u32) -> Result<(), ProtocolError> {
         match self.tensors.get_mut(&id) {
             Some(Tensor::Incoming(tensor)) => tensor.record_payload_crc(crc),

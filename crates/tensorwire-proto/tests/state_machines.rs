@@ -9,9 +9,9 @@ use common::vectors::pattern;
 use tensorwire_proto::checksum::crc32c;
 use tensorwire_proto::frame::{Accept, Credit, Data, End};
 use tensorwire_proto::{
-    Blame, CheckedFrame, CreditTracker, DType, ErrorCode, Frame, Limits, ProtocolError,
-    ReceiverEvent, ReceiverInput, ReceiverState, SenderInput, SenderState, TensorMeta,
-    TensorReceiver, TensorSender,
+    Blame, CheckedFrame, CreditTracker, DType, ErrorCode, Frame, Limits, MAX_CHECKSUMS_OWED,
+    ProtocolError, ReceiverEvent, ReceiverInput, ReceiverState, SenderInput, SenderState,
+    TensorMeta, TensorReceiver, TensorSender,
 };
 
 fn meta(len: u64) -> TensorMeta {
@@ -621,18 +621,97 @@ fn data_checksummed_later_is_checked_before_it_is_stored() {
     assert_eq!(code_of(&past_end), ErrorCode::DATA_PAST_END);
 }
 
-/// A driver that forgets the checksum, or reports one nobody asked for, is told so.
+/// A driver that reports a checksum nobody asked for, hands over END with checksums still
+/// owed, or lets more than `MAX_CHECKSUMS_OWED` pile up, is told so.
 #[test]
-fn a_checksum_owed_comes_before_the_next_frame() {
+fn checksums_owed_are_bounded_and_all_come_before_end() {
+    let later = |offset: u64, len: usize| {
+        CheckedFrame::checksum_later(Data::new(offset, vec![1; len]).into())
+    };
     let mut rx = receiving(2000);
     assert!(matches!(
         rx.record_payload_crc(0),
         Err(ProtocolError::Misuse(_))
     ));
-    rx.handle_checked(CheckedFrame::checksum_later(
-        Data::new(0, vec![1; 1000]).into(),
-    ))
-    .unwrap();
-    let next = rx.handle_frame(Data::new(1000, vec![1; 1000]).into());
-    assert!(matches!(next, Err(ProtocolError::Misuse(_))), "{next:?}");
+    rx.handle_checked(later(0, 1000)).unwrap();
+    rx.handle_checked(later(1000, 1000)).unwrap();
+    rx.record_payload_crc(crc32c(&[1; 1000])).unwrap();
+    let end = End {
+        checksum: crc32c(&[1; 2000]).into(),
+    };
+    let early_end = rx.handle_frame(end.into()).map(drop);
+    assert!(
+        matches!(early_end, Err(ProtocolError::Misuse(_))),
+        "{early_end:?}"
+    );
+
+    let owed = MAX_CHECKSUMS_OWED as u64;
+    let mut rx = receiving(owed + 1);
+    for offset in 0..owed {
+        rx.handle_checked(later(offset, 1)).unwrap();
+    }
+    let one_more = rx.handle_checked(later(owed, 1)).map(drop);
+    assert!(
+        matches!(one_more, Err(ProtocolError::Misuse(_))),
+        "{one_more:?}"
+    );
+}
+
+/// Later DATA is handled, and its bytes counted against credit, while earlier payloads'
+/// CRCs are still owed (their bytes being stored); END then verifies them all, each CRC
+/// reported in the order its DATA came, and a wrong one fails with CHECKSUM_MISMATCH.
+#[test]
+fn data_is_handled_while_earlier_checksums_are_owed() {
+    let bytes = pattern(4000, 3);
+    let run = |corrupt_piece: Option<usize>| -> Result<(), ProtocolError> {
+        let mut rx = receiving(4000);
+        let pieces: Vec<&[u8]> = bytes.chunks(1000).collect();
+        for (i, piece) in pieces.iter().enumerate() {
+            let data = Data::new(i as u64 * 1000, piece.to_vec());
+            rx.handle_checked(CheckedFrame::checksum_later(data.into()))?;
+        }
+        assert_eq!(rx.received(), 4000, "every byte counted before any CRC");
+        for (i, piece) in pieces.iter().enumerate() {
+            let mut crc = crc32c(piece);
+            if corrupt_piece == Some(i) {
+                crc ^= 1;
+            }
+            rx.record_payload_crc(crc)?;
+        }
+        let end = End {
+            checksum: crc32c(&bytes).into(),
+        };
+        rx.handle_frame(end.into())?;
+        assert_eq!(rx.state(), ReceiverState::AwaitingResidency);
+        Ok(())
+    };
+    run(None).unwrap();
+    assert_eq!(code_of(&run(Some(2))), ErrorCode::CHECKSUM_MISMATCH);
+}
+
+/// Spec §7.3's rules hold at the frame, whether or not earlier CRCs are still owed: DATA
+/// overlapping a range whose CRC is owed is DATA_OVERLAP, and owed ranges count toward
+/// TOO_MANY_GAPS.
+#[test]
+fn ranges_with_checksums_owed_count_for_overlap_and_gaps() {
+    let later = |offset: u64, len: usize| {
+        CheckedFrame::checksum_later(Data::new(offset, vec![7; len]).into())
+    };
+    let mut rx = receiving(3000);
+    rx.handle_checked(later(0, 1000)).unwrap();
+    let overlap = rx.handle_checked(later(500, 1000)).map(drop);
+    assert_eq!(code_of(&overlap), ErrorCode::DATA_OVERLAP);
+
+    let limits = Limits {
+        max_ranges: 2,
+        ..Limits::default()
+    };
+    let mut rx = TensorReceiver::new(limits);
+    rx.handle_frame(meta(5000).into()).unwrap();
+    rx.accept().unwrap();
+    assert_eq!(rx.grant(5000), 5000);
+    rx.handle_checked(later(0, 1000)).unwrap();
+    rx.handle_checked(later(2000, 1000)).unwrap();
+    let third = rx.handle_checked(later(4000, 1000)).map(drop);
+    assert_eq!(code_of(&third), ErrorCode::TOO_MANY_GAPS);
 }
