@@ -1,7 +1,7 @@
 //! Where an endpoint's work runs (`TransportSettings::endpoint_threads`): a tensor's sink
-//! runs on its endpoint's own thread, or on the caller's runtime, and its large payloads on
-//! the receiver's runtime where `ReceiverConfig::store_offload` says; the threads end once
-//! the receiver and senders are gone.
+//! runs on its endpoint's own thread, or on the caller's runtime, and from its first large
+//! payload on the receiver's runtime where `ReceiverConfig::store_offload` says; the threads
+//! end once the receiver and senders are gone.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -227,22 +227,84 @@ async fn stores_with(
     (stores, sent)
 }
 
+/// From its first large payload on, a tensor's payloads are stored off the endpoint's
+/// thread, the small last one too, in the order they came.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_payloads_are_stored_off_the_endpoints_thread_when_asked() {
     let (stores, sent) = stores_with(StoreOffload::UpTo(NonZeroUsize::MIN), None).await;
     sent.unwrap();
-    assert_eq!(
-        stores.iter().map(|(_, n)| n).sum::<usize>(),
-        (6 << 20) + 4096
-    );
+    let lengths: Vec<usize> = stores.iter().map(|(_, n)| *n).collect();
+    let mut expected = vec![1 << 20; 6];
+    expected.push(4096);
+    assert_eq!(lengths, expected, "stored in order");
     for (thread, len) in &stores {
-        if *len >= 1 << 20 {
-            assert_ne!(thread, "tensorwire-endpoint-0", "{len} bytes");
-        } else {
-            assert_eq!(thread, "tensorwire-endpoint-0", "{len} bytes");
-        }
+        assert_ne!(thread, "tensorwire-endpoint-0", "{len} bytes");
     }
-    assert!(stores.iter().any(|(_, n)| *n < 1 << 20), "{stores:?}");
+}
+
+/// Stores whose first waits until `gate` gives a permit.
+struct FirstStoreWaits {
+    gate: Option<Arc<tokio::sync::Semaphore>>,
+}
+
+impl Sink for FirstStoreWaits {
+    type Output = ();
+
+    async fn store(
+        &mut self,
+        _: u64,
+        payload: Payload,
+        permit: CreditPermit,
+        crc: Option<&mut u32>,
+    ) -> Result<(), SinkError> {
+        if let Some(gate) = self.gate.take() {
+            let _open = gate.acquire().await;
+        }
+        payload.continue_crc(crc);
+        drop(permit);
+        Ok(())
+    }
+
+    async fn finish(self) -> Result<(), SinkError> {
+        Ok(())
+    }
+}
+
+/// While a payload is stored off the endpoint's thread, the stream goes on being read: the
+/// DATA behind it is counted as arrived and frees credit, so the sender gets past the
+/// tensor's window (granted-but-unarrived bytes) before that store ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_is_read_on_while_a_store_off_its_thread_runs() {
+    let _serial = SERIAL.lock().await;
+    let mut config = receiver_config();
+    config.endpoints = 1;
+    config.store_offload = StoreOffload::UpTo(NonZeroUsize::MIN);
+    let window = config.stream_window;
+    let (mut rx, addr) = receiver(config).await;
+    let tx = sender(addr).await;
+    let len = 32 << 20;
+    let send = tx.send(u8_meta("t", len), pattern(len, 4));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let handle = rx.next().await.unwrap().accept(FirstStoreWaits {
+        gate: Some(gate.clone()),
+    });
+    let waited = tokio::time::timeout(Duration::from_secs(10), async {
+        while send.sent_bytes() <= window {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let sent_while_held = send.sent_bytes();
+    gate.add_permits(1);
+    assert!(
+        waited.is_ok(),
+        "the sender stopped at {sent_while_held} bytes, the window being {window}"
+    );
+    handle.finished().await.unwrap();
+    send.finished().await.unwrap();
+    assert_budget_returned(&rx).await;
+    tx.close().await;
+    rx.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,56 +2,75 @@
 //! connection's packet processing (decryption, acknowledgements), so that small tensors
 //! need no hand-off between cores. Storing a large payload (the sink's copy and the
 //! checksum) there too caps one connection at what one core does for both; while the host
-//! has cores to spare, the store runs on another thread instead, beside the decryption of
-//! the next packets. On a loaded host it stays on the stream's thread, where the bytes are
-//! still in that core's cache: moving it then cost 40% more CPU per byte (benches/README.md).
-//! Cores are the host's, so the load is counted across all of a process's receivers.
+//! has cores to spare, the tensor's stores run on a task of their own on another thread
+//! instead, beside the decryption of the next packets. On a loaded host they stay on the
+//! stream's thread, where the bytes are still in that core's cache: moving them then cost
+//! 40% more CPU per byte (benches/README.md). Cores are the host's, so the load is counted
+//! across all of a process's receivers.
+//!
+//! A tensor's stores off its thread form a queue ([`OffThreadStores`]): the stream task
+//! hands each DATA over and reads the next at once, so the session counts the bytes as
+//! arrived (and grants the credit that frees) while earlier ones are still being stored.
+//! Waiting for each store instead left the stream task waiting on hand-offs between
+//! threads 60–90% of the time, and one connection at 0.8 of raw quinn (benches/README.md).
 
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use tensorwire_proto::ProtocolError;
 use tensorwire_proto::frame::Data;
 use tensorwire_sink::{CreditPermit, Sink, SinkError};
 use tokio::runtime::{Handle, RuntimeFlavor};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
 use crate::EndpointThreads;
+use crate::error::TransportError;
 
-/// Payloads at least this long (the senders' default DATA size) may be stored off the
-/// stream's thread. Handing over 256 KiB payloads cost more than it freed: 4 connections
+/// DATA handed to a tensor's stores off its thread and not yet taken up: with the payload
+/// being stored, at most this many plus one are held in the queue at once (each under its
+/// credit), and their checksums owed to the session (`MAX_CHECKSUMS_OWED` bounds it there).
+const QUEUED_STORES: usize = 4;
+
+/// Payloads at least this long (the senders' default DATA size) may move a tensor's stores
+/// off the stream's thread. Handing over 256 KiB payloads cost more than it freed: 4 connections
 /// moved 0.60–0.68 of raw quinn with them, 0.78–0.85 with 128 KiB ones stored in place
 /// (benches/README.md).
 pub(crate) const OFFLOAD_MIN_PAYLOAD: usize = 1 << 20;
 
-/// Where a receiver stores large DATA payloads (copies and checksums them into the sink).
+/// Where a receiver stores the DATA payloads of tensors sent in large ones (copies and
+/// checksums them into the sink). A tensor's stores move off its stream's thread at its
+/// first payload of 1 MiB or more, if they may, and all its later payloads follow them
+/// there, stored in order.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StoreOffload {
     /// On the runtime that bound the receiver, beside the stream's own thread, while the
     /// host has cores to spare: each connection carrying a tensor with payloads that large
-    /// counts two cores (one for its packets, one for its peer or the application), and the
-    /// stores off their streams' threads take the rest. Never where that runtime has one
-    /// thread, or where the endpoints already run on it
+    /// counts two cores (one for its packets, one for its peer or the application), and
+    /// the tensors storing off their streams' threads take the rest. Never where that
+    /// runtime has one thread, or where the endpoints already run on it
     /// ([`EndpointThreads::Caller`](crate::EndpointThreads)).
     #[default]
     Auto,
     /// Always on the stream's own task, beside its connection's packet processing.
     Never,
-    /// Up to this many payloads at once (across the process's receivers) on the runtime
-    /// that bound the receiver, whatever the load.
+    /// Up to this many tensors at once (across the process's receivers) storing on the
+    /// runtime that bound the receiver, whatever the load.
     UpTo(NonZeroUsize),
 }
 
 impl std::str::FromStr for StoreOffload {
     type Err = String;
 
-    /// `auto`, `never`, or the most stores at once off the streams' threads.
+    /// `auto`, `never`, or the most tensors at once storing off their streams' threads.
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "auto" => Ok(Self::Auto),
             "never" => Ok(Self::Never),
             n => n.parse::<NonZeroUsize>().map(Self::UpTo).map_err(|_| {
                 format!(
-                    "store offload {s:?}: expected auto, never or a number of stores (1 or more)"
+                    "store offload {s:?}: expected auto, never or a number of tensors (1 or more)"
                 )
             }),
         }
@@ -61,7 +80,7 @@ impl std::str::FromStr for StoreOffload {
 /// What the process's receivers are doing now, weighed against the host's cores.
 #[derive(Debug, Default)]
 pub(super) struct HostLoad {
-    /// Stores running off their streams' threads.
+    /// Tensors storing off their streams' threads.
     running: AtomicUsize,
     /// Connections with a large tensor being received.
     busy_connections: AtomicUsize,
@@ -73,9 +92,9 @@ static HOST_LOAD: HostLoad = HostLoad {
     busy_connections: AtomicUsize::new(0),
 };
 
-/// One receiver's stores off their streams' threads.
+/// Where one receiver's tensors store their payloads.
 pub(super) struct Offloader {
-    /// Where offloaded stores run; `None` when they never leave the stream's thread.
+    /// Where stores off their streams' threads run; `None` when they never leave them.
     runtime: Option<Handle>,
     policy: StoreOffload,
     cores: usize,
@@ -112,7 +131,7 @@ impl Offloader {
         }
     }
 
-    /// How many stores may run off their streams' threads at once now.
+    /// How many tensors may store off their streams' threads at once now.
     fn limit(&self) -> usize {
         match self.policy {
             StoreOffload::Never => 0,
@@ -123,42 +142,12 @@ impl Offloader {
         }
     }
 
-    /// Stores `data` into `sink` and returns the sink with the payload's CRC-32C: on this
-    /// task, or, for a large payload while the host has cores to spare, on the receiver's
-    /// runtime, the sink going there and back ([`place`](Self::place)).
-    pub(super) async fn write_checksummed<S: Sink>(
-        self: &Arc<Self>,
-        mut sink: S,
-        data: Data,
-        permit: CreditPermit,
-        connection: &Arc<ConnectionLoad>,
-        receiving: &mut Option<Receiving>,
-    ) -> Result<(S, u32), SinkError> {
-        let Some((runtime, slot)) = self.place(data.payload.len(), connection, receiving) else {
-            let crc = sink
-                .write_checksummed(data.offset, data.payload, permit)
-                .await?;
-            return Ok((sink, crc));
-        };
-        let stored = runtime.spawn(async move {
-            let crc = sink
-                .write_checksummed(data.offset, data.payload, permit)
-                .await;
-            drop(slot);
-            (sink, crc)
-        });
-        let (sink, crc) = stored
-            .await
-            .map_err(|e| SinkError::failed(format!("the sink's store task ended: {e}")))?;
-        Ok((sink, crc?))
-    }
-
-    /// Where a payload of `len` bytes of a tensor of `connection` is stored: `None` on its
-    /// stream's thread; else the runtime to store it on, and the store's place among those
-    /// running off their streams' threads. From its first payload large enough to move,
-    /// the tensor counts its connection as busy (`receiving`), so small tensors touch no
-    /// shared counter.
-    fn place(
+    /// Moves the stores of a tensor of `connection` off its stream's thread, if a payload of
+    /// `len` bytes may move them now: the runtime to run them on and the tensor's place
+    /// among those storing there; `None` keeps them on the stream's thread. From its first
+    /// payload large enough to move, the tensor counts its connection as busy
+    /// (`receiving`), so small tensors touch no shared counter.
+    pub(super) fn place(
         self: &Arc<Self>,
         len: usize,
         connection: &Arc<ConnectionLoad>,
@@ -191,12 +180,92 @@ impl Offloader {
     }
 }
 
-/// One store running off its stream's thread.
+/// One tensor storing off its stream's thread.
 pub(super) struct OffloadSlot(Arc<Offloader>);
 
 impl Drop for OffloadSlot {
     fn drop(&mut self) {
         self.0.load.running.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Called with each payload's CRC-32C and length once it is stored, in order: records the
+/// CRC with the tensor's session and counts the bytes.
+pub(super) type OnStored = Box<dyn FnMut(u32, u64) -> Result<(), TransportError> + Send>;
+
+/// A tensor's stores on a task of their own off its stream's thread: each DATA handed over
+/// is stored in the order it came, and [`finish`](Self::finish) hands the sink back. Dropped
+/// before that (the tensor failed), it stops them: what is queued is dropped, its credit
+/// returning.
+pub(super) struct OffThreadStores<S> {
+    /// `None` once finishing.
+    queue: Option<mpsc::Sender<(Data, CreditPermit)>>,
+    task: JoinHandle<Result<S, TransportError>>,
+}
+
+impl<S> Drop for OffThreadStores<S> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl<S: Sink> OffThreadStores<S> {
+    /// Starts storing into `sink` on `runtime`, holding `slot` until the last store ends.
+    pub(super) fn start(
+        (runtime, slot): (Handle, OffloadSlot),
+        mut sink: S,
+        mut on_stored: OnStored,
+    ) -> Self {
+        let (queue, mut queued) = mpsc::channel::<(Data, CreditPermit)>(QUEUED_STORES);
+        let task = runtime.spawn(async move {
+            let _slot = slot;
+            while let Some((data, permit)) = queued.recv().await {
+                let len = data.payload.len() as u64;
+                let crc = sink
+                    .write_checksummed(data.offset, data.payload, permit)
+                    .await?;
+                on_stored(crc, len)?;
+            }
+            Ok(sink)
+        });
+        Self {
+            queue: Some(queue),
+            task,
+        }
+    }
+
+    /// Hands `data` over, waiting while the queue is full; fails with the error that ended
+    /// the stores, if they ended.
+    pub(super) async fn store(
+        &mut self,
+        data: Data,
+        permit: CreditPermit,
+    ) -> Result<(), TransportError> {
+        let queue = self.queue.as_ref().ok_or(ProtocolError::Misuse(
+            "a payload handed over after the stores finished",
+        ))?;
+        if queue.send((data, permit)).await.is_ok() {
+            return Ok(());
+        }
+        // The queue's receiver is gone: the stores ended, and their task says why.
+        Err(self.failed().await)
+    }
+
+    /// Resolves once the stores end on their own, which they do only when one failed.
+    pub(super) async fn failed(&mut self) -> TransportError {
+        match (&mut self.task).await {
+            Ok(Err(e)) => e,
+            Ok(Ok(_)) => SinkError::failed("the stores ended before the tensor did").into(),
+            Err(e) => SinkError::failed(format!("the sink's store task ended: {e}")).into(),
+        }
+    }
+
+    /// Waits for every payload handed over to be stored; the sink back.
+    pub(super) async fn finish(mut self) -> Result<S, TransportError> {
+        self.queue = None;
+        (&mut self.task)
+            .await
+            .map_err(|e| SinkError::failed(format!("the sink's store task ended: {e}")))?
     }
 }
 

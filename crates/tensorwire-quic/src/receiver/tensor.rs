@@ -18,7 +18,7 @@ use tracing::{debug, warn};
 
 use super::connection::ConnectionState;
 use super::incoming::{DECISION_GRACE, Decision, Ended, IncomingTensor, Run};
-use super::offload::Receiving;
+use super::offload::{OffThreadStores, OnStored, Receiving};
 use super::{CLOSE_GRACE, Shared};
 use crate::error::TransportError;
 use crate::stream::FrameStream;
@@ -111,28 +111,18 @@ impl Accepted {
         self.handle_checked(CheckedFrame::checksum_later(frame))
     }
 
-    /// Stores DATA handled by [`handle_checksum_later`](Self::handle_checksum_later) and
-    /// checksums it in the same pass (spec §7.3: one read of each byte), where the
-    /// receiver's offloader places it. Hands the sink back.
-    async fn store<S: Sink>(
-        &mut self,
-        sink: S,
-        data: Data,
-        permit: CreditPermit,
-    ) -> Result<S, TransportError> {
-        let (sink, crc) = self
-            .shared
-            .offload
-            .write_checksummed(
-                sink,
-                data,
-                permit,
-                &self.connection.load,
-                &mut self.receiving,
-            )
-            .await?;
-        self.connection.session().record_payload_crc(self.id, crc)?;
-        Ok(sink)
+    /// What each payload handled by [`handle_checksum_later`](Self::handle_checksum_later)
+    /// does once stored, wherever that is: its CRC-32C goes to the session (spec §7.3: one
+    /// read of each byte), its bytes to the counters.
+    fn on_stored(&self, progress: Arc<AtomicU64>) -> OnStored {
+        let (connection, shared, id) = (self.connection.clone(), self.shared.clone(), self.id);
+        Box::new(move |crc, len| {
+            connection.session().record_payload_crc(id, crc)?;
+            progress.fetch_add(len, Ordering::Relaxed);
+            shared.metrics.add_bytes(len);
+            connection.metrics.add_bytes(len);
+            Ok(())
+        })
     }
 
     fn handle_checked(&self, frame: CheckedFrame) -> Result<SessionEvent, ProtocolError> {
@@ -295,7 +285,7 @@ impl Accepted {
         let result = tokio::select! {
             // A tensor that completes at its first poll never registers for the cancel.
             biased;
-            result = self.receive_loop(sink, &progress) => result,
+            result = self.receive_loop(sink, progress) => result,
             _ = cancel.cancelled() => Err(TransportError::cancelled_by("receiving")),
         };
         // The connection carries this tensor no longer.
@@ -320,7 +310,7 @@ impl Accepted {
     async fn receive_loop<S: Sink>(
         &mut self,
         mut sink: S,
-        progress: &AtomicU64,
+        progress: Arc<AtomicU64>,
     ) -> Result<S::Output, TransportError> {
         let shared = self.shared.clone();
         let connection = self.connection.clone();
@@ -341,6 +331,11 @@ impl Accepted {
         if self.early_ended {
             return self.complete(sink, &pending).await;
         }
+        let mut on_stored_here = self.on_stored(progress.clone());
+        // Where the payloads go: the sink here, on this task, until a large payload moves
+        // the tensor's stores off this thread (`Offloader::place`); then, in order, there.
+        let mut sink = Some(sink);
+        let mut off_thread: Option<OffThreadStores<S>> = None;
         loop {
             // Armed before asking, so a release between the two is not missed.
             let returned = shared.budget.credit_returned();
@@ -363,22 +358,48 @@ impl Accepted {
                 self.flush().await?;
                 continue;
             }
+            let stores_failed = async {
+                match off_thread.as_mut() {
+                    Some(stores) => stores.failed().await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 biased;
                 () = returned, if wants_more => {}
                 () = window_opened, if wants_more => {}
+                failure = stores_failed => return Err(failure),
                 frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame()) => {
                     let frame = frame.map_err(|_| TransportError::timed_out("DATA", config.progress_timeout))??;
+                    if matches!(frame, Frame::End(_))
+                        && let Some(stores) = off_thread.take()
+                    {
+                        // END is checked against every payload's CRC: all stored first.
+                        sink = Some(stores.finish().await?);
+                    }
                     match self.handle_checksum_later(frame)? {
                         SessionEvent::Data(data) => {
                             let n = data.payload.len() as u64;
                             let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
-                            sink = self.store(sink, data, permit).await?;
-                            progress.fetch_add(n, Ordering::Relaxed);
-                            shared.metrics.add_bytes(n);
-                            self.connection.metrics.add_bytes(n);
+                            if off_thread.is_none()
+                                && let Some(place) = shared.offload.place(data.payload.len(), &connection.load, &mut self.receiving)
+                            {
+                                let here = sink.take().ok_or(ProtocolError::Misuse("the sink is gone"))?;
+                                off_thread = Some(OffThreadStores::start(place, here, self.on_stored(progress.clone())));
+                            }
+                            match (&mut sink, &mut off_thread) {
+                                (_, Some(stores)) => stores.store(data, permit).await?,
+                                (Some(here), None) => {
+                                    let crc = here.write_checksummed(data.offset, data.payload, permit).await?;
+                                    on_stored_here(crc, n)?;
+                                }
+                                (None, None) => return Err(ProtocolError::Misuse("the sink is gone").into()),
+                            }
                         }
-                        SessionEvent::End => return self.complete(sink, &pending).await,
+                        SessionEvent::End => {
+                            let sink = sink.take().ok_or(ProtocolError::Misuse("the sink is gone"))?;
+                            return self.complete(sink, &pending).await;
+                        }
                         _ => return Err(ProtocolError::Misuse("second METADATA event").into()),
                     }
                 }
