@@ -390,7 +390,10 @@ static THREAD_USAGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 /// since `before` spent on a CPU, as a fraction of them.
 fn print_busy_threads(run: &str, before: &ThreadUsage, seconds: f64) {
     if THREAD_USAGE.get().copied().unwrap_or_default() {
-        eprintln!("  {run}: busy threads {}", ThreadUsage::now().busy_since(before, seconds));
+        eprintln!(
+            "  {run}: busy threads {}",
+            ThreadUsage::now().busy_since(before, seconds)
+        );
     }
 }
 
@@ -1861,7 +1864,8 @@ async fn main() -> anyhow::Result<()> {
         };
         // Each round runs every transport once, so a machine that slows down or speeds up
         // between rounds moves both sides of that round's ratio.
-        let (mut quinn_s, mut hot_quinn_s, mut tw_s, mut tcp_s) = (skipped, skipped, skipped, skipped);
+        let (mut quinn_s, mut hot_quinn_s, mut tw_s, mut tcp_s) =
+            (skipped, skipped, skipped, skipped);
         let mut round_ratios = Vec::new();
         for _ in 0..runs.max(1) {
             let quinn = if wanted("raw-quinn") {
