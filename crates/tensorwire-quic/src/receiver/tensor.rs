@@ -114,15 +114,23 @@ impl Accepted {
     /// What each payload handled by [`handle_checksum_later`](Self::handle_checksum_later)
     /// does once stored, wherever that is: its CRC-32C goes to the session (spec §7.3: one
     /// read of each byte), its bytes to the counters.
-    fn on_stored(&self, progress: Arc<AtomicU64>) -> OnStored {
+    fn stored(
+        (connection, shared, id): (&ConnectionState, &Shared, StreamId),
+        progress: &AtomicU64,
+        crc: u32,
+        len: u64,
+    ) -> Result<(), TransportError> {
+        connection.session().record_payload_crc(id, crc)?;
+        progress.fetch_add(len, Ordering::Relaxed);
+        shared.metrics.add_bytes(len);
+        connection.metrics.add_bytes(len);
+        Ok(())
+    }
+
+    /// [`stored`](Self::stored) for stores off this thread.
+    fn on_stored_elsewhere(&self, progress: Arc<AtomicU64>) -> OnStored {
         let (connection, shared, id) = (self.connection.clone(), self.shared.clone(), self.id);
-        Box::new(move |crc, len| {
-            connection.session().record_payload_crc(id, crc)?;
-            progress.fetch_add(len, Ordering::Relaxed);
-            shared.metrics.add_bytes(len);
-            connection.metrics.add_bytes(len);
-            Ok(())
-        })
+        Box::new(move |crc, len| Self::stored((&connection, &shared, id), &progress, crc, len))
     }
 
     fn handle_checked(&self, frame: CheckedFrame) -> Result<SessionEvent, ProtocolError> {
@@ -331,7 +339,6 @@ impl Accepted {
         if self.early_ended {
             return self.complete(sink, &pending).await;
         }
-        let mut on_stored_here = self.on_stored(progress.clone());
         // Where the payloads go: the sink here, on this task, until a large payload moves
         // the tensor's stores off this thread (`Offloader::place`); then, in order, there.
         let mut sink = Some(sink);
@@ -385,13 +392,13 @@ impl Accepted {
                                 && let Some(place) = shared.offload.place(data.payload.len(), &connection.load, &mut self.receiving)
                             {
                                 let here = sink.take().ok_or(ProtocolError::Misuse("the sink is gone"))?;
-                                off_thread = Some(OffThreadStores::start(place, here, self.on_stored(progress.clone())));
+                                off_thread = Some(OffThreadStores::start(place, here, self.on_stored_elsewhere(progress.clone())));
                             }
                             match (&mut sink, &mut off_thread) {
                                 (_, Some(stores)) => stores.store(data, permit).await?,
                                 (Some(here), None) => {
                                     let crc = here.write_checksummed(data.offset, data.payload, permit).await?;
-                                    on_stored_here(crc, n)?;
+                                    Self::stored((&connection, &shared, self.id), &progress, crc, n)?;
                                 }
                                 (None, None) => return Err(ProtocolError::Misuse("the sink is gone").into()),
                             }
