@@ -2,7 +2,12 @@
 
 use bytes::{Bytes, BytesMut};
 
-use crate::{ErrorCode, FrameDecoder, Limits, ReceiverEvent, ReceiverState, TensorReceiver};
+use std::collections::VecDeque;
+
+use crate::{
+    CheckedFrame, ErrorCode, Frame, FrameDecoder, Limits, ReceiverEvent, ReceiverState,
+    TensorReceiver,
+};
 
 /// Limits small enough that fuzzing explores every limit quickly.
 pub fn fuzz_limits() -> Limits {
@@ -74,10 +79,12 @@ fn check_split_part(meta: &crate::TensorMeta) {
 /// Drives a receiver with local calls and frames from `data`, checking its accounting after
 /// every step.
 ///
-/// Layout: `op_count: u8 | ops: [u8; op_count] | frame bytes`. Op `k % 6`: 0–1 feed the next
-/// decoded frame, 2 accept, 3 grant (next op byte shifted by `k >> 4`), 4 mark resident,
-/// 5 cancel. When the ops run out, the remaining frames are fed to a receiver that accepts,
-/// grants everything and marks the tensor resident after END.
+/// Layout: `op_count: u8 | ops: [u8; op_count] | frame bytes`. Op `k % 7`: 0 feeds the next
+/// decoded frame, 1 feeds it with DATA's CRC to follow (`CheckedFrame::checksum_later`),
+/// 2 accept, 3 grant (next op byte shifted by `k >> 4`), 4 mark resident, 5 cancel, 6 report
+/// the oldest CRC owed (wrong where `k >> 4` is odd). When the ops run out, the remaining frames are fed to a receiver
+/// that accepts, grants everything, reports every CRC owed before each frame and marks the
+/// tensor resident after END.
 pub fn receiver_ops(data: &[u8]) {
     let Some((&op_count, rest)) = data.split_first() else {
         return;
@@ -89,23 +96,45 @@ pub fn receiver_ops(data: &[u8]) {
     decoder.push(Bytes::copy_from_slice(frames));
     let mut ops = ops.iter().copied();
     let mut granted_total = 0u64;
+    // The CRCs of DATA handled with its checksum to follow, oldest first.
+    let mut owed: VecDeque<u32> = VecDeque::new();
     loop {
         let op = ops.next();
-        match op.map_or(0, |k| k % 6) {
+        if op.is_none() {
+            for crc in owed.drain(..) {
+                let _ = receiver.record_payload_crc(crc);
+            }
+        }
+        match op.map_or(0, |k| k % 7) {
             0 | 1 => match decoder.next_frame() {
-                Ok(Some(frame)) => match receiver.handle_frame(frame) {
-                    Ok(ReceiverEvent::Data(data)) => {
-                        let byte_len = receiver.meta().map_or(0, |m| m.byte_len());
-                        assert!(data.end().is_some_and(|end| end <= byte_len));
+                Ok(Some(frame)) => {
+                    let crc_later = match &frame {
+                        Frame::Data(data) if op.is_some_and(|k| k % 7 == 1) => {
+                            Some(data.payload.crc32c())
+                        }
+                        _ => None,
+                    };
+                    let handled = match crc_later {
+                        Some(_) => receiver.handle_checked(CheckedFrame::checksum_later(frame)),
+                        None => receiver.handle_frame(frame),
+                    };
+                    if let (Ok(ReceiverEvent::Data(_)), Some(crc)) = (&handled, crc_later) {
+                        owed.push_back(crc);
                     }
-                    // Once the ops run out, act as a well-behaved driver would.
-                    Ok(ReceiverEvent::Metadata) if op.is_none() => {
-                        let _ = receiver.accept();
-                        granted_total += receiver.grant(u64::MAX);
+                    match handled {
+                        Ok(ReceiverEvent::Data(data)) => {
+                            let byte_len = receiver.meta().map_or(0, |m| m.byte_len());
+                            assert!(data.end().is_some_and(|end| end <= byte_len));
+                        }
+                        // Once the ops run out, act as a well-behaved driver would.
+                        Ok(ReceiverEvent::Metadata) if op.is_none() => {
+                            let _ = receiver.accept();
+                            granted_total += receiver.grant(u64::MAX);
+                        }
+                        Ok(ReceiverEvent::End) if op.is_none() => drop(receiver.mark_resident()),
+                        _ => {}
                     }
-                    Ok(ReceiverEvent::End) if op.is_none() => drop(receiver.mark_resident()),
-                    _ => {}
-                },
+                }
                 _ if op.is_none() => break,
                 _ => {}
             },
@@ -115,8 +144,16 @@ pub fn receiver_ops(data: &[u8]) {
                 granted_total += receiver.grant(u64::from(ops.next().unwrap_or(0)) << shift);
             }
             4 => drop(receiver.mark_resident()),
-            _ => drop(receiver.cancel(ErrorCode::CANCELLED, "fuzz")),
+            5 => drop(receiver.cancel(ErrorCode::CANCELLED, "fuzz")),
+            _ => {
+                // `k >> 4` odd reports it wrong.
+                let wrong = u32::from(op.unwrap_or(0) >> 4 & 1);
+                if let Some(crc) = owed.pop_front() {
+                    drop(receiver.record_payload_crc(crc ^ wrong));
+                }
+            }
         }
+        assert!(owed.len() <= crate::MAX_CHECKSUMS_OWED);
         assert_eq!(receiver.granted(), granted_total);
         assert!(receiver.received() <= receiver.granted());
         let byte_len = receiver.meta().map_or(0, |m| m.byte_len());
