@@ -142,8 +142,9 @@ struct Args {
     /// this program's runtime, spread over its workers).
     #[arg(long, default_value = "1")]
     endpoint_threads: EndpointThreads,
-    /// tensorwire receivers: where DATA payloads of 1 MiB or more are stored (auto, never,
-    /// or at most N at once off their connection's thread).
+    /// tensorwire receivers: where a tensor's DATA payloads are stored from its first of
+    /// 1 MiB or more (auto, never, or at most N tensors at once off their connection's
+    /// thread).
     #[arg(long, default_value = "auto")]
     store_offload: tensorwire::quic::StoreOffload,
     /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile

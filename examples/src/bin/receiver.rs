@@ -106,10 +106,11 @@ struct Args {
     /// migration, no extra round trip).
     #[arg(long, default_value = "connection-id")]
     steering: Steering,
-    /// Where DATA payloads of 1 MiB or more are copied and checksummed into their
-    /// destination: auto (on other cores while the connections carrying such payloads leave
-    /// two cores each to spare, else on their connection's own thread), never (always on the
-    /// connection's thread), or N (at most N at once on other cores, whatever the load).
+    /// Where a tensor's DATA payloads are copied and checksummed into their destination,
+    /// from its first payload of 1 MiB or more: auto (on other cores while the connections
+    /// carrying such payloads leave two cores each to spare, else on their connection's own
+    /// thread), never (always on the connection's thread), or N (at most N tensors at once
+    /// on other cores, whatever the load).
     #[arg(long, default_value = "auto")]
     store_offload: StoreOffload,
     /// Run CUDA kernels that peers send with their inputs (spec §14; `tensorwire-exec`), in
