@@ -398,6 +398,22 @@ fn print_busy_threads(run: &str, before: &ThreadUsage, seconds: f64) {
     }
 }
 
+/// With `BENCH_STATS` set, prints what a throughput run's connection saw of its path.
+fn print_path_stats(who: &str, stats: &quinn::ConnectionStats) {
+    if std::env::var_os("BENCH_STATS").is_some() {
+        eprintln!(
+            "{who}: sent {} packets, lost {}, mtu {}, congestion window {} KiB, rtt {:?}, congestion events {}, received {} datagrams",
+            stats.path.sent_packets,
+            stats.path.lost_packets,
+            stats.path.current_mtu,
+            stats.path.cwnd >> 10,
+            stats.path.rtt,
+            stats.path.congestion_events,
+            stats.udp_rx.datagrams
+        );
+    }
+}
+
 /// `--store-offload`, set once at start.
 static STORE_OFFLOAD: std::sync::OnceLock<tensorwire::quic::StoreOffload> =
     std::sync::OnceLock::new();
@@ -648,19 +664,7 @@ async fn raw_quinn(
     let seconds = started.elapsed().as_secs_f64();
     print_busy_threads("raw quinn", &usage, seconds);
     for (client, _, conn) in clients {
-        if std::env::var_os("BENCH_STATS").is_some() {
-            let stats = conn.stats();
-            eprintln!(
-                "raw quinn: sent {} packets, lost {}, mtu {}, congestion window {} KiB, rtt {:?}, congestion events {}, received {} datagrams",
-                stats.path.sent_packets,
-                stats.path.lost_packets,
-                stats.path.current_mtu,
-                stats.path.cwnd >> 10,
-                stats.path.rtt,
-                stats.path.congestion_events,
-                stats.udp_rx.datagrams
-            );
-        }
+        print_path_stats("raw quinn", &conn.stats());
         conn.close(0u32.into(), b"done");
         client.wait_idle().await;
     }
@@ -742,6 +746,21 @@ struct TensorwireRun {
     window: u64,
     grant: u64,
     inflight: usize,
+}
+
+impl TensorwireRun {
+    /// The knobs the command line set, for tensors of `tensor_bytes` landing in `sink`.
+    fn from_args(args: &Args, sink: SinkKind, tensor_bytes: u64) -> Self {
+        Self {
+            sink,
+            tensor_bytes,
+            mtu: args.mtu,
+            chunk: args.chunk_kib << 10,
+            window: args.window_mib << 20,
+            grant: args.grant_mib << 20,
+            inflight: args.inflight,
+        }
+    }
 }
 
 async fn tensorwire_run(
@@ -835,19 +854,7 @@ async fn tensorwire_run(
     print_busy_threads("tensorwire", &usage, seconds);
     for s in senders {
         let s = Arc::into_inner(s).ok_or_else(|| anyhow::anyhow!("sender still shared"))?;
-        if std::env::var_os("BENCH_STATS").is_some() {
-            let stats = s.connection_stats();
-            eprintln!(
-                "tensorwire: sent {} packets, lost {}, mtu {}, congestion window {} KiB, rtt {:?}, congestion events {}, received {} datagrams",
-                stats.path.sent_packets,
-                stats.path.lost_packets,
-                stats.path.current_mtu,
-                stats.path.cwnd >> 10,
-                stats.path.rtt,
-                stats.path.congestion_events,
-                stats.udp_rx.datagrams
-            );
-        }
+        print_path_stats("tensorwire", &s.connection_stats());
         s.close().await;
     }
     for r in receivers {
@@ -1748,15 +1755,7 @@ async fn gpu_section(
     }
     let mut network = Vec::new();
     for &n in &args.connections {
-        let run_with = |sink: SinkKind| TensorwireRun {
-            sink,
-            tensor_bytes,
-            mtu: args.mtu,
-            chunk: args.chunk_kib << 10,
-            window: args.window_mib << 20,
-            grant: args.grant_mib << 20,
-            inflight: args.inflight,
-        };
+        let run_with = |sink: SinkKind| TensorwireRun::from_args(args, sink, tensor_bytes);
         let to_host = run_with(SinkKind::Host);
         let to_gpu = run_with(SinkKind::Placed(gpu.clone()));
         let host_s = best_of(runs, async || {
@@ -1854,15 +1853,7 @@ async fn main() -> anyhow::Result<()> {
     for &n in connections {
         let wanted = |name: &str| args.only.as_deref().is_none_or(|only| only == name);
         let skipped = f64::NAN;
-        let tw_run = TensorwireRun {
-            sink: SinkKind::Discard,
-            tensor_bytes,
-            mtu: args.mtu,
-            chunk: args.chunk_kib << 10,
-            window: args.window_mib << 20,
-            grant: args.grant_mib << 20,
-            inflight: args.inflight,
-        };
+        let tw_run = TensorwireRun::from_args(&args, SinkKind::Discard, tensor_bytes);
         // Each round runs every transport once, so a machine that slows down or speeds up
         // between rounds moves both sides of that round's ratio.
         let (mut quinn_s, mut hot_quinn_s, mut tw_s, mut tcp_s) =
