@@ -567,6 +567,11 @@ fn checked_chunks_combine_into_the_whole_tensors_checksum() {
 }
 
 /// A receiver accepted for `len` bytes, all granted.
+/// DATA of `len` bytes at `offset`, its CRC to be reported after it is stored.
+fn later(offset: u64, len: usize) -> CheckedFrame {
+    CheckedFrame::checksum_later(Data::new(offset, vec![7; len]).into())
+}
+
 fn receiving(len: u64) -> TensorReceiver {
     let mut rx = TensorReceiver::new(Limits::default());
     rx.handle_frame(meta(len).into()).unwrap();
@@ -576,20 +581,30 @@ fn receiving(len: u64) -> TensorReceiver {
 }
 
 /// DATA whose checksum the driver computes while storing the bytes (spec §7.3, one pass over
-/// them) is verified at END as any other: a wrong piece fails with CHECKSUM_MISMATCH.
+/// them) is verified at END as any other: a wrong piece fails with CHECKSUM_MISMATCH. Later
+/// DATA is handled, its bytes counted against credit, while earlier CRCs are still owed;
+/// each is reported in the order its DATA came.
 #[test]
 fn data_checksummed_while_stored_is_verified_at_end() {
-    let bytes = pattern(3000, 9);
-    let run = |corrupt_piece: Option<usize>| -> Result<(), ProtocolError> {
-        let mut rx = receiving(3000);
+    let bytes = pattern(4000, 9);
+    let run = |owed_at_once: usize, corrupt_piece: Option<usize>| {
+        let mut rx = receiving(4000);
+        let mut owed = std::collections::VecDeque::new();
         for (i, piece) in bytes.chunks(1000).enumerate() {
             let data = Data::new(i as u64 * 1000, piece.to_vec());
             let event = rx.handle_checked(CheckedFrame::checksum_later(data.into()))?;
             assert!(matches!(event, ReceiverEvent::Data(_)));
+            assert_eq!(rx.received(), (i as u64 + 1) * 1000, "counted at the frame");
             let mut crc = crc32c(piece);
             if corrupt_piece == Some(i) {
                 crc ^= 1;
             }
+            owed.push_back(crc);
+            if owed.len() == owed_at_once {
+                rx.record_payload_crc(owed.pop_front().unwrap())?;
+            }
+        }
+        for crc in owed {
             rx.record_payload_crc(crc)?;
         }
         let end = End {
@@ -597,19 +612,21 @@ fn data_checksummed_while_stored_is_verified_at_end() {
         };
         rx.handle_frame(end.into())?;
         assert_eq!(rx.state(), ReceiverState::AwaitingResidency);
-        Ok(())
+        Ok::<_, ProtocolError>(())
     };
-    run(None).unwrap();
-    assert_eq!(code_of(&run(Some(1))), ErrorCode::CHECKSUM_MISMATCH);
+    for owed_at_once in [1, 3, 4] {
+        run(owed_at_once, None).unwrap();
+        assert_eq!(
+            code_of(&run(owed_at_once, Some(1))),
+            ErrorCode::CHECKSUM_MISMATCH
+        );
+    }
 }
 
 /// The checks come before the bytes are stored: overlap and bounds fail at the
 /// frame, with nothing owed.
 #[test]
 fn data_checksummed_later_is_checked_before_it_is_stored() {
-    let later = |offset: u64, len: usize| {
-        CheckedFrame::checksum_later(Data::new(offset, vec![7; len]).into())
-    };
     let mut rx = receiving(3000);
     rx.handle_checked(later(0, 1000)).unwrap();
     rx.record_payload_crc(crc32c(&[7; 1000])).unwrap();
@@ -625,9 +642,6 @@ fn data_checksummed_later_is_checked_before_it_is_stored() {
 /// owed, or lets more than `MAX_CHECKSUMS_OWED` pile up, is told so.
 #[test]
 fn checksums_owed_are_bounded_and_all_come_before_end() {
-    let later = |offset: u64, len: usize| {
-        CheckedFrame::checksum_later(Data::new(offset, vec![1; len]).into())
-    };
     let mut rx = receiving(2000);
     assert!(matches!(
         rx.record_payload_crc(0),
@@ -635,9 +649,9 @@ fn checksums_owed_are_bounded_and_all_come_before_end() {
     ));
     rx.handle_checked(later(0, 1000)).unwrap();
     rx.handle_checked(later(1000, 1000)).unwrap();
-    rx.record_payload_crc(crc32c(&[1; 1000])).unwrap();
+    rx.record_payload_crc(crc32c(&[7; 1000])).unwrap();
     let end = End {
-        checksum: crc32c(&[1; 2000]).into(),
+        checksum: crc32c(&[7; 2000]).into(),
     };
     let early_end = rx.handle_frame(end.into()).map(drop);
     assert!(
@@ -657,46 +671,11 @@ fn checksums_owed_are_bounded_and_all_come_before_end() {
     );
 }
 
-/// Later DATA is handled, and its bytes counted against credit, while earlier payloads'
-/// CRCs are still owed (their bytes being stored); END then verifies them all, each CRC
-/// reported in the order its DATA came, and a wrong one fails with CHECKSUM_MISMATCH.
-#[test]
-fn data_is_handled_while_earlier_checksums_are_owed() {
-    let bytes = pattern(4000, 3);
-    let run = |corrupt_piece: Option<usize>| -> Result<(), ProtocolError> {
-        let mut rx = receiving(4000);
-        let pieces: Vec<&[u8]> = bytes.chunks(1000).collect();
-        for (i, piece) in pieces.iter().enumerate() {
-            let data = Data::new(i as u64 * 1000, piece.to_vec());
-            rx.handle_checked(CheckedFrame::checksum_later(data.into()))?;
-        }
-        assert_eq!(rx.received(), 4000, "every byte counted before any CRC");
-        for (i, piece) in pieces.iter().enumerate() {
-            let mut crc = crc32c(piece);
-            if corrupt_piece == Some(i) {
-                crc ^= 1;
-            }
-            rx.record_payload_crc(crc)?;
-        }
-        let end = End {
-            checksum: crc32c(&bytes).into(),
-        };
-        rx.handle_frame(end.into())?;
-        assert_eq!(rx.state(), ReceiverState::AwaitingResidency);
-        Ok(())
-    };
-    run(None).unwrap();
-    assert_eq!(code_of(&run(Some(2))), ErrorCode::CHECKSUM_MISMATCH);
-}
-
 /// Spec §7.3's rules hold at the frame, whether or not earlier CRCs are still owed: DATA
 /// overlapping a range whose CRC is owed is DATA_OVERLAP, and owed ranges count toward
 /// TOO_MANY_GAPS.
 #[test]
 fn ranges_with_checksums_owed_count_for_overlap_and_gaps() {
-    let later = |offset: u64, len: usize| {
-        CheckedFrame::checksum_later(Data::new(offset, vec![7; len]).into())
-    };
     let mut rx = receiving(3000);
     rx.handle_checked(later(0, 1000)).unwrap();
     let overlap = rx.handle_checked(later(500, 1000)).map(drop);

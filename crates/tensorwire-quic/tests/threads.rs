@@ -21,10 +21,11 @@ use tensorwire_quic::{
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Records the thread and length of each payload it stores; fails the store at
-/// `fail_at`, if any.
+/// `fail_at`, if any; holds its first store until `gate` gives a permit, if set.
 struct PayloadThreadSink {
     stores: Arc<Mutex<Vec<(String, usize)>>>,
     fail_at: Option<usize>,
+    gate: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 impl Sink for PayloadThreadSink {
@@ -37,6 +38,9 @@ impl Sink for PayloadThreadSink {
         permit: CreditPermit,
         crc: Option<&mut u32>,
     ) -> Result<(), SinkError> {
+        if let Some(gate) = self.gate.take() {
+            let _open = gate.acquire().await;
+        }
         let name = std::thread::current().name().unwrap_or("").to_owned();
         let mut stores = self.stores.lock().unwrap();
         stores.push((name, payload.len()));
@@ -89,6 +93,7 @@ async fn stored_on(threads: EndpointThreads) -> Vec<String> {
     let handle = rx.next().await.unwrap().accept(PayloadThreadSink {
         stores: stores.clone(),
         fail_at: None,
+        gate: None,
     });
     send.finished().await.unwrap();
     handle.finished().await.unwrap();
@@ -209,6 +214,7 @@ async fn stores_with(
     let handle = rx.next().await.unwrap().accept(PayloadThreadSink {
         stores: stores.clone(),
         fail_at,
+        gate: None,
     });
     let received = handle.finished().await.map(drop);
     let sent = send.finished().await.map(drop);
@@ -242,34 +248,6 @@ async fn large_payloads_are_stored_off_the_endpoints_thread_when_asked() {
     }
 }
 
-/// Stores whose first waits until `gate` gives a permit.
-struct FirstStoreWaits {
-    gate: Option<Arc<tokio::sync::Semaphore>>,
-}
-
-impl Sink for FirstStoreWaits {
-    type Output = ();
-
-    async fn store(
-        &mut self,
-        _: u64,
-        payload: Payload,
-        permit: CreditPermit,
-        crc: Option<&mut u32>,
-    ) -> Result<(), SinkError> {
-        if let Some(gate) = self.gate.take() {
-            let _open = gate.acquire().await;
-        }
-        payload.continue_crc(crc);
-        drop(permit);
-        Ok(())
-    }
-
-    async fn finish(self) -> Result<(), SinkError> {
-        Ok(())
-    }
-}
-
 /// While a payload is stored off the endpoint's thread, the stream goes on being read: the
 /// DATA behind it is counted as arrived and frees credit, so the sender gets past the
 /// tensor's window (granted-but-unarrived bytes) before that store ends.
@@ -285,7 +263,9 @@ async fn the_stream_is_read_on_while_a_store_off_its_thread_runs() {
     let len = 32 << 20;
     let send = tx.send(u8_meta("t", len), pattern(len, 4));
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let handle = rx.next().await.unwrap().accept(FirstStoreWaits {
+    let handle = rx.next().await.unwrap().accept(PayloadThreadSink {
+        stores: Arc::default(),
+        fail_at: None,
         gate: Some(gate.clone()),
     });
     let waited = tokio::time::timeout(Duration::from_secs(10), async {
