@@ -12,7 +12,7 @@
 //! hands each DATA over and reads the next at once, so the session counts the bytes as
 //! arrived (and grants the credit that frees) while earlier ones are still being stored.
 //! Waiting for each store instead left the stream task waiting on hand-offs between
-//! threads 60–90% of the time, and one connection at 0.8 of raw quinn (benches/README.md).
+//! threads 58–91% of the time, and one connection at 0.84 of raw quinn (benches/README.md).
 
 use std::num::NonZeroUsize;
 use std::sync::Arc;
