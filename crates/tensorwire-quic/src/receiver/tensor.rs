@@ -106,7 +106,7 @@ impl Accepted {
     }
 
     /// As [`handle`](Self::handle), DATA's checksum computed later, while its bytes are
-    /// stored ([`store`](Self::store)).
+    /// stored, and reported through [`stored`](Self::stored).
     fn handle_checksum_later(&self, frame: Frame) -> Result<SessionEvent, ProtocolError> {
         self.handle_checked(CheckedFrame::checksum_later(frame))
     }
