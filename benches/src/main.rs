@@ -2063,6 +2063,5 @@ async fn main() -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
         println!("wrote {}", path.display());
     }
-    let _ = Duration::ZERO;
     Ok(())
 }

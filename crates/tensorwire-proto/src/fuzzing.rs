@@ -1,8 +1,8 @@
 //! Entry points shared by the fuzz targets and the corpus replay test. Not a stable API.
 
-use bytes::{Bytes, BytesMut};
-
 use std::collections::VecDeque;
+
+use bytes::{Bytes, BytesMut};
 
 use crate::{
     CheckedFrame, ErrorCode, Frame, FrameDecoder, Limits, ReceiverEvent, ReceiverState,
@@ -82,9 +82,9 @@ fn check_split_part(meta: &crate::TensorMeta) {
 /// Layout: `op_count: u8 | ops: [u8; op_count] | frame bytes`. Op `k % 7`: 0 feeds the next
 /// decoded frame, 1 feeds it with DATA's CRC to follow (`CheckedFrame::checksum_later`),
 /// 2 accept, 3 grant (next op byte shifted by `k >> 4`), 4 mark resident, 5 cancel, 6 report
-/// the oldest CRC owed (wrong where `k >> 4` is odd). When the ops run out, the remaining frames are fed to a receiver
-/// that accepts, grants everything, reports every CRC owed before each frame and marks the
-/// tensor resident after END.
+/// the oldest CRC owed (wrong where `k >> 4` is odd). When the ops run out, the remaining
+/// frames are fed to a receiver that accepts, grants everything, reports every CRC owed
+/// before each frame and marks the tensor resident after END.
 pub fn receiver_ops(data: &[u8]) {
     let Some((&op_count, rest)) = data.split_first() else {
         return;

@@ -18,12 +18,12 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use tensorwire_proto::ProtocolError;
 use tensorwire_proto::frame::Data;
 use tensorwire_sink::{CreditPermit, Sink, SinkError};
 use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio::task::JoinError;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::EndpointThreads;
 use crate::error::TransportError;
@@ -193,29 +193,55 @@ impl Drop for OffloadSlot {
 /// CRC with the tensor's session and counts the bytes.
 pub(super) type OnStored = Box<dyn FnMut(u32, u64) -> Result<(), TransportError> + Send>;
 
+/// Where a tensor's payloads are stored: into its sink on the stream's own task, until a
+/// large payload moves them off the thread ([`Offloader::place`]); then, in order, there.
+pub(super) enum Stores<S> {
+    /// On the stream's own task.
+    Here(S),
+    /// On a task of their own, off the stream's thread.
+    OffThread(OffThreadStores<S>),
+}
+
+impl<S: Sink> Stores<S> {
+    /// Stores still here move to `place`, each stored payload then reported to `on_stored`;
+    /// stores already off the thread stay where they are.
+    pub(super) fn off_thread(self, place: (Handle, OffloadSlot), on_stored: OnStored) -> Self {
+        match self {
+            Self::Here(sink) => Self::OffThread(OffThreadStores::start(place, sink, on_stored)),
+            off_thread => off_thread,
+        }
+    }
+
+    /// Resolves once stores off the thread end on their own, which they do only when one
+    /// failed; never for stores here.
+    pub(super) async fn failed(&mut self) -> TransportError {
+        match self {
+            Self::OffThread(stores) => stores.failed().await,
+            Self::Here(_) => std::future::pending().await,
+        }
+    }
+
+    /// Waits for every payload handed over to be stored; the sink back.
+    pub(super) async fn into_sink(self) -> Result<S, TransportError> {
+        match self {
+            Self::Here(sink) => Ok(sink),
+            Self::OffThread(stores) => stores.finish().await,
+        }
+    }
+}
+
 /// A tensor's stores on a task of their own off its stream's thread: each DATA handed over
 /// is stored in the order it came, and [`finish`](Self::finish) hands the sink back. Dropped
 /// before that (the tensor failed), it stops them: what is queued is dropped, its credit
 /// returning.
 pub(super) struct OffThreadStores<S> {
-    /// `None` once finishing.
-    queue: Option<mpsc::Sender<(Data, CreditPermit)>>,
-    task: JoinHandle<Result<S, TransportError>>,
-}
-
-impl<S> Drop for OffThreadStores<S> {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    queue: mpsc::Sender<(Data, CreditPermit)>,
+    task: AbortOnDropHandle<Result<S, TransportError>>,
 }
 
 impl<S: Sink> OffThreadStores<S> {
     /// Starts storing into `sink` on `runtime`, holding `slot` until the last store ends.
-    pub(super) fn start(
-        (runtime, slot): (Handle, OffloadSlot),
-        mut sink: S,
-        mut on_stored: OnStored,
-    ) -> Self {
+    fn start((runtime, slot): (Handle, OffloadSlot), mut sink: S, mut on_stored: OnStored) -> Self {
         let (queue, mut queued) = mpsc::channel::<(Data, CreditPermit)>(QUEUED_STORES);
         let task = runtime.spawn(async move {
             let _slot = slot;
@@ -229,8 +255,8 @@ impl<S: Sink> OffThreadStores<S> {
             Ok(sink)
         });
         Self {
-            queue: Some(queue),
-            task,
+            queue,
+            task: AbortOnDropHandle::new(task),
         }
     }
 
@@ -241,10 +267,7 @@ impl<S: Sink> OffThreadStores<S> {
         data: Data,
         permit: CreditPermit,
     ) -> Result<(), TransportError> {
-        let queue = self.queue.as_ref().ok_or(ProtocolError::Misuse(
-            "a payload handed over after the stores finished",
-        ))?;
-        if queue.send((data, permit)).await.is_ok() {
+        if self.queue.send((data, permit)).await.is_ok() {
             return Ok(());
         }
         // The queue's receiver is gone: the stores ended, and their task says why.
@@ -252,21 +275,26 @@ impl<S: Sink> OffThreadStores<S> {
     }
 
     /// Resolves once the stores end on their own, which they do only when one failed.
-    pub(super) async fn failed(&mut self) -> TransportError {
+    async fn failed(&mut self) -> TransportError {
         match (&mut self.task).await {
             Ok(Err(e)) => e,
             Ok(Ok(_)) => SinkError::failed("the stores ended before the tensor did").into(),
-            Err(e) => SinkError::failed(format!("the sink's store task ended: {e}")).into(),
+            Err(e) => store_task_ended(e),
         }
     }
 
     /// Waits for every payload handed over to be stored; the sink back.
-    pub(super) async fn finish(mut self) -> Result<S, TransportError> {
-        self.queue = None;
-        (&mut self.task)
-            .await
-            .map_err(|e| SinkError::failed(format!("the sink's store task ended: {e}")))?
+    async fn finish(self) -> Result<S, TransportError> {
+        let Self { queue, task } = self;
+        // The queue closes: the task stores what is in it, then ends.
+        drop(queue);
+        task.await.map_err(store_task_ended)?
     }
+}
+
+/// The error of a store task that panicked or was cancelled.
+fn store_task_ended(e: JoinError) -> TransportError {
+    SinkError::failed(format!("the sink's store task ended: {e}")).into()
 }
 
 /// Large tensors of one connection being received now.

@@ -18,7 +18,7 @@ use tracing::{debug, warn};
 
 use super::connection::ConnectionState;
 use super::incoming::{DECISION_GRACE, Decision, Ended, IncomingTensor, Run};
-use super::offload::{OffThreadStores, OnStored, Receiving};
+use super::offload::{OnStored, Receiving, Stores};
 use super::{CLOSE_GRACE, Shared};
 use crate::error::TransportError;
 use crate::stream::FrameStream;
@@ -115,22 +115,29 @@ impl Accepted {
     /// does once stored, wherever that is: its CRC-32C goes to the session (spec §7.3: one
     /// read of each byte), its bytes to the counters.
     fn stored(
-        (connection, shared, id): (&ConnectionState, &Shared, StreamId),
+        connection: &ConnectionState,
+        shared: &Shared,
+        id: StreamId,
         progress: &AtomicU64,
         crc: u32,
         len: u64,
     ) -> Result<(), TransportError> {
         connection.session().record_payload_crc(id, crc)?;
+        Self::count_stored(connection, shared, progress, len);
+        Ok(())
+    }
+
+    /// Counts `len` more bytes stored, for the tensor, its connection and the receiver.
+    fn count_stored(connection: &ConnectionState, shared: &Shared, progress: &AtomicU64, len: u64) {
         progress.fetch_add(len, Ordering::Relaxed);
         shared.metrics.add_bytes(len);
         connection.metrics.add_bytes(len);
-        Ok(())
     }
 
     /// [`stored`](Self::stored) for stores off this thread.
     fn on_stored_elsewhere(&self, progress: Arc<AtomicU64>) -> OnStored {
         let (connection, shared, id) = (self.connection.clone(), self.shared.clone(), self.id);
-        Box::new(move |crc, len| Self::stored((&connection, &shared, id), &progress, crc, len))
+        Box::new(move |crc, len| Self::stored(&connection, &shared, id, &progress, crc, len))
     }
 
     fn handle_checked(&self, frame: CheckedFrame) -> Result<SessionEvent, ProtocolError> {
@@ -332,17 +339,12 @@ impl Accepted {
         for (data, permit) in std::mem::take(&mut self.early) {
             let n = data.payload.len() as u64;
             sink.write(data.offset, data.payload, permit).await?;
-            progress.fetch_add(n, Ordering::Relaxed);
-            shared.metrics.add_bytes(n);
-            self.connection.metrics.add_bytes(n);
+            Self::count_stored(&connection, &shared, &progress, n);
         }
         if self.early_ended {
             return self.complete(sink, &pending).await;
         }
-        // Where the payloads go: the sink here, on this task, until a large payload moves
-        // the tensor's stores off this thread (`Offloader::place`); then, in order, there.
-        let mut sink = Some(sink);
-        let mut off_thread: Option<OffThreadStores<S>> = None;
+        let mut stores = Stores::Here(sink);
         loop {
             // Armed before asking, so a release between the two is not missed.
             let returned = shared.budget.credit_returned();
@@ -365,47 +367,37 @@ impl Accepted {
                 self.flush().await?;
                 continue;
             }
-            let stores_failed = async {
-                match off_thread.as_mut() {
-                    Some(stores) => stores.failed().await,
-                    None => std::future::pending().await,
-                }
-            };
             tokio::select! {
                 biased;
                 () = returned, if wants_more => {}
                 () = window_opened, if wants_more => {}
-                failure = stores_failed => return Err(failure),
+                failure = stores.failed() => return Err(failure),
                 frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame()) => {
                     let frame = frame.map_err(|_| TransportError::timed_out("DATA", config.progress_timeout))??;
-                    if matches!(frame, Frame::End(_))
-                        && let Some(stores) = off_thread.take()
-                    {
+                    if matches!(frame, Frame::End(_)) {
                         // END is checked against every payload's CRC: all stored first.
-                        sink = Some(stores.finish().await?);
+                        let sink = stores.into_sink().await?;
+                        return match self.handle_checksum_later(frame)? {
+                            SessionEvent::End => self.complete(sink, &pending).await,
+                            _ => Err(ProtocolError::Misuse("END handled as another frame").into()),
+                        };
                     }
                     match self.handle_checksum_later(frame)? {
                         SessionEvent::Data(data) => {
                             let n = data.payload.len() as u64;
                             let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
-                            if off_thread.is_none()
+                            if let Stores::Here(_) = &stores
                                 && let Some(place) = shared.offload.place(data.payload.len(), &connection.load, &mut self.receiving)
                             {
-                                let here = sink.take().ok_or(ProtocolError::Misuse("the sink is gone"))?;
-                                off_thread = Some(OffThreadStores::start(place, here, self.on_stored_elsewhere(progress.clone())));
+                                stores = stores.off_thread(place, self.on_stored_elsewhere(progress.clone()));
                             }
-                            match (&mut sink, &mut off_thread) {
-                                (_, Some(stores)) => stores.store(data, permit).await?,
-                                (Some(here), None) => {
-                                    let crc = here.write_checksummed(data.offset, data.payload, permit).await?;
-                                    Self::stored((&connection, &shared, self.id), &progress, crc, n)?;
+                            match &mut stores {
+                                Stores::OffThread(off_thread) => off_thread.store(data, permit).await?,
+                                Stores::Here(sink) => {
+                                    let crc = sink.write_checksummed(data.offset, data.payload, permit).await?;
+                                    Self::stored(&connection, &shared, self.id, &progress, crc, n)?;
                                 }
-                                (None, None) => return Err(ProtocolError::Misuse("the sink is gone").into()),
                             }
-                        }
-                        SessionEvent::End => {
-                            let sink = sink.take().ok_or(ProtocolError::Misuse("the sink is gone"))?;
-                            return self.complete(sink, &pending).await;
                         }
                         _ => return Err(ProtocolError::Misuse("second METADATA event").into()),
                     }
