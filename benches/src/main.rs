@@ -5,7 +5,7 @@
 //!
 //! `cargo run --release -p tensorwire-bench -- --quick` finishes in under a minute.
 
-use std::alloc::{GlobalAlloc, Layout, System};
+use std::alloc::{GlobalAlloc, Layout};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,8 +22,9 @@ use tensorwire::quic::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// The system allocator, counting allocations (and reallocations) while a latency row runs,
-/// so the rows can print them per message.
+/// mimalloc, as the programs use (their allocator's doc says why), counting allocations (and
+/// reallocations) while a latency row runs, so the rows can print them per message. Raw quinn,
+/// TCP+TLS and tensorwire run on it alike.
 struct CountingAllocator {
     counting: AtomicBool,
     allocations: AtomicU64,
@@ -63,30 +64,30 @@ enum Counting {
 }
 
 #[allow(unsafe_code)]
-// SAFETY: every call is passed on unchanged to the system allocator, which upholds
+// SAFETY: every call is passed on unchanged to mimalloc, which upholds
 // `GlobalAlloc`'s contract; the counting touches only two atomics and never allocates.
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         self.note();
         // SAFETY: the caller's contract for `alloc`, passed on.
-        unsafe { System.alloc(layout) }
+        unsafe { mimalloc::MiMalloc.alloc(layout) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         self.note();
         // SAFETY: the caller's contract for `alloc_zeroed`, passed on.
-        unsafe { System.alloc_zeroed(layout) }
+        unsafe { mimalloc::MiMalloc.alloc_zeroed(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: the caller's contract for `dealloc`, passed on.
-        unsafe { System.dealloc(ptr, layout) }
+        unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         self.note();
         // SAFETY: the caller's contract for `realloc`, passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
+        unsafe { mimalloc::MiMalloc.realloc(ptr, layout, new_size) }
     }
 }
 
