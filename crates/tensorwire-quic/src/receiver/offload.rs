@@ -13,6 +13,9 @@
 //! arrived (and grants the credit that frees) while earlier ones are still being stored.
 //! Waiting for each store instead left the stream task waiting on hand-offs between
 //! threads 58–91% of the time, and one connection at 0.84 of raw quinn (benches/README.md).
+//! When connections get busy while a tensor stores off its thread, more tensors may be
+//! storing off their threads than the host now has cores for: the excess come back to
+//! their streams' threads at their next payload, once those handed over are stored.
 
 use std::num::NonZeroUsize;
 use std::sync::Arc;
@@ -41,8 +44,8 @@ pub(crate) const OFFLOAD_MIN_PAYLOAD: usize = 1 << 20;
 
 /// Where a receiver stores the DATA payloads of tensors sent in large ones (copies and
 /// checksums them into the sink). A tensor's stores move off its stream's thread at its
-/// first payload of 1 MiB or more, if they may, and all its later payloads follow them
-/// there, stored in order.
+/// first payload of 1 MiB or more, if they may; its later payloads follow them there, stored
+/// in order, until the host has no core to spare for them (`Auto`), when they come back.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StoreOffload {
     /// On the runtime that bound the receiver, beside the stream's own thread, while the
@@ -165,7 +168,13 @@ impl Offloader {
                 (n < limit).then_some(n + 1)
             })
             .ok()?;
-        Some((runtime.clone(), OffloadSlot(self.clone())))
+        Some((
+            runtime.clone(),
+            OffloadSlot {
+                offloader: self.clone(),
+                held: true,
+            },
+        ))
     }
 
     /// Counts `connection` as carrying a large tensor until the returned guard drops.
@@ -181,11 +190,39 @@ impl Offloader {
 }
 
 /// One tensor storing off its stream's thread.
-pub(super) struct OffloadSlot(Arc<Offloader>);
+pub(super) struct OffloadSlot {
+    offloader: Arc<Offloader>,
+    /// Whether this tensor still counts among those storing off their threads.
+    held: bool,
+}
+
+impl OffloadSlot {
+    /// Gives up this tensor's place if more tensors store off their threads than the load
+    /// now allows (connections got busy since it moved); returns whether it did. Only the
+    /// excess gives up: each one that does lowers the count the next one sees.
+    fn give_up_if_over_limit(&mut self) -> bool {
+        if !self.held {
+            return false;
+        }
+        let limit = self.offloader.limit();
+        let gave_up = self
+            .offloader
+            .load
+            .running
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n > limit).then(|| n - 1)
+            })
+            .is_ok();
+        self.held = !gave_up;
+        gave_up
+    }
+}
 
 impl Drop for OffloadSlot {
     fn drop(&mut self) {
-        self.0.load.running.fetch_sub(1, Ordering::AcqRel);
+        if self.held {
+            self.offloader.load.running.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -228,6 +265,17 @@ impl<S: Sink> Stores<S> {
             Self::OffThread(stores) => stores.finish().await,
         }
     }
+
+    /// Whether stores off the thread should come back to the stream's own task: the host
+    /// has no core to spare for them now ([`StoreOffload::Auto`]: connections got busy since
+    /// they moved). Gives up their place if so; bring them back with
+    /// [`into_sink`](Self::into_sink), after which a later payload may move them off again.
+    pub(super) fn give_up_place_if_host_busy(&mut self) -> bool {
+        match self {
+            Self::OffThread(stores) => stores.slot.give_up_if_over_limit(),
+            Self::Here(_) => false,
+        }
+    }
 }
 
 /// A tensor's stores on a task of their own off its stream's thread: each DATA handed over
@@ -237,14 +285,15 @@ impl<S: Sink> Stores<S> {
 pub(super) struct OffThreadStores<S> {
     queue: mpsc::Sender<(Data, CreditPermit)>,
     task: AbortOnDropHandle<Result<S, TransportError>>,
+    /// The tensor's place among those storing off their threads, until the stores end.
+    slot: OffloadSlot,
 }
 
 impl<S: Sink> OffThreadStores<S> {
-    /// Starts storing into `sink` on `runtime`, holding `slot` until the last store ends.
+    /// Starts storing into `sink` on `runtime`, holding `slot` until the stores end.
     fn start((runtime, slot): (Handle, OffloadSlot), mut sink: S, mut on_stored: OnStored) -> Self {
         let (queue, mut queued) = mpsc::channel::<(Data, CreditPermit)>(QUEUED_STORES);
         let task = runtime.spawn(async move {
-            let _slot = slot;
             while let Some((data, permit)) = queued.recv().await {
                 let len = data.payload.len() as u64;
                 let crc = sink
@@ -257,6 +306,7 @@ impl<S: Sink> OffThreadStores<S> {
         Self {
             queue,
             task: AbortOnDropHandle::new(task),
+            slot,
         }
     }
 
@@ -285,10 +335,12 @@ impl<S: Sink> OffThreadStores<S> {
 
     /// Waits for every payload handed over to be stored; the sink back.
     async fn finish(self) -> Result<S, TransportError> {
-        let Self { queue, task } = self;
+        let Self { queue, task, slot } = self;
         // The queue closes: the task stores what is in it, then ends.
         drop(queue);
-        task.await.map_err(store_task_ended)?
+        let sink = task.await.map_err(store_task_ended)?;
+        drop(slot);
+        sink
     }
 }
 
@@ -408,6 +460,48 @@ mod tests {
         assert!(place(&offloader, usize::MAX, &connections[0], &mut another).is_none());
         drop((first, second_tensor_same_connection, rest, another));
         assert_eq!(offloader.limit(), cores);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_the_excess_gives_up_its_place_once_connections_get_busy() {
+        let mut offloader = Offloader::counting_in(
+            Box::leak(Box::default()),
+            StoreOffload::Auto,
+            EndpointThreads::default(),
+        );
+        // Seven cores, whatever this host has: one spare once three connections are busy.
+        offloader.cores = 7;
+        let offloader = Arc::new(offloader);
+        let running = || offloader.load.running.load(Ordering::Acquire);
+        let connections: Vec<_> = (0..3)
+            .map(|_| Arc::new(ConnectionLoad::default()))
+            .collect();
+        let (mut first, mut second) = (None, None);
+        let mut a = place(&offloader, usize::MAX, &connections[0], &mut first).expect("5 spare");
+        let mut b = place(&offloader, usize::MAX, &connections[0], &mut second).expect("5 spare");
+        assert_eq!(running(), 2);
+        let busy_1 = offloader.receiving(&connections[1]);
+        assert_eq!(offloader.limit(), 3);
+        assert!(
+            !a.give_up_if_over_limit(),
+            "within the limit, both keep their places"
+        );
+        assert!(!b.give_up_if_over_limit());
+        let busy_2 = offloader.receiving(&connections[2]);
+        assert_eq!(offloader.limit(), 1);
+        assert!(
+            a.give_up_if_over_limit(),
+            "two storing where one may: one gives up"
+        );
+        assert!(!b.give_up_if_over_limit(), "the other keeps its place");
+        assert!(!a.give_up_if_over_limit(), "a place is given up once");
+        assert_eq!(running(), 1);
+        drop(a);
+        assert_eq!(running(), 1, "a place given up is not counted off again");
+        drop(b);
+        assert_eq!(running(), 0);
+        drop((busy_1, busy_2, first, second));
+        assert_eq!(offloader.limit(), 7);
     }
 
     #[test]

@@ -386,6 +386,9 @@ impl Accepted {
                         SessionEvent::Data(data) => {
                             let n = data.payload.len() as u64;
                             let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
+                            if stores.give_up_place_if_host_busy() {
+                                stores = Stores::Here(stores.into_sink().await?);
+                            }
                             if let Stores::Here(_) = &stores
                                 && let Some(place) = shared.offload.place(data.payload.len(), &connection.load, &mut self.receiving)
                             {
