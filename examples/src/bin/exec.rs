@@ -54,10 +54,10 @@ struct RunArgs {
     /// The kernel's name (extern "C", or the mangled C++ name).
     #[arg(long)]
     function: String,
-    /// Blocks: X[,Y[,Z]].
+    /// Blocks: X, X,Y or X,Y,Z.
     #[arg(long, default_value = "1")]
     grid: String,
-    /// Threads per block: X[,Y[,Z]].
+    /// Threads per block: X, X,Y or X,Y,Z.
     #[arg(long, default_value = "1")]
     block: String,
     /// Dynamic shared memory per block, in bytes.
