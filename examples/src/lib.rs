@@ -4,8 +4,9 @@
 
 /// Every program's allocator. A receiver stores large payloads on other threads, so quinn's
 /// receive buffers are freed away from the connection's thread that allocated them. With
-/// glibc's allocator that thread then spent 30–40% more CPU per byte than raw quinn's on the
-/// same decryption and copies; with mimalloc one sender moved 4–10% more (benches/README.md).
+/// glibc's allocator that thread then spent about a third more CPU per byte than raw
+/// quinn's on the same decryption and copies; with mimalloc one sender moved 4–10% more
+/// (benches/README.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
