@@ -1,11 +1,13 @@
 //! Runs a CUDA kernel on a remote GPU: sends the module (PTX, cubin or fatbin) and the inputs
 //! to `receiver --allow-exec`, and saves the outputs it sends back (spec §14).
 //!
-//!     tensorwire-exec --connect 127.0.0.1:7000 info
-//!     tensorwire-exec --connect 127.0.0.1:7000 run spmv.ptx --function spmv_csr \
-//!         --grid 3907 --block 256 --in values=values.npy --in col_indices=col_indices.npy \
-//!         --in row_ptr=row_ptr.npy --in x=x.npy --out y=f32:1000000 --scalar rows=i32:1000000 \
-//!         --save out/
+//! ```sh
+//! tensorwire-exec --connect 127.0.0.1:7000 info
+//! tensorwire-exec --connect 127.0.0.1:7000 run spmv.ptx --function spmv_csr \
+//!     --grid 3907 --block 256 --in values=values.npy --in col_indices=col_indices.npy \
+//!     --in row_ptr=row_ptr.npy --in x=x.npy --out y=f32:1000000 --scalar rows=i32:1000000 \
+//!     --save out/
+//! ```
 //!
 //! Arguments reach the kernel in the order given, whatever their kind.
 
