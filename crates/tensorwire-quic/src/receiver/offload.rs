@@ -150,7 +150,7 @@ impl Offloader {
     /// among those storing there; `None` keeps them on the stream's thread. From its first
     /// payload large enough to move, the tensor counts its connection as busy
     /// (`receiving`), so small tensors touch no shared counter.
-    pub(super) fn place(
+    fn place(
         self: &Arc<Self>,
         len: usize,
         connection: &Arc<ConnectionLoad>,
@@ -240,13 +240,31 @@ pub(super) enum Stores<S> {
 }
 
 impl<S: Sink> Stores<S> {
-    /// Stores still here move to `place`, each stored payload then reported to `on_stored`;
-    /// stores already off the thread stay where they are.
-    pub(super) fn off_thread(self, place: (Handle, OffloadSlot), on_stored: OnStored) -> Self {
-        match self {
-            Self::Here(sink) => Self::OffThread(OffThreadStores::start(place, sink, on_stored)),
-            off_thread => off_thread,
+    /// Where the tensor's next payload, of `len` bytes, is stored. Stores off the thread come
+    /// back to the stream's own task, once those handed over are stored, when the host has
+    /// no core to spare for them now ([`StoreOffload::Auto`]: connections got busy since
+    /// they moved). Stores here move off the thread when `offloader` places them, each
+    /// stored payload then reported to `on_stored`.
+    pub(super) async fn for_payload(
+        mut self,
+        len: usize,
+        offloader: &Arc<Offloader>,
+        connection: &Arc<ConnectionLoad>,
+        receiving: &mut Option<Receiving>,
+        on_stored: impl FnOnce() -> OnStored,
+    ) -> Result<Self, TransportError> {
+        if let Self::OffThread(stores) = &mut self
+            && stores.slot.give_up_if_over_limit()
+        {
+            self = Self::Here(self.into_sink().await?);
         }
+        Ok(match self {
+            Self::Here(sink) => match offloader.place(len, connection, receiving) {
+                Some(place) => Self::OffThread(OffThreadStores::start(place, sink, on_stored())),
+                None => Self::Here(sink),
+            },
+            off_thread => off_thread,
+        })
     }
 
     /// Resolves once stores off the thread end on their own, which they do only when one
@@ -263,17 +281,6 @@ impl<S: Sink> Stores<S> {
         match self {
             Self::Here(sink) => Ok(sink),
             Self::OffThread(stores) => stores.finish().await,
-        }
-    }
-
-    /// Whether stores off the thread should come back to the stream's own task: the host
-    /// has no core to spare for them now ([`StoreOffload::Auto`]: connections got busy since
-    /// they moved). Gives up their place if so; bring them back with
-    /// [`into_sink`](Self::into_sink), after which a later payload may move them off again.
-    pub(super) fn give_up_place_if_host_busy(&mut self) -> bool {
-        match self {
-            Self::OffThread(stores) => stores.slot.give_up_if_over_limit(),
-            Self::Here(_) => false,
         }
     }
 }

@@ -135,8 +135,13 @@ impl Accepted {
     }
 
     /// [`stored`](Self::stored) for stores off this thread.
-    fn on_stored_elsewhere(&self, progress: Arc<AtomicU64>) -> OnStored {
-        let (connection, shared, id) = (self.connection.clone(), self.shared.clone(), self.id);
+    fn on_stored_elsewhere(
+        connection: &Arc<ConnectionState>,
+        shared: &Arc<Shared>,
+        id: StreamId,
+        progress: &Arc<AtomicU64>,
+    ) -> OnStored {
+        let (connection, shared, progress) = (connection.clone(), shared.clone(), progress.clone());
         Box::new(move |crc, len| Self::stored(&connection, &shared, id, &progress, crc, len))
     }
 
@@ -386,14 +391,8 @@ impl Accepted {
                         SessionEvent::Data(data) => {
                             let n = data.payload.len() as u64;
                             let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
-                            if stores.give_up_place_if_host_busy() {
-                                stores = Stores::Here(stores.into_sink().await?);
-                            }
-                            if let Stores::Here(_) = &stores
-                                && let Some(place) = shared.offload.place(data.payload.len(), &connection.load, &mut self.receiving)
-                            {
-                                stores = stores.off_thread(place, self.on_stored_elsewhere(progress.clone()));
-                            }
+                            let on_stored = || Self::on_stored_elsewhere(&connection, &shared, self.id, &progress);
+                            stores = stores.for_payload(data.payload.len(), &shared.offload, &connection.load, &mut self.receiving, on_stored).await?;
                             match &mut stores {
                                 Stores::OffThread(off_thread) => off_thread.store(data, permit).await?,
                                 Stores::Here(sink) => {
