@@ -29,6 +29,13 @@ use tensorwire::quic::{
 use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tokio::sync::mpsc;
 
+/// The module's allocator for Rust's allocations (Python's own keep the interpreter's). Its
+/// receiver stores large payloads on other threads, so quinn's receive buffers are freed away
+/// from the connection's thread that allocated them, which glibc's allocator makes about a
+/// third dearer per byte on that thread (benches/README.md); the programs use it too.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Bytes read from GPU memory per chunk when sending a device tensor.
 const DEVICE_CHUNK: usize = 8 << 20;
 
