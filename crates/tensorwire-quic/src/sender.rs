@@ -532,6 +532,11 @@ async fn send_tensor(
         } else {
             None
         };
+        // Opened once the tensor's turn has come, not while it queues (a file's pages would
+        // be read long before they are sent): its first batches are checksummed while
+        // METADATA waits for credit.
+        let chunk_len = usize::try_from(options.chunk_size).unwrap_or(usize::MAX);
+        let reader = SourceReader::open(source, total, chunk_len).await?;
         let (send, recv) = connection.open_bi().await?;
         let id = VarInt::from(send.id()).into_inner();
         session.lock().start_sending(id, machine)?;
@@ -543,7 +548,7 @@ async fn send_tensor(
             turn,
         };
         let outcome = tensor
-            .drive(&connection, source, total, sent, cancel, options)
+            .drive(&connection, reader, total, sent, cancel, options)
             .await;
         let outcome = match outcome {
             Err(e) => Err(tensor.explain_stop(e).await),
@@ -663,7 +668,7 @@ impl OutgoingTensor {
     async fn drive(
         &mut self,
         connection: &quinn::Connection,
-        source: Source,
+        mut reader: SourceReader,
         total: u64,
         sent: &AtomicU64,
         cancel: Option<&CancellationToken>,
@@ -674,8 +679,6 @@ impl OutgoingTensor {
             chunk_size,
         } = options;
         let id = self.id;
-        let chunk_len = usize::try_from(chunk_size).unwrap_or(usize::MAX);
-        let mut reader = SourceReader::open(source, total, chunk_len).await?;
         loop {
             loop {
                 let (allowed, done) = {

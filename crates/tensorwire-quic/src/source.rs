@@ -1,9 +1,9 @@
 //! A tensor's bytes read as checksummed DATA chunks, a batch ahead of sending.
 //!
 //! Bytes in memory and file regions are checksummed on the blocking pool a batch of several
-//! chunks at a time, one batch ahead of the chunks being sent: the connection's task (which
-//! shares its thread with the connection's driver) neither makes the pass over the bytes nor
-//! waits for it. A file region is mapped rather than read: the checksum's pass faults the
+//! chunks at a time, [`BATCHES_AHEAD`] batches ahead of the chunks being sent and from the
+//! moment the reader opens: the connection's task (which shares its thread with the
+//! connection's driver) neither makes the pass over the bytes nor waits for it. A file region is mapped rather than read: the checksum's pass faults the
 //! pages in (a disk read where they were not cached), so each byte of the page cache is read
 //! once by the CPU before quinn's packet copy, with no copy out of the page cache (which cost
 //! the `sender` program 28% of its CPU time, profiled with a 1 GiB cached file).
@@ -22,6 +22,13 @@ use crate::sender::Source;
 /// Bytes checksummed per wake-up of the blocking pool: several DATA chunks at once.
 const BATCH: usize = 4 << 20;
 
+/// Batches checksummed ahead of the one being sent: a receiver's default stream window
+/// (8 MiB), so that a CREDIT which lets a whole window go at once, as after a wait, finds
+/// it checksummed. With one batch ahead, the sending task of one connection waited
+/// 139–153 ms for checksums per 4 GiB run of 64 MiB tensors; with two, 4 ms (32-core host,
+/// benches/README.md).
+const BATCHES_AHEAD: usize = 2;
+
 /// In-memory bytes shorter than this are checksummed on the sending task: for a small tensor
 /// a hand-off to another thread costs more than the pass.
 const CHECK_INLINE_BELOW: usize = 256 << 10;
@@ -33,8 +40,8 @@ pub(crate) struct SourceReader {
     chunk: usize,
     /// Chunks checksummed and not yet sent.
     ready: VecDeque<CheckedChunk>,
-    /// The next batch, being checksummed.
-    ahead: Option<JoinHandle<VecDeque<CheckedChunk>>>,
+    /// The next batches, in order, being checksummed.
+    ahead: VecDeque<JoinHandle<VecDeque<CheckedChunk>>>,
 }
 
 enum Kind {
@@ -53,7 +60,8 @@ enum Kind {
 }
 
 impl SourceReader {
-    /// A reader of `source`, a tensor of `len` bytes, cut into chunks of at most `chunk`.
+    /// A reader of `source`, a tensor of `len` bytes, cut into chunks of at most `chunk`; a
+    /// region too long to checksum on the sending task starts checksumming now.
     pub(crate) async fn open(source: Source, len: u64, chunk: usize) -> std::io::Result<Self> {
         let kind = match source {
             Source::Bytes(mut bytes) => {
@@ -83,12 +91,16 @@ impl SourceReader {
                 leftover: Bytes::new(),
             },
         };
-        Ok(Self {
+        let mut reader = Self {
             kind,
             chunk: chunk.max(1),
             ready: VecDeque::new(),
-            ahead: None,
-        })
+            ahead: VecDeque::new(),
+        };
+        if reader.rest_checked_here().is_none() {
+            reader.check_ahead();
+        }
+        Ok(reader)
     }
 
     /// Up to `max` bytes (at least one), checksummed; empty at the end of the source.
@@ -98,7 +110,7 @@ impl SourceReader {
             return next_of_stream(inner, leftover, max).await;
         }
         if self.ready.is_empty() {
-            self.ready = match self.ahead.take() {
+            self.ready = match self.ahead.pop_front() {
                 Some(batch) => batch.await.map_err(std::io::Error::other)?,
                 None => {
                     let one_chunk = max.min(self.chunk);
@@ -111,8 +123,7 @@ impl SourceReader {
                     self.check_next_batch_here().await?
                 }
             };
-            // Keep one batch checksumming while this one is sent.
-            self.ahead = self.spawn_next_batch();
+            self.check_ahead();
         }
         Ok(match self.ready.pop_front() {
             None => CheckedChunk::new(Bytes::new()),
@@ -147,6 +158,16 @@ impl SourceReader {
                 mapped: false,
             } if rest.len() < CHECK_INLINE_BELOW => Some(rest),
             _ => None,
+        }
+    }
+
+    /// Keeps [`BATCHES_AHEAD`] batches checksumming while the ready one is sent.
+    fn check_ahead(&mut self) {
+        while self.ahead.len() < BATCHES_AHEAD {
+            let Some(batch) = self.spawn_next_batch() else {
+                break;
+            };
+            self.ahead.push_back(batch);
         }
     }
 
@@ -224,4 +245,71 @@ fn map_region(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<By
     // Only a hint: read ahead in order.
     let _ = map.advise(Advice::Sequential);
     Ok(Bytes::from_owner(map))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tensorwire_proto::checksum::crc32c;
+
+    const CHUNK: usize = 1 << 20;
+
+    fn region(len: usize) -> Bytes {
+        (0..len)
+            .map(|i| (i % 251) as u8 ^ (i >> 16) as u8)
+            .collect::<Vec<u8>>()
+            .into()
+    }
+
+    async fn open(bytes: &Bytes) -> SourceReader {
+        SourceReader::open(Source::Bytes(bytes.clone()), bytes.len() as u64, CHUNK)
+            .await
+            .expect("bytes in memory open")
+    }
+
+    /// Reads to the end, `max` bytes at most at a time, checking each chunk's checksum and
+    /// that no more than [`BATCHES_AHEAD`] batches are ever being checksummed.
+    async fn read_all(reader: &mut SourceReader, max: usize) -> Vec<u8> {
+        let mut read = Vec::new();
+        loop {
+            let chunk = reader.next(max).await.expect("in-memory reads cannot fail");
+            if chunk.is_empty() {
+                return read;
+            }
+            assert!(chunk.len() <= max.min(CHUNK));
+            assert_eq!(chunk.crc(), crc32c(chunk.payload()));
+            assert!(reader.ahead.len() <= BATCHES_AHEAD);
+            read.extend_from_slice(chunk.payload());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_long_region_is_checksummed_from_open_and_read_back_in_order() {
+        // Five batches, the last one short: batches checksummed at once come back in order.
+        let bytes = region((19 << 20) + 12_345);
+        let mut reader = open(&bytes).await;
+        assert_eq!(
+            reader.ahead.len(),
+            BATCHES_AHEAD,
+            "checksumming starts at open"
+        );
+        assert_eq!(read_all(&mut reader, usize::MAX).await, bytes);
+        assert!(reader.ahead.is_empty());
+    }
+
+    #[tokio::test]
+    async fn less_credit_than_a_chunk_reads_the_rest_of_it_next() {
+        let bytes = region((5 << 20) + 7);
+        let mut reader = open(&bytes).await;
+        assert_eq!(read_all(&mut reader, 300_001).await, bytes);
+    }
+
+    #[tokio::test]
+    async fn a_short_region_in_memory_is_checksummed_on_the_sending_task() {
+        let bytes = region(CHECK_INLINE_BELOW - 1);
+        let mut reader = open(&bytes).await;
+        assert!(reader.ahead.is_empty(), "no hand-off for a small tensor");
+        assert_eq!(read_all(&mut reader, usize::MAX).await, bytes);
+        assert!(reader.ahead.is_empty());
+    }
 }
