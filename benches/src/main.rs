@@ -376,6 +376,9 @@ struct Report {
     ratio_tensorwire_over_quinn: Vec<(usize, f64)>,
     /// (connections, the median over rounds of tensorwire's rate / raw quinn's in that round)
     median_round_ratio_tensorwire_over_quinn: Vec<(usize, f64)>,
+    /// (connections, the lowest and highest of those rounds' ratios): how far one host's
+    /// rounds spread, which a median of few rounds hides
+    round_ratio_range_tensorwire_over_quinn: Vec<(usize, (f64, f64))>,
     /// (connections, tensorwire's rate / raw quinn's from a cache-hot 4 MiB buffer)
     ratio_tensorwire_over_hot_quinn: Vec<(usize, f64)>,
     latency: Vec<Latency>,
@@ -1849,6 +1852,7 @@ async fn main() -> anyhow::Result<()> {
     let mut throughput = Vec::new();
     let mut ratios = Vec::new();
     let mut median_ratios = Vec::new();
+    let mut ratio_ranges = Vec::new();
     let mut hot_ratios = Vec::new();
     let connections: &[usize] = if latency_only { &[] } else { &args.connections };
     for &n in connections {
@@ -1884,6 +1888,12 @@ async fn main() -> anyhow::Result<()> {
         // None where `--source hot` made the first anchor the hot one.
         let hot_quinn_s = hot.as_ref().map(|_| hot_quinn_s);
         median_ratios.push((n, median(&mut round_ratios)));
+        // Sorted by `median`; NaN (a skipped transport) sorts last.
+        let range = (
+            round_ratios.first().copied().unwrap_or(f64::NAN),
+            round_ratios.last().copied().unwrap_or(f64::NAN),
+        );
+        ratio_ranges.push((n, range));
         let total = bytes * n as u64;
         let rows = [
             Some(("raw quinn", quinn_s)),
@@ -1960,13 +1970,19 @@ async fn main() -> anyhow::Result<()> {
                 t.transport, t.connections, t.gbit_per_s, t.seconds
             );
         }
-        for ((n, ratio), (_, median_ratio)) in ratios.iter().zip(&median_ratios) {
+        for (((n, ratio), (_, median_ratio)), (_, (lowest, highest))) in
+            ratios.iter().zip(&median_ratios).zip(&ratio_ranges)
+        {
             let hot = hot_ratios.iter().find(|(m, _)| m == n);
             let hot = hot.map_or_else(String::new, |(_, hot_ratio)| {
                 format!("; / raw quinn, hot: {hot_ratio:.3}")
             });
+            let spread = match runs > 1 {
+                true => format!(", rounds {lowest:.3} to {highest:.3}"),
+                false => String::new(),
+            };
             println!(
-                "  tensorwire / raw quinn, {n} connection(s): {ratio:.3} (best of each), {median_ratio:.3} (median of the rounds' ratios){hot}"
+                "  tensorwire / raw quinn, {n} connection(s): {ratio:.3} (best of each), {median_ratio:.3} (median of the rounds' ratios{spread}){hot}"
             );
         }
     }
@@ -2056,6 +2072,7 @@ async fn main() -> anyhow::Result<()> {
         throughput,
         ratio_tensorwire_over_quinn: ratios,
         median_round_ratio_tensorwire_over_quinn: median_ratios,
+        round_ratio_range_tensorwire_over_quinn: ratio_ranges,
         ratio_tensorwire_over_hot_quinn: hot_ratios,
         latency,
         gpu,
