@@ -1,10 +1,10 @@
-//! A tensor's bytes read as checksummed DATA chunks, a batch ahead of sending.
+//! A tensor's bytes read as checksummed DATA chunks, batches ahead of sending.
 //!
 //! Bytes in memory and file regions are checksummed on the blocking pool a batch of several
 //! chunks at a time, [`BATCHES_AHEAD`] batches ahead of the chunks being sent and from the
 //! moment the reader opens: the connection's task (which shares its thread with the
-//! connection's driver) neither makes the pass over the bytes nor waits for it. A file region is mapped rather than read: the checksum's pass faults the
-//! pages in (a disk read where they were not cached), so each byte of the page cache is read
+//! connection's driver) neither makes the pass over the bytes nor waits for it. A file
+//! region is mapped rather than read: the checksum's pass faults the pages in (a disk read where they were not cached), so each byte of the page cache is read
 //! once by the CPU before quinn's packet copy, with no copy out of the page cache (which cost
 //! the `sender` program 28% of its CPU time, profiled with a 1 GiB cached file).
 
@@ -113,14 +113,19 @@ impl SourceReader {
             self.ready = match self.ahead.pop_front() {
                 Some(batch) => batch.await.map_err(std::io::Error::other)?,
                 None => {
-                    let one_chunk = max.min(self.chunk);
-                    if let Some(rest) = self.rest_checked_here()
-                        && rest.len() <= one_chunk
-                    {
+                    let chunk = self.chunk;
+                    match self.rest_checked_here() {
                         // A small tensor's whole: one chunk, no batch to queue.
-                        return Ok(CheckedChunk::new(std::mem::take(rest)));
+                        Some(rest) if rest.len() <= max.min(chunk) => {
+                            return Ok(CheckedChunk::new(std::mem::take(rest)));
+                        }
+                        // Short and in memory: checksummed here, so a small tensor pays no
+                        // hand-off.
+                        Some(rest) => cut_and_check(std::mem::take(rest), chunk),
+                        // A longer region's batches started when it opened: none ahead is
+                        // none left.
+                        None => VecDeque::new(),
                     }
-                    self.check_next_batch_here().await?
                 }
             };
             self.check_ahead();
@@ -135,19 +140,6 @@ impl SourceReader {
             }
             Some(chunk) => chunk,
         })
-    }
-
-    /// The first batch: checksummed on this task where it is short and in memory, so a small
-    /// tensor pays no hand-off; otherwise on the blocking pool.
-    async fn check_next_batch_here(&mut self) -> std::io::Result<VecDeque<CheckedChunk>> {
-        let chunk = self.chunk;
-        if let Some(rest) = self.rest_checked_here() {
-            return Ok(cut_and_check(std::mem::take(rest), chunk));
-        }
-        match self.spawn_next_batch() {
-            Some(batch) => batch.await.map_err(std::io::Error::other),
-            None => Ok(VecDeque::new()),
-        }
     }
 
     /// What is left of a region checksummed on this task: short and in memory.
@@ -310,6 +302,10 @@ mod tests {
         let mut reader = open(&bytes).await;
         assert!(reader.ahead.is_empty(), "no hand-off for a small tensor");
         assert_eq!(read_all(&mut reader, usize::MAX).await, bytes);
+        assert!(reader.ahead.is_empty());
+        // In pieces, as credit allows: still no hand-off.
+        let mut reader = open(&bytes).await;
+        assert_eq!(read_all(&mut reader, 100_000).await, bytes);
         assert!(reader.ahead.is_empty());
     }
 }
