@@ -689,7 +689,7 @@ impl OutgoingTensor {
                     break;
                 }
                 let max = allowed.min(total - done).min(chunk_size);
-                // Checksummed already, a batch ahead and off this task (which shares its
+                // Checksummed already, batches ahead and off this task (which shares its
                 // thread with the connection's driver): the session, shared by every stream
                 // of the connection, is locked only to queue it.
                 let chunk = reader
