@@ -1887,13 +1887,10 @@ async fn main() -> anyhow::Result<()> {
         }
         // None where `--source hot` made the first anchor the hot one.
         let hot_quinn_s = hot.as_ref().map(|_| hot_quinn_s);
+        let lowest = round_ratios.iter().copied().fold(f64::NAN, f64::min);
+        let highest = round_ratios.iter().copied().fold(f64::NAN, f64::max);
+        ratio_ranges.push((n, (lowest, highest)));
         median_ratios.push((n, median(&mut round_ratios)));
-        // Sorted by `median`; NaN (a skipped transport) sorts last.
-        let range = (
-            round_ratios.first().copied().unwrap_or(f64::NAN),
-            round_ratios.last().copied().unwrap_or(f64::NAN),
-        );
-        ratio_ranges.push((n, range));
         let total = bytes * n as u64;
         let rows = [
             Some(("raw quinn", quinn_s)),

@@ -566,12 +566,12 @@ fn checked_chunks_combine_into_the_whole_tensors_checksum() {
     }
 }
 
-/// A receiver accepted for `len` bytes, all granted.
 /// DATA of `len` bytes at `offset`, its CRC to be reported after it is stored.
 fn later(offset: u64, len: usize) -> CheckedFrame {
     CheckedFrame::checksum_later(Data::new(offset, vec![7; len]).into())
 }
 
+/// A receiver accepted for `len` bytes, all granted.
 fn receiving(len: u64) -> TensorReceiver {
     let mut rx = TensorReceiver::new(Limits::default());
     rx.handle_frame(meta(len).into()).unwrap();
