@@ -1758,8 +1758,10 @@ async fn gpu_section(
     let (staging_before, device_before) = (pools.staging_stats(), pools.memory_stats());
     // Each sink's copy into pinned staging runs on one core: more sinks at once (as more
     // connections bring) show whether the copies or the host → device link set the rate.
+    // 32 only where there are as many cores.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut ingest = Vec::new();
-    for sinks in [4, 8, 16] {
+    for sinks in [4, 8, 16, 32].into_iter().filter(|&s| s <= cores.max(16)) {
         ingest.push(IngestRun {
             sinks,
             ingest: ingest_from_memory(&pools, sinks, 64 << 20).await?,
