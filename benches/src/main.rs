@@ -1797,11 +1797,7 @@ async fn gpu_section(
             ratios.push(host_s / gpu_s);
         }
         let gbit = |s: f64| (bytes * n as u64) as f64 * 8.0 / s / 1e9;
-        let range = ratios
-            .iter()
-            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &r| {
-                (lo.min(r), hi.max(r))
-            });
+        let range = spread(&ratios);
         network.push(NetworkRun {
             connections: n,
             host_gbit_per_s: gbit(best_host),
@@ -1839,6 +1835,22 @@ fn median(values: &mut [f64]) -> f64 {
         0 => f64::NAN,
         n if n % 2 == 1 => values[n / 2],
         n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// The lowest and highest of the rounds' `values` (a skipped round, NaN, counts for neither).
+fn spread(values: &[f64]) -> (f64, f64) {
+    let lowest = values.iter().copied().fold(f64::NAN, f64::min);
+    let highest = values.iter().copied().fold(f64::NAN, f64::max);
+    (lowest, highest)
+}
+
+/// ", rounds LOW to HIGH" where there was more than one round, else nothing.
+fn spread_text(runs: usize, (lowest, highest): (f64, f64)) -> String {
+    if runs > 1 {
+        format!(", rounds {lowest:.3} to {highest:.3}")
+    } else {
+        String::new()
     }
 }
 
@@ -1914,9 +1926,7 @@ async fn main() -> anyhow::Result<()> {
         }
         // None where `--source hot` made the first anchor the hot one.
         let hot_quinn_s = hot.as_ref().map(|_| hot_quinn_s);
-        let lowest = round_ratios.iter().copied().fold(f64::NAN, f64::min);
-        let highest = round_ratios.iter().copied().fold(f64::NAN, f64::max);
-        ratio_ranges.push((n, (lowest, highest)));
+        ratio_ranges.push((n, spread(&round_ratios)));
         median_ratios.push((n, median(&mut round_ratios)));
         let total = bytes * n as u64;
         let rows = [
@@ -1994,17 +2004,14 @@ async fn main() -> anyhow::Result<()> {
                 t.transport, t.connections, t.gbit_per_s, t.seconds
             );
         }
-        for (((n, ratio), (_, median_ratio)), (_, (lowest, highest))) in
+        for (((n, ratio), (_, median_ratio)), (_, range)) in
             ratios.iter().zip(&median_ratios).zip(&ratio_ranges)
         {
             let hot = hot_ratios.iter().find(|(m, _)| m == n);
             let hot = hot.map_or_else(String::new, |(_, hot_ratio)| {
                 format!("; / raw quinn, hot: {hot_ratio:.3}")
             });
-            let spread = match runs > 1 {
-                true => format!(", rounds {lowest:.3} to {highest:.3}"),
-                false => String::new(),
-            };
+            let spread = spread_text(runs, *range);
             println!(
                 "  tensorwire / raw quinn, {n} connection(s): {ratio:.3} (best of each), {median_ratio:.3} (median of the rounds' ratios{spread}){hot}"
             );
@@ -2071,13 +2078,7 @@ async fn main() -> anyhow::Result<()> {
             );
         }
         for run in &g.network {
-            let spread = match runs > 1 {
-                true => format!(
-                    ", rounds {:.3} to {:.3}",
-                    run.round_gpu_over_host_range.0, run.round_gpu_over_host_range.1
-                ),
-                false => String::new(),
-            };
+            let spread = spread_text(runs, run.round_gpu_over_host_range);
             println!(
                 "  network → host (budgeted, kept buffers) {:.2} Gbit/s, network → GPU {:.2} Gbit/s ({} conn; GPU/host {:.3} best of each, {:.3} median of the rounds' ratios{spread})",
                 run.host_gbit_per_s,

@@ -4,9 +4,10 @@
 //! chunks at a time, [`BATCHES_AHEAD`] batches ahead of the chunks being sent and from the
 //! moment the reader opens: the connection's task (which shares its thread with the
 //! connection's driver) neither makes the pass over the bytes nor waits for it. A file
-//! region is mapped rather than read: the checksum's pass faults the pages in (a disk read where they were not cached), so each byte of the page cache is read
-//! once by the CPU before quinn's packet copy, with no copy out of the page cache (which cost
-//! the `sender` program 28% of its CPU time, profiled with a 1 GiB cached file).
+//! region is mapped rather than read: the checksum's pass faults the pages in (a disk read
+//! where they were not cached), so each byte of the page cache is read once by the CPU
+//! before quinn's packet copy, with no copy out of the page cache (which cost the `sender`
+//! program 28% of its CPU time, profiled with a 1 GiB cached file).
 
 use std::collections::VecDeque;
 use std::pin::Pin;
