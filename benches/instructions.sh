@@ -35,6 +35,7 @@ mkdir -p "$out"
 profile() {
   local name=$1
   shift
+  rm -f "$out/$name".* # a kept directory's earlier run would be counted again
   BENCH_STATS=1 valgrind --tool=callgrind --separate-threads=yes \
     --callgrind-out-file="$out/$name.%p" "$bench" --mtu "$MTU" "$@" > "$out/$name.log" 2>&1 ||
     { cat "$out/$name.log" >&2; return 1; }
@@ -44,7 +45,8 @@ profile() {
 report() {
   local name=$1 divisor=$2 unit=$3
   local files
-  files=$(ls "$out/$name".*-* | sort -t- -k2 -n)
+  # In the order the threads started: by the number after the last '-'.
+  files=$(for f in "$out/$name".*-*; do echo "${f##*-} $f"; done | sort -n | cut -d' ' -f2-)
   # shellcheck disable=SC2086 # one profile file per word
   awk -v divisor="$divisor" -v unit="$unit" -v name="$name" '
     /^summary:/ { count[FILENAME] = $2; total += $2; order[++n] = FILENAME }
