@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Instructions, not seconds: what tensorwire executes per 4 KiB tensor and per payload byte,
 # beside raw quinn, counted by valgrind's callgrind on each thread of `bench`. Timings on a
-# shared host move by a tenth between minutes; instruction counts barely move, so a change
-# in per-tensor or per-byte work shows here first.
+# shared host move by a tenth between minutes; these counts by about 1% between runs (what
+# the network stack does depends a little on timing), so a change in per-tensor or per-byte
+# work of a few percent shows here first.
 #
 #   benches/instructions.sh BENCH [MESSAGES] [MIB]
 #
