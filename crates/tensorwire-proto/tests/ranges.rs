@@ -15,6 +15,8 @@ fn crc32c_matches_the_standard_check_value() {
         crc32c_combine(crc32c(b"1234"), crc32c(b"56789"), 5),
         0xE306_9283
     );
+    // An empty prefix (CRC 0), as a tensor's first chunk combines.
+    assert_eq!(crc32c_combine(0, crc32c(b"123456789"), 9), 0xE306_9283);
 }
 
 proptest! {
