@@ -188,10 +188,17 @@ pub(super) async fn serve_streams(
                     continue;
                 }
                 let stream = FrameStream::new(send, recv, shared.config.limits.clone());
-                shared.streams.spawn(
-                    serve_stream(shared.clone(), state.clone(), stream_id, stream, tx.clone())
-                        .instrument(span),
-                );
+                // Boxed: the task then holds a pointer, not the stream's whole state machine,
+                // which tokio would otherwise move at the spawn and at each change of the
+                // task's stage (a few thousand bytes, three times per tensor).
+                let serve = Box::pin(serve_stream(
+                    shared.clone(),
+                    state.clone(),
+                    stream_id,
+                    stream,
+                    tx.clone(),
+                ));
+                shared.streams.spawn(serve.instrument(span));
             }
             Err(e) => {
                 info!(reason = %e, "connection closed");
