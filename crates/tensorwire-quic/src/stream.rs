@@ -15,6 +15,9 @@ pub(crate) struct FrameStream {
     decoder: FrameDecoder,
     /// Bytes of received frames, for counters.
     pub(crate) bytes_read: u64,
+    /// Whether the wait for the peer's FIN after its last frame has ended
+    /// ([`read_fin`](Self::read_fin)).
+    peer_finished: bool,
 }
 
 impl FrameStream {
@@ -24,6 +27,7 @@ impl FrameStream {
             recv,
             decoder: FrameDecoder::new(limits),
             bytes_read: 0,
+            peer_finished: false,
         }
     }
 
@@ -117,9 +121,26 @@ impl FrameStream {
     /// the last frame end the wait (the decoder reports them if read again), so a peer
     /// cannot make this buffer.
     async fn read_fin(&mut self) {
+        if self.peer_finished {
+            return;
+        }
         if let Ok(Some(chunk)) = self.recv.read_chunk(usize::MAX, true).await {
             self.decoder.push(chunk.bytes);
         }
+        self.peer_finished = true;
+    }
+
+    /// Whether, by now, the peer has finished its half and acknowledged everything sent
+    /// (or stopped the stream): what [`delivered_and_finished`](Self::delivered_and_finished)
+    /// waits for, checked without waiting or registering a wake-up.
+    pub(crate) fn delivered_and_finished_now(&mut self) -> bool {
+        self.read_fin_if_arrived();
+        if !self.peer_finished {
+            return false;
+        }
+        let stopped = std::pin::pin!(self.send.stopped());
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        stopped.poll(&mut cx).is_ready()
     }
 
     /// Finishes the send half after its last frame, so that the FIN leaves in the same

@@ -795,6 +795,35 @@ async fn completed_streams_are_not_stopped() {
     tx.close().await;
 }
 
+/// A completed stream is kept only until the sender has finished its half and has our
+/// COMPLETE, not for the grace period: after a hundred tensors sent one after another, a
+/// few streams at most are still kept (the last ones, whose FIN may still be on its way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completed_streams_are_let_go_once_the_sender_finishes() {
+    const TENSORS: u64 = 100;
+    let (rx, addr) = receiver(receiver_config()).await;
+    rx.admit_with(|incoming| {
+        let sink = tensorwire_quic::HostSink::new(incoming.meta().byte_len()).unwrap();
+        drop(incoming.accept(sink));
+    })
+    .unwrap();
+    let tx = sender(addr).await;
+    for i in 0..TENSORS {
+        tx.send_inline(u8_meta("small", 4096), pattern(4096, i))
+            .await
+            .unwrap();
+    }
+    let connections = rx.connections();
+    assert_eq!(connections.len(), 1);
+    assert!(
+        connections[0].closing_streams <= 4,
+        "{} streams still kept",
+        connections[0].closing_streams
+    );
+    tx.close().await;
+    rx.close().await;
+}
+
 /// Dropping an inline send midway cancels its tensor: the receiver hears CANCELLED, the
 /// sender counts it failed, its credit comes back, and the connection goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -112,6 +112,10 @@ pub struct ConnectionSnapshot {
     pub endpoint: usize,
     /// Its tensors and bytes.
     pub metrics: MetricsSnapshot,
+    /// Streams whose tensor ended and that are kept until the peer has finished its half
+    /// and has our last frame (spec §4), for [`CLOSE_GRACE`] at most. A few at a time;
+    /// many means the peer leaves its streams open after its tensors.
+    pub closing_streams: usize,
 }
 
 impl Receiver {
@@ -270,6 +274,7 @@ impl Receiver {
                 remote: c.connection.remote_address(),
                 endpoint: c.endpoint,
                 metrics: c.metrics.snapshot(),
+                closing_streams: c.closing_streams(),
             })
             .collect()
     }

@@ -521,13 +521,17 @@ impl Accepted {
 
     /// Keeps the stream (and so the connection) until the peer has our last frame, such as
     /// COMPLETE, and has finished its half; credit and the outcome were settled by `end`
-    /// already.
-    async fn linger(&mut self) {
+    /// already. The connection keeps it, so this task ends now; once the connection's loop
+    /// has ended, this task waits instead.
+    async fn linger(self) {
         // The sender finishes its half on our last frame; its FIN can come after its
         // acknowledgement of that frame. Dropped before the FIN, the stream would be stopped:
         // one more datagram and wake-up per tensor for the sender, which acknowledges the
         // STOP_SENDING at once, and that acknowledgement can again overtake the next
         // tensor's FIN (a third of 4 KiB tensors on a 16-core host).
-        self.stream.delivered_and_finished(CLOSE_GRACE).await;
+        let token = self.shared.streams.token();
+        if let Some((mut stream, _token)) = self.connection.keep_until_closed(self.stream, token) {
+            stream.delivered_and_finished(CLOSE_GRACE).await;
+        }
     }
 }
