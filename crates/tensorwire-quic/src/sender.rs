@@ -781,6 +781,10 @@ async fn next_frame_while_progressing(
     connection: &quinn::Connection,
     timeout: Duration,
 ) -> Result<tensorwire_proto::Frame, TransportError> {
+    // A reply that came with the last one (COMPLETE with ACCEPT) needs no timer.
+    if let Some(frame) = stream.buffered_frame()? {
+        return Ok(frame);
+    }
     let next = stream.next_frame();
     tokio::pin!(next);
     let mut sent = connection.stats().frame_tx.stream;
