@@ -813,13 +813,19 @@ async fn completed_streams_are_let_go_once_the_sender_finishes() {
             .await
             .unwrap();
     }
-    let connections = rx.connections();
-    assert_eq!(connections.len(), 1);
-    assert!(
-        connections[0].closing_streams <= 4,
-        "{} streams still kept",
-        connections[0].closing_streams
-    );
+    // The last FINs and acknowledgements may still be under way: up to 2 s, well inside the
+    // 5 s for which a stream that never closed would be kept.
+    let mut kept = usize::MAX;
+    for _ in 0..100 {
+        let connections = rx.connections();
+        assert_eq!(connections.len(), 1);
+        kept = connections[0].closing_streams;
+        if kept <= 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(kept <= 4, "{kept} streams still kept");
     tx.close().await;
     rx.close().await;
 }
