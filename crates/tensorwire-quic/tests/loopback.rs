@@ -11,7 +11,7 @@ use common::{
     init_tracing, land_host, pattern, receive_host, receiver, receiver_config, sender, u8_meta,
 };
 use tensorwire_quic::proto::{ErrorCode, Payload};
-use tensorwire_quic::{CreditPermit, Sink, SinkError};
+use tensorwire_quic::{CreditPermit, Receiver, Sender, Sink, SinkError};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_one_gib_tensor_arrives_intact() {
@@ -759,12 +759,9 @@ async fn an_admission_policy_decides_each_tensor_on_its_own_task() {
     tx.close().await;
 }
 
-/// A completed tensor's stream ends with both halves finished: the receiver reads the
-/// sender's FIN (which follows COMPLETE) rather than stopping the stream, so the sender gets
-/// no STOP_SENDING, which would cost it a datagram and a wake-up per tensor.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn completed_streams_are_not_stopped() {
-    const TENSORS: u64 = 500;
+/// `count` 4 KiB tensors sent one after another, each decided on its stream's task into
+/// host memory; the receiver and sender they went through.
+async fn small_tensors_one_by_one(count: u64) -> (Receiver, Sender) {
     let (rx, addr) = receiver(receiver_config()).await;
     rx.admit_with(|incoming| {
         let sink = tensorwire_quic::HostSink::new(incoming.meta().byte_len()).unwrap();
@@ -772,11 +769,21 @@ async fn completed_streams_are_not_stopped() {
     })
     .unwrap();
     let tx = sender(addr).await;
-    for i in 0..TENSORS {
+    for i in 0..count {
         tx.send_inline(u8_meta("small", 4096), pattern(4096, i))
             .await
             .unwrap();
     }
+    (rx, tx)
+}
+
+/// A completed tensor's stream ends with both halves finished: the receiver reads the
+/// sender's FIN (which follows COMPLETE) rather than stopping the stream, so the sender gets
+/// no STOP_SENDING, which would cost it a datagram and a wake-up per tensor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completed_streams_are_not_stopped() {
+    const TENSORS: u64 = 500;
+    let (rx, tx) = small_tensors_one_by_one(TENSORS).await;
     // Every stream's end reaches the sender (the last ones after their COMPLETE).
     for _ in 0..100 {
         if rx.metrics().tensors_completed == TENSORS {
@@ -801,18 +808,7 @@ async fn completed_streams_are_not_stopped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completed_streams_are_let_go_once_the_sender_finishes() {
     const TENSORS: u64 = 100;
-    let (rx, addr) = receiver(receiver_config()).await;
-    rx.admit_with(|incoming| {
-        let sink = tensorwire_quic::HostSink::new(incoming.meta().byte_len()).unwrap();
-        drop(incoming.accept(sink));
-    })
-    .unwrap();
-    let tx = sender(addr).await;
-    for i in 0..TENSORS {
-        tx.send_inline(u8_meta("small", 4096), pattern(4096, i))
-            .await
-            .unwrap();
-    }
+    let (rx, tx) = small_tensors_one_by_one(TENSORS).await;
     // The last FINs and acknowledgements may still be under way: up to 2 s, well inside the
     // 5 s for which a stream that never closed would be kept.
     let mut kept = usize::MAX;
