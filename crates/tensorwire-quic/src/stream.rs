@@ -112,9 +112,7 @@ impl FrameStream {
     /// STOP_SENDING for a receive half dropped before its FIN was read, even one that has all
     /// its data: one more frame, and often one more packet, per tensor.
     pub(crate) fn read_fin_if_arrived(&mut self) {
-        let read = std::pin::pin!(self.read_fin());
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        let _ = read.poll(&mut cx);
+        let _ = ready_now(self.read_fin());
     }
 
     /// Waits for the peer's FIN after its last frame, reading one chunk at most: bytes after
@@ -130,17 +128,10 @@ impl FrameStream {
         self.peer_finished = true;
     }
 
-    /// Whether, by now, the peer has finished its half and acknowledged everything sent
-    /// (or stopped the stream): what [`delivered_and_finished`](Self::delivered_and_finished)
-    /// waits for, checked without waiting or registering a wake-up.
+    /// Whether, by now, what [`delivered_and_finished`](Self::delivered_and_finished) waits
+    /// for has happened, checked without waiting or registering a wake-up.
     pub(crate) fn delivered_and_finished_now(&mut self) -> bool {
-        self.read_fin_if_arrived();
-        if !self.peer_finished {
-            return false;
-        }
-        let stopped = std::pin::pin!(self.send.stopped());
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        stopped.poll(&mut cx).is_ready()
+        ready_now(self.finished_then_delivered()).is_some()
     }
 
     /// Finishes the send half after its last frame, so that the FIN leaves in the same
@@ -180,11 +171,24 @@ impl FrameStream {
     /// acknowledgement is almost always in and the wait takes one wake-up, not two. A half
     /// dropped before the FIN is stopped (see [`read_fin_if_arrived`](Self::read_fin_if_arrived)).
     pub(crate) async fn delivered_and_finished(&mut self, grace: std::time::Duration) {
-        let _ = tokio::time::timeout(grace, async {
-            self.read_fin().await;
-            let _ = self.send.stopped().await;
-        })
-        .await;
+        let _ = tokio::time::timeout(grace, self.finished_then_delivered()).await;
+    }
+
+    /// The peer's FIN read, then everything we sent acknowledged (or the stream stopped).
+    async fn finished_then_delivered(&mut self) {
+        self.read_fin().await;
+        let _ = self.send.stopped().await;
+    }
+}
+
+/// `future`'s output if it is ready at its first poll. The poll leaves a no-op waker with
+/// whatever it waited on, so nothing is woken when that arrives later.
+fn ready_now<F: Future>(future: F) -> Option<F::Output> {
+    let future = std::pin::pin!(future);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match future.poll(&mut cx) {
+        std::task::Poll::Ready(output) => Some(output),
+        std::task::Poll::Pending => None,
     }
 }
 

@@ -111,17 +111,17 @@ impl ConnectionState {
 
     /// Keeps `stream`, whose tensor ended, until the peer has our last frame and has finished
     /// its half, or for [`CLOSE_GRACE`] at most; `token` (of the receiver's stream tracker)
-    /// goes with it. Gives both back once the connection's loop has ended: the caller then
-    /// waits on the stream itself.
+    /// goes with it. Gives the stream back once the connection's loop has ended: the caller
+    /// (a tracked task) then waits on it itself.
     pub(super) fn keep_until_closed(
         &self,
         mut stream: FrameStream,
         token: TaskTrackerToken,
-    ) -> Option<(FrameStream, TaskTrackerToken)> {
+    ) -> Option<FrameStream> {
         let now = Instant::now();
         let mut closing = self.closing();
         if closing.ended {
-            return Some((stream, token));
+            return Some(stream);
         }
         closing.sweep_some(now);
         // Also leaves a no-op waker with the stream, so that the FIN wakes no task.

@@ -530,7 +530,7 @@ impl Accepted {
         // STOP_SENDING at once, and that acknowledgement can again overtake the next
         // tensor's FIN (a third of 4 KiB tensors on a 16-core host).
         let token = self.shared.streams.token();
-        if let Some((mut stream, _token)) = self.connection.keep_until_closed(self.stream, token) {
+        if let Some(mut stream) = self.connection.keep_until_closed(self.stream, token) {
             stream.delivered_and_finished(CLOSE_GRACE).await;
         }
     }
