@@ -159,8 +159,9 @@ struct Args {
     #[arg(long)]
     samples: Option<u64>,
     /// Repeat each throughput run this many times, the transports taking turns in each
-    /// round; keeps each one's best and prints the median of the rounds' ratios.
-    #[arg(long, default_value_t = 3)]
+    /// round (raw quinn first in the first round, tensorwire first in the next, and so on);
+    /// keeps each one's best and prints the median of the rounds' ratios.
+    #[arg(long, default_value_t = 4)]
     runs: usize,
     /// After each throughput run, print the threads busy more than a tenth of its time:
     /// which one limits a connection.
@@ -1192,20 +1193,32 @@ impl ThreadUsage {
     }
 
     /// Threads on a CPU more than a tenth of the `seconds` since `before`, busiest first, as
-    /// "name#tid 0.98, name#tid 0.40": the fraction of those seconds on a CPU.
+    /// "name#tid 0.98 (20/s), name#tid 0.40 (3000/s)": the fraction of those seconds on a
+    /// CPU, and how often per second the thread was switched out (mostly to wait: an
+    /// endpoint thread with nothing to do parks, and each wake-up costs a switch back).
     fn busy_since(&self, before: &Self, seconds: f64) -> String {
+        let seconds = seconds.max(1e-9);
         let mut busy: Vec<(f64, String)> = self
             .0
             .iter()
             .filter_map(|(tid, now)| {
-                let ns = before.0.get(tid).map_or(0, |then| then.on_cpu_ns);
-                let share = now.on_cpu_ns.saturating_sub(ns) as f64 / 1e9 / seconds.max(1e-9);
-                (share > 0.1).then(|| (share, format!("{}#{tid}", now.name)))
+                let (ns, switches) = before
+                    .0
+                    .get(tid)
+                    .map_or((0, 0), |then| (then.on_cpu_ns, then.context_switches));
+                let share = now.on_cpu_ns.saturating_sub(ns) as f64 / 1e9 / seconds;
+                let per_second = now.context_switches.saturating_sub(switches) as f64 / seconds;
+                (share > 0.1).then(|| {
+                    (
+                        share,
+                        format!("{}#{tid} {share:.2} ({per_second:.0}/s)", now.name),
+                    )
+                })
             })
             .collect();
         busy.sort_by(|a, b| b.0.total_cmp(&a.0));
-        busy.iter()
-            .map(|(share, name)| format!("{name} {share:.2}"))
+        busy.into_iter()
+            .map(|(_, thread)| thread)
             .collect::<Vec<_>>()
             .join(", ")
     }
@@ -1899,11 +1912,19 @@ async fn main() -> anyhow::Result<()> {
         let skipped = f64::NAN;
         let tw_run = TensorwireRun::from_args(&args, SinkKind::Discard, tensor_bytes);
         // Each round runs every transport once, so a machine that slows down or speeds up
-        // between rounds moves both sides of that round's ratio.
+        // between rounds moves both sides of that round's ratio. Raw quinn and tensorwire
+        // swap places between rounds: in one block of runs each variant of a build beat the
+        // default in both rounds when it ran later in them (benches/README.md), so a fixed
+        // order can bias the ratio.
         let (mut quinn_s, mut hot_quinn_s, mut tw_s, mut tcp_s) =
             (skipped, skipped, skipped, skipped);
         let mut round_ratios = Vec::new();
-        for _ in 0..runs.max(1) {
+        for round in 0..runs.max(1) {
+            let tensorwire_first = round % 2 == 1;
+            let mut tw = skipped;
+            if tensorwire_first && wanted("tensorwire") {
+                tw = tensorwire_run(n, bytes, tw_run.clone()).await?;
+            }
             let quinn = if wanted("raw-quinn") {
                 raw_quinn(n, bytes, args.mtu, &source).await?
             } else {
@@ -1912,11 +1933,9 @@ async fn main() -> anyhow::Result<()> {
             if let Some(hot) = hot.as_ref().filter(|_| wanted("raw-quinn")) {
                 keep_best(&mut hot_quinn_s, raw_quinn(n, bytes, args.mtu, hot).await?);
             }
-            let tw = if wanted("tensorwire") {
-                tensorwire_run(n, bytes, tw_run.clone()).await?
-            } else {
-                skipped
-            };
+            if !tensorwire_first && wanted("tensorwire") {
+                tw = tensorwire_run(n, bytes, tw_run.clone()).await?;
+            }
             if wanted("tcp-tls") {
                 keep_best(&mut tcp_s, tcp_tls(n, bytes, &source).await?);
             }
