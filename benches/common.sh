@@ -15,14 +15,35 @@ listening_address() {
   echo "$addr"
 }
 
+# Runs COMMAND... with its output to LOG, and writes the CPU seconds the process used (user
+# and system, all its threads) to CPU_FILE as "cpu USER SYSTEM". Run it in the background
+# (`&`) for a server; `wait` on it then waits for COMMAND too.
+#
+#   with_cpu_time CPU_FILE LOG COMMAND...
+with_cpu_time() {
+  local cpu_file=$1 log=$2
+  shift 2
+  local TIMEFORMAT='cpu %U %S'
+  { time "$@" > "$log" 2>&1; } 2> "$cpu_file"
+}
+
+# The CPU seconds (user + system) in the "cpu USER SYSTEM" lines of FILEs, summed.
+#
+#   cpu_seconds FILE...
+cpu_seconds() {
+  cat "$@" 2>/dev/null | awk '$1 == "cpu" { s += $2 + $3 } END { printf "%.2f\n", s }'
+}
+
 # Raw quinn the way the programs run: one `bench --raw-server` process with one endpoint
 # per connection on one port, fed by PROCESSES `bench --raw-client` processes of
 # CONNECTIONS_EACH connections, MIB_EACH MiB per connection, each client on two tokio
 # workers per connection as `sender` runs. Prints the rate in Gbit/s, from the first
-# client's start to the last one's exit. RAW_SERVER_FLAGS adds server flags (e.g.
-# "--steering address"). Client i sends the ith SOURCE (the last one where fewer are given):
-# a file, mapped as `sender` maps the files it sends, or `hot`, one 4 MiB buffer again and
-# again, which stays in the CPU's cache (the anchor of earlier figures).
+# client's start to the last one's exit. The CPU seconds its processes used go to
+# WORK_DIR/raw-server.cpu and raw-client-N.cpu (`cpu_seconds` sums them).
+# RAW_SERVER_FLAGS adds server flags (e.g. "--steering address"). Client i sends the ith
+# SOURCE (the last one where fewer are given): a file, mapped as `sender` maps the files it
+# sends, or `hot`, one 4 MiB buffer again and again, which stays in the CPU's cache (the
+# anchor of earlier figures).
 #
 #   raw_quinn_as_processes BIN_DIR WORK_DIR PROCESSES CONNECTIONS_EACH MIB_EACH SOURCE...
 raw_quinn_as_processes() {
@@ -31,8 +52,10 @@ raw_quinn_as_processes() {
   local sources=("$@")
   local connections=$((processes * each)) workers=$((2 * each)) server addr start end
   [ "$workers" -le "$(nproc)" ] || workers=$(nproc)
-  "$bin/bench" --raw-server "$work/raw.der" --connections "$connections" --mtu "$MTU" \
-    ${RAW_SERVER_FLAGS:-} > "$work/raw-server.log" 2>&1 &
+  rm -f "$work"/raw-*.cpu
+  with_cpu_time "$work/raw-server.cpu" "$work/raw-server.log" \
+    "$bin/bench" --raw-server "$work/raw.der" --connections "$connections" --mtu "$MTU" \
+    ${RAW_SERVER_FLAGS:-} &
   server=$!
   addr=$(listening_address "$work/raw-server.log")
   start=$(date +%s.%N)
@@ -40,8 +63,9 @@ raw_quinn_as_processes() {
   local source
   for i in $(seq "$processes"); do
     source=${sources[$((i <= ${#sources[@]} ? i - 1 : ${#sources[@]} - 1))]}
-    TOKIO_WORKER_THREADS=$workers "$bin/bench" --raw-client "$addr" --cert "$work/raw.der" \
-      --connections "$each" --mtu "$MTU" --mib "$mib" --source "$source" > "$work/raw-client-$i.log" 2>&1 &
+    TOKIO_WORKER_THREADS=$workers with_cpu_time "$work/raw-client-$i.cpu" "$work/raw-client-$i.log" \
+      "$bin/bench" --raw-client "$addr" --cert "$work/raw.der" \
+      --connections "$each" --mtu "$MTU" --mib "$mib" --source "$source" &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || failed=1; done

@@ -9,7 +9,8 @@
 # memory), sends the file with `sender --connections CONNECTIONS` (default 8), and prints
 # the rate beside raw quinn's (both sides in one process, and as two processes like the
 # programs), each sending the same file and, as the anchors of earlier figures did, a
-# cache-hot buffer, and the ratios. Every tensor is checked end to end by its
+# cache-hot buffer, and the ratios, with the CPU seconds per GiB both sides of each spent
+# (all threads of each process). Every tensor is checked end to end by its
 # CRC-32C before the receiver says COMPLETE. BIN_DIR holds receiver, sender and bench.
 # RECEIVER_FLAGS adds receiver flags (e.g. "--steering address"), SENDER_FLAGS the sender's
 # (e.g. "--no-split"), RAW_SERVER_FLAGS the raw quinn server's. With one tensor
@@ -47,17 +48,19 @@ each=$((total_mib / connections))
 failed=0
 # One round: the programs, then the raw quinn anchors on the same file, so that each ratio
 # compares runs a few seconds apart. Appends this round's figures to the arrays below.
-sent=() ratio_process=() ratio_shared=() ratio_processes=()
+sent=() ratio_process=() ratio_shared=() ratio_processes=() cpu_ratio=()
 one_round() {
   local receiver start end gbit raw raw_hot raw_shared raw_shared_hot raw_procs raw_procs_hot
   local to_process to_shared to_processes
-  "$bin/receiver" --listen 127.0.0.1:0 --mtu "$MTU" --device "$device" --count "$tensors" \
-    ${RECEIVER_FLAGS:-} > "$work/receiver.log" 2>&1 &
+  with_cpu_time "$work/receiver.cpu" "$work/receiver.log" \
+    "$bin/receiver" --listen 127.0.0.1:0 --mtu "$MTU" --device "$device" --count "$tensors" \
+    ${RECEIVER_FLAGS:-} &
   receiver=$!
   addr=$(listening_address "$work/receiver.log")
   start=$(date +%s.%N)
-  "$bin/sender" --connect "$addr" --mtu "$MTU" --quiet --connections "$connections" \
-    ${SENDER_FLAGS:-} "$work/model.safetensors" > "$work/sender.log" 2>&1 || failed=1
+  with_cpu_time "$work/sender.cpu" "$work/sender.log" \
+    "$bin/sender" --connect "$addr" --mtu "$MTU" --quiet --connections "$connections" \
+    ${SENDER_FLAGS:-} "$work/model.safetensors" || failed=1
   end=$(date +%s.%N)
   wait "$receiver" || failed=1
   cat "$work/sender.log"
@@ -72,6 +75,13 @@ one_round() {
     "$work/model.safetensors" --endpoint-threads caller)
   # Raw quinn the way the programs run: one client process opening all the connections.
   raw_procs=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" "$work/model.safetensors")
+  # CPU seconds per GiB moved, all threads of both processes: what the programs spend beside
+  # raw quinn sending the same file as processes.
+  local gib cpu_sender cpu_receiver cpu_raw
+  gib=$(awk -v m="$total_mib" 'BEGIN { print m / 1024 }')
+  cpu_sender=$(cpu_seconds "$work/sender.cpu")
+  cpu_receiver=$(cpu_seconds "$work/receiver.cpu")
+  cpu_raw=$(cpu_seconds "$work"/raw-*.cpu)
   raw_procs_hot=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" hot)
   to_process=$(ratio_to "$gbit" "$raw")
   to_shared=$(ratio_to "$gbit" "$raw_shared")
@@ -80,6 +90,10 @@ one_round() {
     "$connections" "$raw" "$raw_hot" "$raw_shared" "$raw_shared_hot" "$raw_procs" "$raw_procs_hot"
   printf 'one sender / raw quinn sending the same file: %s in one process, %s on one shared runtime, %s as processes\n' \
     "$to_process" "$to_shared" "$to_processes"
+  awk -v g="$gib" -v s="$cpu_sender" -v r="$cpu_receiver" -v q="$cpu_raw" 'BEGIN {
+    printf "CPU seconds per GiB: sender %.2f + receiver %.2f = %.2f; raw quinn as processes (client + server) %.2f; ratio %.2f\n",
+      s / g, r / g, (s + r) / g, q / g, (q > 0 ? (s + r) / q : 0) }'
+  cpu_ratio+=("$(ratio_to "$(awk -v s="$cpu_sender" -v r="$cpu_receiver" 'BEGIN { print s + r }')" "$cpu_raw")")
   printf 'one sender / raw quinn, hot: %s in one process, %s on one shared runtime, %s as processes\n' \
     "$(ratio_to "$gbit" "$raw_hot")" "$(ratio_to "$gbit" "$raw_shared_hot")" "$(ratio_to "$gbit" "$raw_procs_hot")"
   printf 'one sender, %d connections -> receiver (%s): %d x %d MiB in %.2f s: %.1f Gbit/s (%.2f GB/s); raw quinn %d connections: %s Gbit/s; ratio %s; %d failed\n' \
@@ -99,5 +113,7 @@ if [ "$rounds" -gt 1 ]; then
   printf 'one sender over %d rounds: median %s Gbit/s (%s to %s); / raw quinn, the median of the rounds'"'"' ratios: %s in one process, %s on one shared runtime, %s as processes\n' \
     "$rounds" "$(median "${sent[@]}")" "$(minimum "${sent[@]}")" "$(maximum "${sent[@]}")" \
     "$(median "${ratio_process[@]}")" "$(median "${ratio_shared[@]}")" "$(median "${ratio_processes[@]}")"
+  printf 'CPU per byte, the programs / raw quinn as processes, the median of the rounds: %s\n' \
+    "$(median "${cpu_ratio[@]}")"
 fi
 [ "$failed" -eq 0 ]
