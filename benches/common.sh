@@ -27,6 +27,16 @@ with_cpu_time() {
   { time "$@" > "$log" 2>&1; } 2> "$cpu_file"
 }
 
+# Stops the script's background jobs and what they started (a job run through
+# `with_cpu_time` is a subshell whose child is the program): for an EXIT trap.
+stop_jobs() {
+  local job
+  for job in $(jobs -p); do
+    pkill -P "$job" 2>/dev/null || true
+    kill "$job" 2>/dev/null || true
+  done
+}
+
 # The CPU seconds (user + system) in the "cpu USER SYSTEM" lines of FILEs, summed.
 #
 #   cpu_seconds FILE...

@@ -27,7 +27,7 @@ mib=${4:-256}
 device=${5:-cuda:0}
 rounds=${ROUNDS:-1}
 work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+trap 'stop_jobs; rm -rf "$work"' EXIT
 
 # The safetensors layout: u64 header length (little-endian), JSON header, then the data.
 bytes=$((mib << 20))

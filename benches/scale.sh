@@ -23,7 +23,7 @@ device=${4:-cuda:0}
 endpoints=${5:-0}
 budget_mib=${BUDGET_MIB:-512}
 work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+trap 'stop_jobs; rm -rf "$work"' EXIT
 
 for i in $(seq "$senders"); do
   head -c $((mib << 20)) /dev/urandom > "$work/t$i.bin"
