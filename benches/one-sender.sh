@@ -83,6 +83,8 @@ one_round() {
   cpu_receiver=$(cpu_seconds "$work/receiver.cpu")
   cpu_client=$(cpu_seconds "$work"/raw-client-*.cpu)
   cpu_server=$(cpu_seconds "$work/raw-server.cpu")
+  cpu_ratio+=("$(ratio_to "$(cpu_seconds "$work/sender.cpu" "$work/receiver.cpu")" \
+    "$(cpu_seconds "$work"/raw-*.cpu)")")
   raw_procs_hot=$(raw_quinn_as_processes "$bin" "$work" 1 "$connections" "$each" hot)
   to_process=$(ratio_to "$gbit" "$raw")
   to_shared=$(ratio_to "$gbit" "$raw_shared")
@@ -91,11 +93,10 @@ one_round() {
     "$connections" "$raw" "$raw_hot" "$raw_shared" "$raw_shared_hot" "$raw_procs" "$raw_procs_hot"
   printf 'one sender / raw quinn sending the same file: %s in one process, %s on one shared runtime, %s as processes\n' \
     "$to_process" "$to_shared" "$to_processes"
-  awk -v g="$gib" -v s="$cpu_sender" -v r="$cpu_receiver" -v c="$cpu_client" -v v="$cpu_server" 'BEGIN {
-    printf "CPU seconds per GiB: sender %.2f + receiver %.2f = %.2f; raw quinn as processes, client %.2f + server %.2f = %.2f; ratio %.2f\n",
-      s / g, r / g, (s + r) / g, c / g, v / g, (c + v) / g, (c + v > 0 ? (s + r) / (c + v) : 0) }'
-  cpu_ratio+=("$(ratio_to "$(awk -v s="$cpu_sender" -v r="$cpu_receiver" 'BEGIN { print s + r }')" \
-    "$(awk -v c="$cpu_client" -v v="$cpu_server" 'BEGIN { print c + v }')")")
+  awk -v g="$gib" -v s="$cpu_sender" -v r="$cpu_receiver" -v c="$cpu_client" -v v="$cpu_server" \
+    -v ratio="${cpu_ratio[-1]}" 'BEGIN {
+    printf "CPU seconds per GiB: sender %.2f + receiver %.2f = %.2f; raw quinn as processes, client %.2f + server %.2f = %.2f; ratio %s\n",
+      s / g, r / g, (s + r) / g, c / g, v / g, (c + v) / g, ratio }'
   printf 'one sender / raw quinn, hot: %s in one process, %s on one shared runtime, %s as processes\n' \
     "$(ratio_to "$gbit" "$raw_hot")" "$(ratio_to "$gbit" "$raw_shared_hot")" "$(ratio_to "$gbit" "$raw_procs_hot")"
   printf 'one sender, %d connections -> receiver (%s): %d x %d MiB in %.2f s: %.1f Gbit/s (%.2f GB/s); raw quinn %d connections: %s Gbit/s; ratio %s; %d failed\n' \
