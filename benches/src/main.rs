@@ -150,7 +150,8 @@ struct Args {
     store_offload: tensorwire::quic::StoreOffload,
     /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile
     /// it, or only the small-tensor latency (latency); latency-inline or latency-raw measure
-    /// one latency row alone (tensorwire inline, raw quinn), for a profile of that path.
+    /// one latency row alone (tensorwire inline, raw quinn), for a profile of that path;
+    /// gpu (with --gpu) measures only the GPU section.
     #[arg(long)]
     only: Option<String>,
     /// Small-tensor latency samples per row (default 20000, quick 300): on a 16-core host
@@ -1906,7 +1907,12 @@ async fn main() -> anyhow::Result<()> {
     let mut median_ratios = Vec::new();
     let mut ratio_ranges = Vec::new();
     let mut hot_ratios = Vec::new();
-    let connections: &[usize] = if latency_only { &[] } else { &args.connections };
+    let gpu_only = args.only.as_deref() == Some("gpu");
+    let connections: &[usize] = if latency_only || gpu_only {
+        &[]
+    } else {
+        &args.connections
+    };
     for &n in connections {
         let wanted = |name: &str| args.only.as_deref().is_none_or(|only| only == name);
         let skipped = f64::NAN;
@@ -1996,7 +2002,7 @@ async fn main() -> anyhow::Result<()> {
         }
     };
 
-    if !latency_only {
+    if !latency_only && !gpu_only {
         println!(
             "throughput, loopback, MTU {} ({mib} MiB per connection, best of {runs}):",
             args.mtu
