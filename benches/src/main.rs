@@ -151,7 +151,7 @@ struct Args {
     /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile
     /// it, or only the small-tensor latency (latency); latency-inline or latency-raw measure
     /// one latency row alone (tensorwire inline, raw quinn), for a profile of that path;
-    /// gpu (with --gpu) measures only the GPU section.
+    /// gpu measures only the GPU section (as --gpu does).
     #[arg(long)]
     only: Option<String>,
     /// Small-tensor latency samples per row (default 20000, quick 300): on a 16-core host
@@ -1885,9 +1885,12 @@ async fn main() -> anyhow::Result<()> {
         args.only.as_deref(),
         Some("latency" | "latency-inline" | "latency-raw")
     );
-    // A latency run loads no throughput source: its setup stays out of the measurement (and
-    // of a profile of it).
-    let source = if latency_only && args.raw_client.is_none() {
+    // `--only gpu` measures the GPU section alone, as if `--gpu` were given with it.
+    let gpu_only = args.only.as_deref() == Some("gpu");
+    let no_throughput = latency_only || gpu_only;
+    // A run without throughput rows loads no throughput source: its setup stays out of the
+    // measurement (and of a profile of it).
+    let source = if no_throughput && args.raw_client.is_none() {
         Loaded::Memory(Bytes::new())
     } else {
         RawSource::load(args.source.as_ref(), tensor_bytes)?
@@ -1907,8 +1910,7 @@ async fn main() -> anyhow::Result<()> {
     let mut median_ratios = Vec::new();
     let mut ratio_ranges = Vec::new();
     let mut hot_ratios = Vec::new();
-    let gpu_only = args.only.as_deref() == Some("gpu");
-    let connections: &[usize] = if latency_only || gpu_only {
+    let connections: &[usize] = if no_throughput {
         &[]
     } else {
         &args.connections
@@ -2002,7 +2004,7 @@ async fn main() -> anyhow::Result<()> {
         }
     };
 
-    if !latency_only && !gpu_only {
+    if !no_throughput {
         println!(
             "throughput, loopback, MTU {} ({mib} MiB per connection, best of {runs}):",
             args.mtu
@@ -2074,7 +2076,7 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     }
-    let gpu = if args.gpu {
+    let gpu = if args.gpu || gpu_only {
         Some(gpu_section(&args, bytes, tensor_bytes, runs).await?)
     } else {
         None
