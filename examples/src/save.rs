@@ -230,6 +230,10 @@ impl<S: Sink> Sink for SpoolingSink<S> {
         self.inner.store(offset, payload, permit, crc).await
     }
 
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        self.inner.flush().await
+    }
+
     async fn finish(self) -> Result<Self::Output, SinkError> {
         let output = self.inner.finish().await?;
         let Some((file, path)) = self.file else {

@@ -314,6 +314,14 @@ impl Sink for DestinationSink {
         Ok(())
     }
 
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        match &mut self.into {
+            LandIn::Host(_) => Ok(()),
+            #[cfg(feature = "cuda")]
+            LandIn::Device(sink) => sink.flush().await,
+        }
+    }
+
     async fn finish(self) -> Result<Landed, SinkError> {
         match self.into {
             LandIn::Host(memory) => Ok(Landed::Host(memory)),

@@ -322,6 +322,14 @@ impl Sink for TensorSink {
         }
     }
 
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            TensorSink::Gpu(sink) => sink.flush().await,
+            TensorSink::Host(sink) => sink.flush().await,
+        }
+    }
+
     async fn finish(self) -> Result<TensorBuffer, SinkError> {
         match self {
             #[cfg(feature = "cuda")]

@@ -382,7 +382,7 @@ impl GpuSink {
 
     /// Enqueues the copy of the current staging buffer; its buffer and credit come back
     /// when the copy's event completes.
-    fn flush(&mut self) -> Result<(), GpuError> {
+    fn copy_fill(&mut self) -> Result<(), GpuError> {
         let Some(fill) = self.fill.take() else {
             return Ok(());
         };
@@ -408,7 +408,7 @@ impl GpuSink {
 
     /// Starts a new staging buffer at tensor offset `at`, flushing the current one.
     async fn start_fill(&mut self, at: u64) -> Result<(), GpuError> {
-        self.flush()?;
+        self.copy_fill()?;
         let buffer = self.staging.acquire_wait(STAGING_BUFFER).await?;
         self.fill = Some(Fill {
             buffer,
@@ -469,10 +469,12 @@ impl GpuSink {
         // flight. Copying every partial fill instead made copies of 1-3 MiB when the GPU set
         // the pace, each costing the copy engine its fixed overhead. The atomic is read
         // first: while this sink's copies run, no write takes the pool's lock for the rule.
+        // The fill's credit is the receiver's to free: it flushes the sink once the tensor
+        // has no credit in flight and gets none (`Sink::flush`, spec §7.1).
         if self.in_flight.copies.load(Ordering::Acquire) == 0
             && self.staging.stats().available_buffers == 0
         {
-            self.flush()?;
+            self.copy_fill()?;
         }
         Ok(())
     }
@@ -509,7 +511,7 @@ impl GpuSink {
             fill.filled += n;
             if fill.filled == fill.buffer.len() {
                 self.settle(permit);
-                self.flush()?;
+                self.copy_fill()?;
             }
             at += n as u64;
             part = &part[n..];
@@ -531,8 +533,14 @@ impl Sink for GpuSink {
         self.stage(offset, payload, permit, crc).await
     }
 
+    /// Copies a partial staging buffer now: its tensor gets no more bytes until credit comes
+    /// back, and the buffer holds some of it.
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        Ok(self.copy_fill()?)
+    }
+
     async fn finish(mut self) -> Result<CudaBuffer, SinkError> {
-        self.flush()?;
+        self.copy_fill()?;
         // Only a hand-off needs the landing event (copies run in order on one stream, so an
         // event after the last is the tensor's landing): the buffer returned below has
         // landed already, so other tensors pay nothing for it.

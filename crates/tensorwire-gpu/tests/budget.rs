@@ -14,6 +14,11 @@ use tensorwire_quic::{
 };
 
 async fn pair() -> (Receiver, Sender) {
+    pair_with(|_| {}).await
+}
+
+/// As [`pair`], the receiver's configuration changed by `adjust` first.
+async fn pair_with(adjust: impl FnOnce(&mut ReceiverConfig)) -> (Receiver, Sender) {
     let mut config = ReceiverConfig::new(
         "127.0.0.1:0".parse().unwrap(),
         tensorwire_quic::ServerTls::Development,
@@ -22,6 +27,7 @@ async fn pair() -> (Receiver, Sender) {
     config.transport = TransportSettings::jumbo();
     config.progress_timeout = Duration::from_secs(60);
     config.admission_timeout = Duration::from_secs(60);
+    adjust(&mut config);
     let rx = Receiver::bind(config).await.unwrap();
     let addr = rx.local_addr().unwrap();
     let tx = Sender::connect(
@@ -179,6 +185,63 @@ mod on_gpu {
             budget.peak
         );
         assert!(budget.peak >= LEN as u64);
+    }
+
+    /// Spec §7.1: a credit budget smaller than one staging buffer, granted in 1 MiB units,
+    /// never fills a staging buffer; each tensor's partial one is copied once its tensor runs
+    /// out of credit, so every tensor lands instead of timing out with its credit held.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn credit_smaller_than_a_staging_buffer_lands_every_tensor() {
+        if gpus_or_skip("credit_smaller_than_a_staging_buffer_lands_every_tensor").is_none() {
+            return;
+        }
+        const LEN: usize = 24 << 20;
+        const BUDGET: u64 = 3 << 20;
+        assert!(BUDGET < tensorwire_gpu::STAGING_BUFFER as u64);
+        let placement =
+            Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required).unwrap();
+        let (mut rx, tx) = pair_with(|config| {
+            *config = config.clone().with_budget(BUDGET);
+            config.grant_unit = 1 << 20;
+            config.stream_window = 2 << 20;
+            config.progress_timeout = Duration::from_secs(5);
+        })
+        .await;
+        let data = Bytes::from(pattern(LEN, 5));
+        let sends: Vec<_> = (0..3)
+            .map(|i| tx.send(meta(&format!("t{i}"), LEN), data.clone()))
+            .collect();
+        let mut landing = Vec::new();
+        for _ in 0..sends.len() {
+            let incoming = rx.next().await.unwrap();
+            let meta = incoming.meta().clone();
+            let sink = placement
+                .admit(
+                    &meta,
+                    incoming.memory_shares(),
+                    incoming.host_memory(),
+                    Duration::from_secs(5),
+                )
+                .await
+                .unwrap();
+            landing.push((meta, incoming.accept(sink)));
+        }
+        for (meta, handle) in landing {
+            let (_, buffer) = handle.finished().await.unwrap();
+            assert!(
+                buffer.is_gpu(),
+                "{} landed in {}",
+                meta.name(),
+                buffer.location()
+            );
+            assert!(buffer.to_host().unwrap() == data, "{} differs", meta.name());
+        }
+        for send in sends {
+            send.finished().await.unwrap();
+        }
+        let budget = rx.budget();
+        assert!(budget.peak_outstanding <= BUDGET);
+        assert_eq!(budget.held, 0, "every credit byte came back");
     }
 
     /// With a GPU required, a tensor larger than the device budget is refused with

@@ -461,6 +461,20 @@ impl Session {
         if stream_left < unit { 0 } else { unit }
     }
 
+    /// Whether the peer's tensor on `id` needs more credit and has none in flight: none of its
+    /// bytes arrive until it is granted some, so a receiver holding arrived bytes of it back
+    /// (to copy them with later ones) must release them now, not wait for more (spec §7.1).
+    pub fn out_of_credit(&self, id: StreamId) -> bool {
+        match self.tensors.get(&id) {
+            Some(Tensor::Incoming(tensor)) => {
+                tensor.state() == ReceiverState::Receiving
+                    && tensor.ungranted() > 0
+                    && tensor.revocable_credit() == 0
+            }
+            _ => false,
+        }
+    }
+
     /// Grants the tensor on `id` what the tracker allows of what it wants; queues CREDIT.
     /// Returns the bytes granted: 0 while the tracker is paused or full (wait for a release)
     /// or when the tensor wants none.

@@ -194,6 +194,50 @@ impl DecodeOne for Frame {
     }
 }
 
+/// Spec §7.1: a tensor is out of credit once every byte granted to it arrived and more are
+/// needed; then its held bytes must be released without waiting for more. Not before ACCEPT,
+/// not while granted bytes are still to arrive, and not once every byte is granted.
+#[test]
+fn a_tensor_is_out_of_credit_when_its_granted_bytes_all_arrived() {
+    let config = SessionConfig {
+        grant_unit: 1 << 20,
+        stream_window: 1 << 20,
+        ..SessionConfig::default()
+    };
+    // Pauses at the first grant: the tracker gives nothing more until bytes are released.
+    let mut credit = CreditTracker::new(2 << 20, 1 << 20, 0).unwrap();
+    let mut session = Session::new(config, epoch());
+    session.open_stream(7).unwrap();
+    session
+        .handle_frame(7, meta("t", 2 << 20).into(), &mut credit)
+        .unwrap();
+    assert!(!session.out_of_credit(7), "not accepted yet");
+    session.accept(7).unwrap();
+    assert!(session.out_of_credit(7), "accepted, nothing granted");
+    assert_eq!(session.grant(7, &mut credit), 1 << 20);
+    let mut offset = 0;
+    let mut arrive = |session: &mut Session, credit: &mut CreditTracker, len: usize| {
+        let data = tensorwire_proto::frame::Data {
+            offset,
+            payload: Bytes::from(vec![7u8; len]).into(),
+        };
+        offset += len as u64;
+        session.handle_frame(7, Frame::Data(data), credit).unwrap();
+    };
+    arrive(&mut session, &mut credit, 512 << 10);
+    assert!(!session.out_of_credit(7), "half the grant still to arrive");
+    arrive(&mut session, &mut credit, 512 << 10);
+    assert!(session.out_of_credit(7), "the grant arrived, 1 MiB to go");
+    assert_eq!(session.grant(7, &mut credit), 0, "the tracker is paused");
+    // The sink releases what it held: granting resumes.
+    assert!(credit.release(1 << 20).unwrap());
+    assert_eq!(session.grant(7, &mut credit), 1 << 20);
+    assert!(!session.out_of_credit(7), "every byte granted");
+    arrive(&mut session, &mut credit, 1 << 20);
+    assert!(!session.out_of_credit(7), "every byte arrived");
+    assert!(!session.out_of_credit(8), "no such stream");
+}
+
 #[test]
 fn grants_come_in_units_up_to_the_stream_window() {
     let config = SessionConfig {

@@ -4,14 +4,18 @@
 
 mod common;
 
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use common::{
-    init_tracing, land_host, pattern, receive_host, receiver, receiver_config, sender, u8_meta,
+    assert_budget_returned, init_tracing, land_host, pattern, receive_host, receiver,
+    receiver_config, sender, u8_meta,
 };
 use tensorwire_quic::proto::{ErrorCode, Payload};
-use tensorwire_quic::{CreditPermit, Receiver, Sender, Sink, SinkError};
+use tensorwire_quic::{CreditPermit, Receiver, Sender, Sink, SinkError, StoreOffload};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_one_gib_tensor_arrives_intact() {
@@ -306,6 +310,124 @@ async fn a_slow_sink_keeps_held_bytes_within_the_budget() {
         (budget.in_flight - budget.early_offered, budget.held),
         (0, 0)
     );
+    tx.close().await;
+}
+
+/// Gathers stored bytes into batches of `batch` bytes and holds their permits until a batch
+/// is full, as the GPU sink gathers DATA into a staging buffer before copying it; `flush`
+/// lets go of a partial batch.
+struct BatchingSink {
+    buf: Vec<u8>,
+    batch: u64,
+    held: Vec<CreditPermit>,
+    held_bytes: u64,
+    flushes: Arc<AtomicUsize>,
+}
+
+impl BatchingSink {
+    fn release(&mut self) {
+        self.held.clear();
+        self.held_bytes = 0;
+    }
+}
+
+impl Sink for BatchingSink {
+    type Output = Bytes;
+
+    async fn store(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        permit: CreditPermit,
+        crc: Option<&mut u32>,
+    ) -> Result<(), SinkError> {
+        payload.continue_crc(crc);
+        let at = offset as usize;
+        payload.copy_to_slice(&mut self.buf[at..at + payload.len()]);
+        self.held_bytes += permit.bytes();
+        self.held.push(permit);
+        if self.held_bytes >= self.batch {
+            self.release();
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        if !self.held.is_empty() {
+            self.flushes.fetch_add(1, Ordering::Relaxed);
+        }
+        self.release();
+        Ok(())
+    }
+
+    async fn finish(self) -> Result<Bytes, SinkError> {
+        Ok(self.buf.into())
+    }
+}
+
+/// Spec §7.1: held bytes return to the budget without waiting for bytes not yet granted. Two
+/// tensors' sinks gather 4 MiB batches under a 3 MiB budget, so no batch ever fills: each
+/// tensor's sink is flushed once its tensor has no credit in flight and none is granted,
+/// whether its stores run on the stream's thread or off it. Without that, the budget stays
+/// held by partial batches and both tensors time out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sink_holding_a_partial_batch_is_flushed_when_its_tensor_runs_out_of_credit() {
+    init_tracing();
+    for offload in [StoreOffload::Never, StoreOffload::UpTo(NonZeroUsize::MIN)] {
+        partial_batches_flushed(offload).await;
+    }
+}
+
+async fn partial_batches_flushed(offload: StoreOffload) {
+    const BUDGET: u64 = 3 << 20;
+    const LEN: usize = 12 << 20;
+    let mut config = receiver_config().with_budget(BUDGET);
+    config.grant_unit = 1 << 20;
+    config.stream_window = 2 << 20;
+    config.progress_timeout = Duration::from_secs(3);
+    config.store_offload = offload;
+    let (mut rx, addr) = receiver(config).await;
+    let flushes = Arc::new(AtomicUsize::new(0));
+    let data = pattern(LEN, 10);
+    let expected = data.clone();
+    let server = tokio::spawn({
+        let flushes = flushes.clone();
+        async move {
+            let mut handles = Vec::new();
+            for _ in 0..2 {
+                let incoming = rx.next().await.unwrap();
+                let len = incoming.meta().byte_len() as usize;
+                handles.push(incoming.accept(BatchingSink {
+                    buf: vec![0; len],
+                    batch: 4 << 20,
+                    held: Vec::new(),
+                    held_bytes: 0,
+                    flushes: flushes.clone(),
+                }));
+            }
+            let mut outputs = Vec::new();
+            for handle in handles {
+                outputs.push(handle.finished().await.map(|(_, bytes)| bytes));
+            }
+            (outputs, rx)
+        }
+    });
+    let tx = sender(addr).await;
+    let a = tx.send(u8_meta("a", LEN), data.clone());
+    let b = tx.send(u8_meta("b", LEN), data);
+    let (sent_a, sent_b) = (a.finished().await, b.finished().await);
+    let (outputs, rx) = server.await.unwrap();
+    sent_a.unwrap_or_else(|e| panic!("{offload:?}: {e}"));
+    sent_b.unwrap_or_else(|e| panic!("{offload:?}: {e}"));
+    for output in outputs {
+        assert!(output.unwrap() == expected, "{offload:?}: bytes differ");
+    }
+    assert!(
+        flushes.load(Ordering::Relaxed) > 0,
+        "{offload:?}: no partial batch was flushed"
+    );
+    assert!(rx.budget().peak_outstanding <= BUDGET);
+    assert_budget_returned(&rx).await;
     tx.close().await;
 }
 

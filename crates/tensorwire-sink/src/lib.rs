@@ -144,7 +144,8 @@ pub trait Sink: Send + 'static {
     /// ([`Payload::crc32c_append`]).
     ///
     /// Should return promptly (copy, or enqueue a copy) so the stream keeps reading; holding
-    /// the permit is what applies back-pressure.
+    /// the permit is what applies back-pressure. A sink may hold stored bytes back to copy
+    /// them with later ones, but only until [`flush`](Sink::flush).
     fn store(
         &mut self,
         offset: u64,
@@ -176,6 +177,15 @@ pub trait Sink: Send + 'static {
             self.store(offset, payload, permit, Some(&mut crc)).await?;
             Ok(crc)
         }
+    }
+
+    /// Starts making every byte stored so far durable without waiting for more, so that their
+    /// permits drop. The receiver calls it when the tensor has no credit in flight and gets
+    /// none: no more bytes arrive until credit comes back, so bytes held back for a larger
+    /// copy could hold the budget forever (spec §7.1). The default does nothing, for sinks
+    /// that drop each permit once its own bytes are durable.
+    fn flush(&mut self) -> impl Future<Output = Result<(), SinkError>> + Send {
+        std::future::ready(Ok(()))
     }
 
     /// Resolves once every written byte is durable; returns the output.

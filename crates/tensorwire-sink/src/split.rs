@@ -289,6 +289,16 @@ impl<S: Divisible> Sink for PartSink<S> {
         }
     }
 
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        if let Some(direct) = self.direct.as_mut() {
+            return direct.flush().await;
+        }
+        match self.whole.sink.lock().await.as_mut() {
+            Some(sink) => sink.flush().await,
+            None => Err(self.whole.failure()),
+        }
+    }
+
     async fn finish(mut self) -> Result<Self::Output, SinkError> {
         if let Some(direct) = self.direct.take() {
             direct.finish().await?;
@@ -402,6 +412,13 @@ impl<S: Divisible> Sink for Assembling<S> {
         match self {
             Assembling::Whole(_, sink) => sink.store(offset, payload, permit, crc).await,
             Assembling::Part(part) => part.store(offset, payload, permit, crc).await,
+        }
+    }
+
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        match self {
+            Assembling::Whole(_, sink) => sink.flush().await,
+            Assembling::Part(part) => part.flush().await,
         }
     }
 

@@ -506,6 +506,10 @@ impl<S: Sink> Sink for Stamped<S> {
         self.inner.store(offset, payload, permit, crc).await
     }
 
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        self.inner.flush().await
+    }
+
     async fn finish(self) -> Result<Self::Output, SinkError> {
         let output = self.inner.finish().await?;
         Ok(StampedOutput {

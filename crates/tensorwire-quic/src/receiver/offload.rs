@@ -277,6 +277,15 @@ impl<S: Sink> Stores<S> {
     }
 
     /// Waits for every payload handed over to be stored; the sink back.
+    /// Has the sink release the bytes it holds back ([`Sink::flush`]), after any stores
+    /// handed over before.
+    pub(super) async fn flush(&mut self) -> Result<(), TransportError> {
+        match self {
+            Self::Here(sink) => Ok(sink.flush().await?),
+            Self::OffThread(stores) => stores.flush().await,
+        }
+    }
+
     pub(super) async fn into_sink(self) -> Result<S, TransportError> {
         match self {
             Self::Here(sink) => Ok(sink),
@@ -289,8 +298,16 @@ impl<S: Sink> Stores<S> {
 /// is stored in the order it came, and [`finish`](Self::finish) hands the sink back. Dropped
 /// before that (the tensor failed), it stops them: what is queued is dropped, its credit
 /// returning.
+/// What a tensor's stream hands its stores off its thread, in order.
+enum Queued {
+    /// DATA to store, under its credit.
+    Data(Data, CreditPermit),
+    /// The tensor ran out of credit: the sink releases what it holds ([`Sink::flush`]).
+    Flush,
+}
+
 pub(super) struct OffThreadStores<S> {
-    queue: mpsc::Sender<(Data, CreditPermit)>,
+    queue: mpsc::Sender<Queued>,
     task: AbortOnDropHandle<Result<S, TransportError>>,
     /// The tensor's place among those storing off their threads, until the stores end.
     slot: OffloadSlot,
@@ -299,14 +316,19 @@ pub(super) struct OffThreadStores<S> {
 impl<S: Sink> OffThreadStores<S> {
     /// Starts storing into `sink` on `runtime`, holding `slot` until the stores end.
     fn start((runtime, slot): (Handle, OffloadSlot), mut sink: S, mut on_stored: OnStored) -> Self {
-        let (queue, mut queued) = mpsc::channel::<(Data, CreditPermit)>(QUEUED_STORES);
+        let (queue, mut queued) = mpsc::channel::<Queued>(QUEUED_STORES);
         let task = runtime.spawn(async move {
-            while let Some((data, permit)) = queued.recv().await {
-                let len = data.payload.len() as u64;
-                let crc = sink
-                    .write_checksummed(data.offset, data.payload, permit)
-                    .await?;
-                on_stored(crc, len)?;
+            while let Some(next) = queued.recv().await {
+                match next {
+                    Queued::Data(data, permit) => {
+                        let len = data.payload.len() as u64;
+                        let crc = sink
+                            .write_checksummed(data.offset, data.payload, permit)
+                            .await?;
+                        on_stored(crc, len)?;
+                    }
+                    Queued::Flush => sink.flush().await?,
+                }
             }
             Ok(sink)
         });
@@ -324,7 +346,16 @@ impl<S: Sink> OffThreadStores<S> {
         data: Data,
         permit: CreditPermit,
     ) -> Result<(), TransportError> {
-        if self.queue.send((data, permit)).await.is_ok() {
+        self.hand_over(Queued::Data(data, permit)).await
+    }
+
+    /// Has the sink release what it holds once the payloads handed over are stored.
+    pub(super) async fn flush(&mut self) -> Result<(), TransportError> {
+        self.hand_over(Queued::Flush).await
+    }
+
+    async fn hand_over(&mut self, next: Queued) -> Result<(), TransportError> {
+        if self.queue.send(next).await.is_ok() {
             return Ok(());
         }
         // The queue's receiver is gone: the stores ended, and their task says why.

@@ -341,6 +341,7 @@ impl Accepted {
             // A tensor whose every byte arrived early sends ACCEPT with COMPLETE, in one write.
             self.flush().await?;
         }
+        let stored_early = !self.early.is_empty();
         for (data, permit) in std::mem::take(&mut self.early) {
             let n = data.payload.len() as u64;
             sink.write(data.offset, data.payload, permit).await?;
@@ -350,13 +351,15 @@ impl Accepted {
             return self.complete(sink, &pending).await;
         }
         let mut stores = Stores::Here(sink);
+        // Whether the sink stored bytes since it was last flushed.
+        let mut stored_since_flush = stored_early;
         loop {
             // Armed before asking, so a release between the two is not missed.
             let returned = shared.budget.credit_returned();
             let window_opened = connection.window_opened.notified();
             // The receiver-wide tracker is locked only when a grant is due (once per grant
             // unit), not for every DATA. Granting nothing leaves the want unchanged.
-            let (granted, wants_more) = {
+            let (granted, wants_more, out_of_credit) = {
                 let mut session = self.connection.session();
                 let wants = session.wants_credit(self.id);
                 let granted = if wants {
@@ -366,11 +369,17 @@ impl Accepted {
                 } else {
                     0
                 };
-                (granted, wants)
+                (granted, wants, session.out_of_credit(self.id))
             };
             if granted > 0 {
                 self.flush().await?;
                 continue;
+            }
+            // Spec §7.1: no bytes of this tensor arrive until credit comes back, and what its
+            // sink holds back may be what keeps the budget from coming back.
+            if out_of_credit && stored_since_flush {
+                stores.flush().await?;
+                stored_since_flush = false;
             }
             tokio::select! {
                 biased;
@@ -393,6 +402,7 @@ impl Accepted {
                             let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
                             let on_stored = || Self::on_stored_elsewhere(&connection, &shared, self.id, &progress);
                             stores = stores.for_payload(data.payload.len(), &shared.offload, &connection.load, &mut self.receiving, on_stored).await?;
+                            stored_since_flush = true;
                             match &mut stores {
                                 Stores::OffThread(off_thread) => off_thread.store(data, permit).await?,
                                 Stores::Here(sink) => {
