@@ -194,6 +194,18 @@ impl DecodeOne for Frame {
     }
 }
 
+/// `len` bytes of DATA arrive on stream 7 at `*offset`, which moves past them; the session
+/// hands them on as DATA.
+fn data_arrives(session: &mut Session, credit: &mut CreditTracker, offset: &mut u64, len: usize) {
+    let data = tensorwire_proto::frame::Data {
+        offset: *offset,
+        payload: Bytes::from(vec![7u8; len]).into(),
+    };
+    *offset += len as u64;
+    let event = session.handle_frame(7, Frame::Data(data), credit).unwrap();
+    assert!(matches!(event, SessionEvent::Data(_)));
+}
+
 /// Spec §7.1: a tensor is out of credit once every byte granted to it arrived and more are
 /// needed; then its held bytes must be released without waiting for more. Not before ACCEPT,
 /// not while granted bytes are still to arrive, and not once every byte is granted.
@@ -217,12 +229,7 @@ fn a_tensor_is_out_of_credit_when_its_granted_bytes_all_arrived() {
     assert_eq!(session.grant(7, &mut credit), 1 << 20);
     let mut offset = 0;
     let mut arrive = |session: &mut Session, credit: &mut CreditTracker, len: usize| {
-        let data = tensorwire_proto::frame::Data {
-            offset,
-            payload: Bytes::from(vec![7u8; len]).into(),
-        };
-        offset += len as u64;
-        session.handle_frame(7, Frame::Data(data), credit).unwrap();
+        data_arrives(session, credit, &mut offset, len);
     };
     arrive(&mut session, &mut credit, 512 << 10);
     assert!(!session.out_of_credit(7), "half the grant still to arrive");
@@ -266,13 +273,7 @@ fn grants_come_in_units_up_to_the_stream_window() {
     // DATA smaller than a unit brings no CREDIT (spec §7.1: grants are large and few) ...
     let mut offset = 0;
     let mut arrive = |session: &mut Session, credit: &mut CreditTracker, len: usize| {
-        let data = tensorwire_proto::frame::Data {
-            offset,
-            payload: Bytes::from(vec![7u8; len]).into(),
-        };
-        offset += len as u64;
-        let event = session.handle_frame(7, Frame::Data(data), credit).unwrap();
-        assert!(matches!(event, SessionEvent::Data(_)));
+        data_arrives(session, credit, &mut offset, len);
     };
     for _ in 0..15 {
         arrive(&mut session, &mut credit, 100 << 10);

@@ -369,7 +369,9 @@ impl Accepted {
                 } else {
                     0
                 };
-                (granted, wants, session.out_of_credit(self.id))
+                // Asked only when nothing was granted: one lookup less per DATA.
+                let out_of_credit = wants && granted == 0 && session.out_of_credit(self.id);
+                (granted, wants, out_of_credit)
             };
             if granted > 0 {
                 self.flush().await?;
