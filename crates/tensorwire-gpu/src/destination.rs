@@ -322,6 +322,24 @@ impl Sink for DestinationSink {
         }
     }
 
+    fn checksums_landed_bytes(&self) -> bool {
+        match &self.into {
+            LandIn::Host(_) => false,
+            #[cfg(feature = "cuda")]
+            LandIn::Device(sink) => sink.checksums_landed_bytes(),
+        }
+    }
+
+    async fn landed_checksum(&mut self) -> Result<u32, SinkError> {
+        match &mut self.into {
+            LandIn::Host(_) => Err(SinkError::failed(
+                "host destinations are checksummed as they arrive",
+            )),
+            #[cfg(feature = "cuda")]
+            LandIn::Device(sink) => sink.landed_checksum().await,
+        }
+    }
+
     async fn finish(self) -> Result<Landed, SinkError> {
         match self.into {
             LandIn::Host(memory) => Ok(Landed::Host(memory)),

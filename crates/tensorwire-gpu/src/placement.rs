@@ -330,6 +330,22 @@ impl Sink for TensorSink {
         }
     }
 
+    fn checksums_landed_bytes(&self) -> bool {
+        match self {
+            #[cfg(feature = "cuda")]
+            TensorSink::Gpu(sink) => sink.checksums_landed_bytes(),
+            TensorSink::Host(sink) => sink.checksums_landed_bytes(),
+        }
+    }
+
+    async fn landed_checksum(&mut self) -> Result<u32, SinkError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            TensorSink::Gpu(sink) => sink.landed_checksum().await,
+            TensorSink::Host(sink) => sink.landed_checksum().await,
+        }
+    }
+
     async fn finish(self) -> Result<TensorBuffer, SinkError> {
         match self {
             #[cfg(feature = "cuda")]

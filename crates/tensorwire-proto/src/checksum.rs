@@ -32,6 +32,69 @@ pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
     multiply_mod_p(x_to_8n_mod_p(len_b), crc_a) ^ crc_b
 }
 
+/// CRC-32C of `total_len` bytes checksummed in consecutive pieces of `piece_len` bytes (the
+/// last one shorter if `piece_len` does not divide `total_len`), from the pieces' CRCs in
+/// order: how a GPU's per-chunk checksums of a landed tensor become the tensor's (spec §7.3).
+/// `None` if the pieces do not add up to `total_len`.
+pub fn crc32c_of_pieces(piece_crcs: &[u32], piece_len: u64, total_len: u64) -> Option<u32> {
+    let pieces = if piece_len == 0 {
+        0
+    } else {
+        total_len.div_ceil(piece_len)
+    };
+    if pieces != piece_crcs.len() as u64 || (total_len == 0) != piece_crcs.is_empty() {
+        return None;
+    }
+    let Some((&last, full)) = piece_crcs.split_last() else {
+        return Some(0);
+    };
+    // Every full piece shifts the CRC so far by the same factor: multiply by it through a
+    // table (four lookups) once there are enough pieces to pay for building it.
+    let shift = ShiftByFactor::new(x_to_8n_mod_p(piece_len), full.len());
+    let crc = full.iter().fold(0, |crc, &piece| shift.apply(crc) ^ piece);
+    let last_len = total_len - piece_len * full.len() as u64;
+    Some(crc32c_combine(crc, last, last_len))
+}
+
+/// Multiplication mod P by one factor, by table when there are many to do.
+enum ShiftByFactor {
+    Direct(u32),
+    /// `table[k][b]` is the product of the factor and byte `b` in byte position `k`.
+    Table(Box<[[u32; 256]; 4]>),
+}
+
+impl ShiftByFactor {
+    /// Building the table costs about 1,024 direct multiplications.
+    const TABLE_FROM: usize = 1024;
+
+    fn new(factor: u32, uses: usize) -> Self {
+        if uses < Self::TABLE_FROM {
+            return Self::Direct(factor);
+        }
+        let mut table = Box::new([[0u32; 256]; 4]);
+        for (k, row) in table.iter_mut().enumerate() {
+            for (b, entry) in row.iter_mut().enumerate() {
+                *entry = multiply_mod_p(factor, (b as u32) << (8 * k));
+            }
+        }
+        Self::Table(table)
+    }
+
+    fn apply(&self, crc: u32) -> u32 {
+        match self {
+            Self::Direct(factor) => multiply_mod_p(*factor, crc),
+            // The product is linear in `crc`: the XOR of its four bytes' products.
+            Self::Table(table) => {
+                let [b0, b1, b2, b3] = crc.to_le_bytes();
+                table[0][usize::from(b0)]
+                    ^ table[1][usize::from(b1)]
+                    ^ table[2][usize::from(b2)]
+                    ^ table[3][usize::from(b3)]
+            }
+        }
+    }
+}
+
 /// The CRC-32C (Castagnoli) polynomial, bit-reflected.
 const POLY: u32 = 0x82F6_3B78;
 

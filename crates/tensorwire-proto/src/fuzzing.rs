@@ -79,12 +79,14 @@ fn check_split_part(meta: &crate::TensorMeta) {
 /// Drives a receiver with local calls and frames from `data`, checking its accounting after
 /// every step.
 ///
-/// Layout: `op_count: u8 | ops: [u8; op_count] | frame bytes`. Op `k % 7`: 0 feeds the next
+/// Layout: `op_count: u8 | ops: [u8; op_count] | frame bytes`. Op `k % 8`: 0 feeds the next
 /// decoded frame, 1 feeds it with DATA's CRC to follow (`CheckedFrame::checksum_later`),
 /// 2 accept, 3 grant (next op byte shifted by `k >> 4`), 4 mark resident, 5 cancel, 6 report
-/// the oldest CRC owed (wrong where `k >> 4` is odd). When the ops run out, the remaining
-/// frames are fed to a receiver that accepts, grants everything, reports every CRC owed
-/// before each frame and marks the tensor resident after END.
+/// the oldest CRC owed and END's checksum as the landed bytes' (each wrong where `k >> 4` is
+/// odd), 7 feeds the next frame with DATA left to the landed checksum
+/// (`CheckedFrame::checksum_landed`). When the ops run out, the remaining frames are fed to a
+/// receiver that accepts, grants everything, reports every CRC owed before each frame and,
+/// after END, the landed checksum, then marks the tensor resident.
 pub fn receiver_ops(data: &[u8]) {
     let Some((&op_count, rest)) = data.split_first() else {
         return;
@@ -98,6 +100,10 @@ pub fn receiver_ops(data: &[u8]) {
     let mut granted_total = 0u64;
     // The CRCs of DATA handled with its checksum to follow, oldest first.
     let mut owed: VecDeque<u32> = VecDeque::new();
+    // END's checksum, which a landed checksum is reported as; whether one was verified.
+    let mut end_checksum = None;
+    let mut landed_verified = false;
+    let mut landed_used = false;
     loop {
         let op = ops.next();
         if op.is_none() {
@@ -105,19 +111,30 @@ pub fn receiver_ops(data: &[u8]) {
                 let _ = receiver.record_payload_crc(crc);
             }
         }
-        match op.map_or(0, |k| k % 7) {
-            0 | 1 => match decoder.next_frame() {
+        match op.map_or(0, |k| k % 8) {
+            0 | 1 | 7 => match decoder.next_frame() {
                 Ok(Some(frame)) => {
+                    if let Frame::End(end) = &frame {
+                        end_checksum = Some(end.checksum);
+                    }
                     let crc_later = match &frame {
-                        Frame::Data(data) if op.is_some_and(|k| k % 7 == 1) => {
+                        Frame::Data(data) if op.is_some_and(|k| k % 8 == 1) => {
                             Some(data.payload.crc32c())
                         }
                         _ => None,
                     };
                     let handled = match crc_later {
                         Some(_) => receiver.handle_checked(CheckedFrame::checksum_later(frame)),
+                        None if op.is_some_and(|k| k % 8 == 7) => {
+                            receiver.handle_checked(CheckedFrame::checksum_landed(frame))
+                        }
                         None => receiver.handle_frame(frame),
                     };
+                    if op.is_some_and(|k| k % 8 == 7)
+                        && matches!(handled, Ok(ReceiverEvent::Data(_)))
+                    {
+                        landed_used = true;
+                    }
                     if let (Ok(ReceiverEvent::Data(_)), Some(crc)) = (&handled, crc_later) {
                         owed.push_back(crc);
                     }
@@ -131,7 +148,13 @@ pub fn receiver_ops(data: &[u8]) {
                             let _ = receiver.accept();
                             granted_total += receiver.grant(u64::MAX);
                         }
-                        Ok(ReceiverEvent::End) if op.is_none() => drop(receiver.mark_resident()),
+                        Ok(ReceiverEvent::End) if op.is_none() => {
+                            if let Some(checksum) = end_checksum {
+                                landed_verified |=
+                                    receiver.verify_landed_crc(checksum as u32).is_ok();
+                            }
+                            drop(receiver.mark_resident());
+                        }
                         _ => {}
                     }
                 }
@@ -151,6 +174,14 @@ pub fn receiver_ops(data: &[u8]) {
                 if let Some(crc) = owed.pop_front() {
                     drop(receiver.record_payload_crc(crc ^ wrong));
                 }
+                if let Some(checksum) = end_checksum {
+                    let verified = receiver.verify_landed_crc(checksum as u32 ^ wrong);
+                    assert!(
+                        wrong == 0 || verified.is_err(),
+                        "a wrong landed CRC verified"
+                    );
+                    landed_verified |= verified.is_ok();
+                }
             }
         }
         assert!(owed.len() <= crate::MAX_CHECKSUMS_OWED);
@@ -160,6 +191,10 @@ pub fn receiver_ops(data: &[u8]) {
         assert!(receiver.granted() <= byte_len);
         if receiver.state() == ReceiverState::Complete {
             assert_eq!(receiver.received(), byte_len);
+            assert!(
+                !landed_used || landed_verified,
+                "COMPLETE with no landed CRC verified"
+            );
         }
         while receiver.poll_frame().is_some() {}
     }

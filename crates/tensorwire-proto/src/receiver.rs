@@ -26,6 +26,8 @@ enum PayloadCrc {
     Computed(u32),
     /// The driver reports it after storing the bytes.
     Later,
+    /// Never computed per payload: the driver checksums the landed tensor after END.
+    OfLandedBytes,
 }
 
 impl CheckedFrame {
@@ -51,10 +53,35 @@ impl CheckedFrame {
         Self { frame, payload_crc }
     }
 
+    /// A frame whose DATA payload is not checksummed on its own: the driver's sink computes
+    /// the CRC-32C of the whole tensor over its landed bytes after END (on a GPU, say) and
+    /// reports it with [`TensorReceiver::verify_landed_crc`] before COMPLETE (spec §7.3).
+    /// Every DATA of a tensor goes this way or none does, and only once it is accepted.
+    pub fn checksum_landed(frame: Frame) -> Self {
+        let payload_crc = match &frame {
+            Frame::Data(_) => PayloadCrc::OfLandedBytes,
+            _ => PayloadCrc::Unknown,
+        };
+        Self { frame, payload_crc }
+    }
+
     /// The frame, its checksum dropped.
     pub fn into_frame(self) -> Frame {
         self.frame
     }
+}
+
+/// Where a tensor's checksum is checked (spec §7.3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LandedChecksum {
+    /// Per range, as DATA arrives: no landed checksum.
+    Unused,
+    /// DATA arrives with its checksum left to the landed bytes.
+    Deferred,
+    /// END arrived with this checksum; the landed bytes' CRC is owed.
+    Owed(u64),
+    /// The landed bytes matched END's checksum.
+    Verified,
 }
 
 /// The most DATA payloads a driver may have handled with
@@ -203,6 +230,7 @@ pub struct TensorReceiver {
     received: u64,
     /// The ranges of DATA handled with their checksums to follow, oldest first.
     crc_owed: VecDeque<(u64, u64)>,
+    landed: LandedChecksum,
     outgoing: VecDeque<Frame>,
     ending: Option<ProtocolError>,
 }
@@ -223,6 +251,7 @@ impl TensorReceiver {
             granted: 0,
             received: 0,
             crc_owed: VecDeque::new(),
+            landed: LandedChecksum::Unused,
             outgoing: VecDeque::new(),
             ending: None,
         }
@@ -300,6 +329,7 @@ impl TensorReceiver {
                     "END before every DATA's checksum was recorded",
                 ));
             }
+            Frame::Data(_) => self.check_checksum_mode(payload_crc)?,
             _ => {}
         }
         let input = match &frame {
@@ -326,6 +356,11 @@ impl TensorReceiver {
                     self.on_data(data, crc)?
                 }
                 PayloadCrc::Later => self.on_data_checksum_later(data)?,
+                PayloadCrc::OfLandedBytes => {
+                    self.claim(&data)?;
+                    self.landed = LandedChecksum::Deferred;
+                    ReceiverEvent::Data(data)
+                }
             },
             Frame::End(end) => self.on_end(end.checksum)?,
             Frame::Cancel(cancel) => {
@@ -343,6 +378,24 @@ impl TensorReceiver {
         };
         self.state = next;
         Ok(event)
+    }
+
+    /// A tensor's DATA are all checksummed per payload, or all over the landed bytes, and
+    /// the latter only once accepted (early DATA may be rejected, and is checked as it comes).
+    fn check_checksum_mode(&self, payload_crc: PayloadCrc) -> Result<(), ProtocolError> {
+        let landed = matches!(payload_crc, PayloadCrc::OfLandedBytes);
+        let per_payload_so_far = self.ranges.range_count() != 0 || !self.crc_owed.is_empty();
+        if landed && (per_payload_so_far || self.state != ReceiverState::Receiving) {
+            return Err(ProtocolError::Misuse(
+                "DATA left to the landed checksum after DATA checksummed on its own, or before ACCEPT",
+            ));
+        }
+        if !landed && self.landed != LandedChecksum::Unused {
+            return Err(ProtocolError::Misuse(
+                "DATA checksummed on its own after DATA left to the landed checksum",
+            ));
+        }
+        Ok(())
     }
 
     fn on_metadata(&mut self, meta: TensorMeta) -> Result<ReceiverEvent, ProtocolError> {
@@ -420,12 +473,16 @@ impl TensorReceiver {
 
     fn on_end(&mut self, checksum: u64) -> Result<ReceiverEvent, ProtocolError> {
         let byte_len = self.meta.as_ref().map_or(0, TensorMeta::byte_len);
+        if self.landed == LandedChecksum::Deferred {
+            if let Some((from, to)) = self.claimed.first_gap(byte_len) {
+                return Err(end_with_gaps(from, to));
+            }
+            self.landed = LandedChecksum::Owed(checksum);
+            return Ok(ReceiverEvent::End);
+        }
         let Some(crc) = self.ranges.whole_crc(byte_len) else {
             let (from, to) = self.ranges.first_gap(byte_len).unwrap_or((0, byte_len));
-            return Err(ProtocolError::violation(
-                ErrorCode::END_WITH_GAPS,
-                format!("END with bytes [{from}, {to}) missing"),
-            ));
+            return Err(end_with_gaps(from, to));
         };
         if u64::from(crc) != checksum {
             return Err(ProtocolError::violation(
@@ -434,6 +491,34 @@ impl TensorReceiver {
             ));
         }
         Ok(ReceiverEvent::End)
+    }
+
+    /// The CRC-32C of the landed tensor, whose DATA were handled with
+    /// [`CheckedFrame::checksum_landed`]: after
+    /// [`ReceiverEvent::End`], before [`mark_resident`](Self::mark_resident). A CRC that
+    /// differs from END's closes the tensor with CHECKSUM_MISMATCH (spec §7.3).
+    pub fn verify_landed_crc(&mut self, crc: u32) -> Result<(), ProtocolError> {
+        let LandedChecksum::Owed(checksum) = self.landed else {
+            return Err(ProtocolError::Misuse(
+                "a landed checksum for a tensor that owes none",
+            ));
+        };
+        if self.state != ReceiverState::AwaitingResidency {
+            return Err(self
+                .ending
+                .clone()
+                .unwrap_or(ProtocolError::Misuse("tensor closed")));
+        }
+        if u64::from(crc) != checksum {
+            let err = ProtocolError::violation(
+                ErrorCode::CHECKSUM_MISMATCH,
+                format!("END says CRC-32C {checksum:#x}, the landed bytes have {crc:#x}"),
+            );
+            self.abort(err.clone());
+            return Err(err);
+        }
+        self.landed = LandedChecksum::Verified;
+        Ok(())
     }
 
     /// Admits the tensor; queues ACCEPT advertising `limits.max_data_payload`.
@@ -492,6 +577,11 @@ impl TensorReceiver {
 
     /// The sink made every byte durable: queues COMPLETE (spec §6.8).
     pub fn mark_resident(&mut self) -> Result<(), ProtocolError> {
+        if let LandedChecksum::Owed(_) = self.landed {
+            return Err(ProtocolError::Misuse(
+                "COMPLETE before the landed bytes' checksum was verified",
+            ));
+        }
         self.local(ReceiverInput::Resident)?;
         self.outgoing.push_back(Frame::Complete(Complete));
         Ok(())
@@ -574,4 +664,11 @@ impl TensorReceiver {
             _ => None,
         }
     }
+}
+
+fn end_with_gaps(from: u64, to: u64) -> ProtocolError {
+    ProtocolError::violation(
+        ErrorCode::END_WITH_GAPS,
+        format!("END with bytes [{from}, {to}) missing"),
+    )
 }

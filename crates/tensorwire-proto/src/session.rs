@@ -386,6 +386,14 @@ impl Session {
         }
     }
 
+    /// The CRC-32C of the landed tensor on incoming stream `id`, whose DATA were handled with
+    /// [`CheckedFrame::checksum_landed`], after END and before
+    /// [`mark_resident`](Self::mark_resident) (spec §7.3). A CRC that differs from END's
+    /// closes the tensor with CHECKSUM_MISMATCH and queues the CANCEL that says so.
+    pub fn verify_landed_crc(&mut self, id: StreamId, crc: u32) -> Result<(), ProtocolError> {
+        self.incoming(id)?.verify_landed_crc(crc)
+    }
+
     /// Feeds one frame the peer sent on stream `id`, a stream we opened to send on (ACCEPT,
     /// REJECT, CREDIT, COMPLETE, CANCEL). Needs no credit tracker: the peer's credit for our
     /// tensors is the tensor's own. An error closes the tensor and queues our CANCEL unless

@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
 use proptest::prelude::*;
-use tensorwire_proto::checksum::{crc32c, crc32c_append, crc32c_combine};
+use tensorwire_proto::checksum::{crc32c, crc32c_append, crc32c_combine, crc32c_of_pieces};
 use tensorwire_proto::{CheckedChunk, ErrorCode, ReceivedRanges};
 
 #[test]
@@ -30,6 +30,34 @@ proptest! {
         let (a, b) = data.split_at(at);
         prop_assert_eq!(crc32c_combine(crc32c(a), crc32c(b), b.len() as u64), crc32c(&data));
     }
+}
+
+proptest! {
+    /// The CRCs of equal pieces (the last shorter) combine into the whole's CRC, by table
+    /// or directly (the table is built from 1,024 pieces on).
+    #[test]
+    fn the_crcs_of_equal_pieces_combine_into_the_whole(
+        data in proptest::collection::vec(any::<u8>(), 0..5000),
+        piece_len in 1u64..70,
+    ) {
+        let pieces: Vec<u32> = data.chunks(piece_len as usize).map(crc32c).collect();
+        let whole = crc32c_of_pieces(&pieces, piece_len, data.len() as u64);
+        prop_assert_eq!(whole, Some(crc32c(&data)));
+    }
+}
+
+#[test]
+fn pieces_that_do_not_add_up_to_the_length_are_refused() {
+    let data = [7u8; 100];
+    let pieces: Vec<u32> = data.chunks(30).map(crc32c).collect();
+    assert_eq!(crc32c_of_pieces(&pieces, 30, 100), Some(crc32c(&data)));
+    assert_eq!(crc32c_of_pieces(&pieces, 30, 121), None);
+    assert_eq!(crc32c_of_pieces(&pieces, 30, 90), None);
+    assert_eq!(crc32c_of_pieces(&pieces[..3], 30, 100), None);
+    assert_eq!(crc32c_of_pieces(&pieces, 0, 100), None);
+    assert_eq!(crc32c_of_pieces(&[], 30, 0), Some(0));
+    assert_eq!(crc32c_of_pieces(&[], 0, 0), Some(0));
+    assert_eq!(crc32c_of_pieces(&[0], 30, 0), None);
 }
 
 proptest! {

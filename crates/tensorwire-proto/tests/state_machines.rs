@@ -694,3 +694,98 @@ fn ranges_with_checksums_owed_count_for_overlap_and_gaps() {
     let third = rx.handle_checked(later(4000, 1000)).map(drop);
     assert_eq!(code_of(&third), ErrorCode::TOO_MANY_GAPS);
 }
+
+/// DATA of `len` bytes at `offset`, left to the checksum of the landed tensor.
+fn landed(offset: u64, bytes: &[u8]) -> CheckedFrame {
+    CheckedFrame::checksum_landed(Data::new(offset, bytes.to_vec()).into())
+}
+
+/// A tensor checksummed over its landed bytes (spec §7.3): DATA is checked at the frame,
+/// END checks the ranges, and COMPLETE waits for the landed CRC, which must match END's:
+/// a wrong one closes the tensor with CHECKSUM_MISMATCH and queues the CANCEL.
+#[test]
+fn a_tensor_checksummed_over_its_landed_bytes_completes_only_on_a_matching_crc() {
+    let bytes = pattern(3000, 4);
+    let end = End {
+        checksum: crc32c(&bytes).into(),
+    };
+    for corrupt in [false, true] {
+        let mut rx = receiving(3000);
+        // Out of order: the landed bytes' CRC does not care.
+        for i in [2usize, 0, 1] {
+            let piece = &bytes[i * 1000..(i + 1) * 1000];
+            let event = rx.handle_checked(landed(i as u64 * 1000, piece)).unwrap();
+            assert!(matches!(event, ReceiverEvent::Data(_)));
+        }
+        assert_eq!(rx.handle_frame(end.into()).unwrap(), ReceiverEvent::End);
+        assert_eq!(rx.state(), ReceiverState::AwaitingResidency);
+        assert!(
+            matches!(rx.mark_resident(), Err(ProtocolError::Misuse(_))),
+            "COMPLETE before the landed checksum"
+        );
+        let landed_crc = crc32c(&bytes) ^ u32::from(corrupt);
+        let verified = rx.verify_landed_crc(landed_crc);
+        while rx.poll_frame().is_some() {}
+        if corrupt {
+            assert_eq!(code_of(&verified), ErrorCode::CHECKSUM_MISMATCH);
+            assert_eq!(rx.state(), ReceiverState::Closed);
+            continue;
+        }
+        verified.unwrap();
+        rx.mark_resident().unwrap();
+        assert!(matches!(rx.poll_frame(), Some(Frame::Complete(_))));
+        assert!(matches!(
+            rx.verify_landed_crc(landed_crc),
+            Err(ProtocolError::Misuse(_))
+        ));
+    }
+}
+
+/// The frame's rules hold without per-payload checksums: overlap, bounds and gaps at END.
+#[test]
+fn data_left_to_the_landed_checksum_is_still_checked_at_the_frame() {
+    let mut rx = receiving(3000);
+    rx.handle_checked(landed(0, &[1; 1000])).unwrap();
+    let overlap = rx.handle_checked(landed(500, &[1; 1000])).map(drop);
+    assert_eq!(code_of(&overlap), ErrorCode::DATA_OVERLAP);
+
+    let mut rx = receiving(3000);
+    let past_end = rx.handle_checked(landed(2500, &[1; 1000])).map(drop);
+    assert_eq!(code_of(&past_end), ErrorCode::DATA_PAST_END);
+
+    let mut rx = receiving(3000);
+    rx.handle_checked(landed(0, &[1; 1000])).unwrap();
+    rx.handle_checked(landed(2000, &[1; 1000])).unwrap();
+    let end = End { checksum: 0 };
+    let gaps = rx.handle_frame(end.into()).map(drop);
+    assert_eq!(code_of(&gaps), ErrorCode::END_WITH_GAPS);
+}
+
+/// A driver that mixes per-payload and landed checksums in one tensor, leaves early DATA to
+/// the landed checksum, or reports a landed CRC nobody owes, is told so.
+#[test]
+fn a_tensors_checksums_are_all_per_payload_or_all_landed() {
+    let mut rx = receiving(2000);
+    rx.handle_checked(landed(0, &[1; 1000])).unwrap();
+    let mixed = rx.handle_checked(later(1000, 1000)).map(drop);
+    assert!(matches!(mixed, Err(ProtocolError::Misuse(_))), "{mixed:?}");
+
+    let mut rx = receiving(2000);
+    rx.handle_checked(later(0, 1000)).unwrap();
+    let mixed = rx.handle_checked(landed(1000, &[1; 1000])).map(drop);
+    assert!(matches!(mixed, Err(ProtocolError::Misuse(_))), "{mixed:?}");
+
+    let mut rx = receiving(2000);
+    assert!(matches!(
+        rx.verify_landed_crc(0),
+        Err(ProtocolError::Misuse(_))
+    ));
+
+    // Before ACCEPT (a tensor sent early), DATA is checksummed as it comes.
+    let mut rx = TensorReceiver::new(Limits::default());
+    rx.handle_frame(Frame::Early(Default::default())).unwrap();
+    rx.handle_frame(meta(1000).into()).unwrap();
+    rx.grant_early().unwrap();
+    let early = rx.handle_checked(landed(0, &[1; 1000])).map(drop);
+    assert!(matches!(early, Err(ProtocolError::Misuse(_))), "{early:?}");
+}

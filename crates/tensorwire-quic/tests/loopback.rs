@@ -431,6 +431,125 @@ async fn partial_batches_flushed(offload: StoreOffload) {
     tx.close().await;
 }
 
+/// Checksums the tensor over its landed bytes, as a GPU sink does on the device; `flip`
+/// corrupts one landed byte, as a bad copy would.
+struct LandedChecksumSink {
+    buf: Vec<u8>,
+    flip: Option<usize>,
+    /// Stores that were asked to checksum their payload.
+    checksummed_stores: Arc<AtomicUsize>,
+    landed_checksums: Arc<AtomicUsize>,
+}
+
+impl Sink for LandedChecksumSink {
+    type Output = Bytes;
+
+    async fn store(
+        &mut self,
+        offset: u64,
+        payload: Payload,
+        _permit: CreditPermit,
+        crc: Option<&mut u32>,
+    ) -> Result<(), SinkError> {
+        if crc.is_some() {
+            self.checksummed_stores.fetch_add(1, Ordering::Relaxed);
+        }
+        payload.continue_crc(crc);
+        let at = offset as usize;
+        payload.copy_to_slice(&mut self.buf[at..at + payload.len()]);
+        if let Some(flip) = self.flip.filter(|&f| (at..at + payload.len()).contains(&f)) {
+            self.buf[flip] ^= 0x40;
+        }
+        Ok(())
+    }
+
+    fn checksums_landed_bytes(&self) -> bool {
+        true
+    }
+
+    async fn landed_checksum(&mut self) -> Result<u32, SinkError> {
+        self.landed_checksums.fetch_add(1, Ordering::Relaxed);
+        Ok(tensorwire_quic::proto::checksum::crc32c(&self.buf))
+    }
+
+    async fn finish(self) -> Result<Bytes, SinkError> {
+        Ok(self.buf.into())
+    }
+}
+
+/// Spec §7.3: a sink that checksums the landed tensor takes the per-payload checksum's
+/// place, whether its stores run on the stream's thread or off it: no payload is
+/// checksummed on its own, the tensor completes when the landed bytes match END, and fails
+/// with CHECKSUM_MISMATCH on both sides when one landed byte differs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sink_that_checksums_its_landed_bytes_decides_the_tensors_fate() {
+    init_tracing();
+    for offload in [StoreOffload::Never, StoreOffload::UpTo(NonZeroUsize::MIN)] {
+        for flip in [None, Some(3 << 20)] {
+            landed_checksum(offload, flip).await;
+        }
+    }
+}
+
+async fn landed_checksum(offload: StoreOffload, flip: Option<usize>) {
+    const LEN: usize = 5 << 20;
+    let mut config = receiver_config();
+    config.store_offload = offload;
+    let (mut rx, addr) = receiver(config).await;
+    let checksummed_stores = Arc::new(AtomicUsize::new(0));
+    let landed_checksums = Arc::new(AtomicUsize::new(0));
+    let data = pattern(LEN, 11);
+    let server = tokio::spawn({
+        let (checksummed_stores, landed_checksums) =
+            (checksummed_stores.clone(), landed_checksums.clone());
+        async move {
+            let incoming = rx.next().await.unwrap();
+            let handle = incoming.accept(LandedChecksumSink {
+                buf: vec![0; LEN],
+                flip,
+                checksummed_stores,
+                landed_checksums,
+            });
+            (handle.finished().await.map(|(_, bytes)| bytes), rx)
+        }
+    });
+    let tx = sender(addr).await;
+    let sent = tx
+        .send(u8_meta("landed", LEN), data.clone())
+        .finished()
+        .await;
+    let (received, rx) = server.await.unwrap();
+    let case = format!("{offload:?}, flip {flip:?}");
+    assert_eq!(checksummed_stores.load(Ordering::Relaxed), 0, "{case}");
+    assert_eq!(landed_checksums.load(Ordering::Relaxed), 1, "{case}");
+    match flip {
+        None => {
+            sent.unwrap_or_else(|e| panic!("{case}: {e}"));
+            assert!(received.unwrap() == data, "{case}: bytes differ");
+        }
+        Some(_) => {
+            let sent = sent.expect_err(&case);
+            assert_eq!(
+                sent.code(),
+                Some(ErrorCode::CHECKSUM_MISMATCH),
+                "{case}: {sent}"
+            );
+            let received = received.expect_err(&case);
+            assert_eq!(
+                received.code(),
+                Some(ErrorCode::CHECKSUM_MISMATCH),
+                "{case}: {received}"
+            );
+            assert!(
+                received.to_string().contains("landed bytes"),
+                "{case}: {received}"
+            );
+        }
+    }
+    assert_budget_returned(&rx).await;
+    tx.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_region_and_a_chunk_stream_are_sources() {
     let (rx, addr) = receiver(receiver_config()).await;

@@ -188,6 +188,22 @@ pub trait Sink: Send + 'static {
         std::future::ready(Ok(()))
     }
 
+    /// Whether this sink computes the tensor's CRC-32C over its landed bytes
+    /// ([`landed_checksum`](Sink::landed_checksum)), so that the receiver reads no payload
+    /// to checksum it (spec §7.3). Asked once, when the tensor is accepted; the default is no.
+    fn checksums_landed_bytes(&self) -> bool {
+        false
+    }
+
+    /// The CRC-32C of the tensor's bytes as they landed, all of them: asked once every byte
+    /// was stored and END checked their ranges, before [`finish`](Sink::finish), of a sink
+    /// whose [`checksums_landed_bytes`](Sink::checksums_landed_bytes) said yes.
+    fn landed_checksum(&mut self) -> impl Future<Output = Result<u32, SinkError>> + Send {
+        std::future::ready(Err(SinkError::failed(
+            "this sink does not checksum its landed bytes",
+        )))
+    }
+
     /// Resolves once every written byte is durable; returns the output.
     fn finish(self) -> impl Future<Output = Result<Self::Output, SinkError>> + Send;
 }

@@ -422,6 +422,24 @@ impl<S: Divisible> Sink for Assembling<S> {
         }
     }
 
+    /// A whole tensor's sink may checksum its landed bytes; a part is checksummed as it
+    /// arrives (its END covers the part, not the destination).
+    fn checksums_landed_bytes(&self) -> bool {
+        match self {
+            Assembling::Whole(_, sink) => sink.checksums_landed_bytes(),
+            Assembling::Part(_) => false,
+        }
+    }
+
+    async fn landed_checksum(&mut self) -> Result<u32, SinkError> {
+        match self {
+            Assembling::Whole(_, sink) => sink.landed_checksum().await,
+            Assembling::Part(_) => Err(SinkError::failed(
+                "a split tensor's part is checksummed as it arrives",
+            )),
+        }
+    }
+
     async fn finish(self) -> Result<Self::Output, SinkError> {
         Ok(match self {
             Assembling::Whole(meta, sink) => Landing::Whole(Assembled {

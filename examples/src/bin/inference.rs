@@ -510,6 +510,14 @@ impl<S: Sink> Sink for Stamped<S> {
         self.inner.flush().await
     }
 
+    fn checksums_landed_bytes(&self) -> bool {
+        self.inner.checksums_landed_bytes()
+    }
+
+    async fn landed_checksum(&mut self) -> Result<u32, SinkError> {
+        self.inner.landed_checksum().await
+    }
+
     async fn finish(self) -> Result<Self::Output, SinkError> {
         let output = self.inner.finish().await?;
         Ok(StampedOutput {

@@ -226,9 +226,19 @@ impl Drop for OffloadSlot {
     }
 }
 
-/// Called with each payload's CRC-32C and length once it is stored, in order: records the
-/// CRC with the tensor's session and counts the bytes.
-pub(super) type OnStored = Box<dyn FnMut(u32, u64) -> Result<(), TransportError> + Send>;
+/// Called with each payload's CRC-32C (none where the sink checksums the landed tensor) and
+/// length once it is stored, in order: records the CRC with the tensor's session and counts
+/// the bytes.
+pub(super) type OnStored = Box<dyn FnMut(Option<u32>, u64) -> Result<(), TransportError> + Send>;
+
+/// Where a tensor's bytes are checksummed (spec §7.3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Checksums {
+    /// Each payload as it is stored, in the same pass as the sink's copy.
+    PerPayload,
+    /// The whole tensor once landed, by its sink ([`Sink::landed_checksum`]).
+    OfLandedBytes,
+}
 
 /// Where a tensor's payloads are stored: into its sink on the stream's own task, until a
 /// large payload moves them off the thread ([`Offloader::place`]); then, in order, there.
@@ -251,6 +261,7 @@ impl<S: Sink> Stores<S> {
         offloader: &Arc<Offloader>,
         connection: &Arc<ConnectionLoad>,
         receiving: &mut Option<Receiving>,
+        checksums: Checksums,
         on_stored: impl FnOnce() -> OnStored,
     ) -> Result<Self, TransportError> {
         if let Self::OffThread(stores) = &mut self
@@ -260,7 +271,9 @@ impl<S: Sink> Stores<S> {
         }
         Ok(match self {
             Self::Here(sink) => match offloader.place(len, connection, receiving) {
-                Some(place) => Self::OffThread(OffThreadStores::start(place, sink, on_stored())),
+                Some(place) => {
+                    Self::OffThread(OffThreadStores::start(place, sink, checksums, on_stored()))
+                }
                 None => Self::Here(sink),
             },
             off_thread => off_thread,
@@ -315,16 +328,28 @@ pub(super) struct OffThreadStores<S> {
 
 impl<S: Sink> OffThreadStores<S> {
     /// Starts storing into `sink` on `runtime`, holding `slot` until the stores end.
-    fn start((runtime, slot): (Handle, OffloadSlot), mut sink: S, mut on_stored: OnStored) -> Self {
+    fn start(
+        (runtime, slot): (Handle, OffloadSlot),
+        mut sink: S,
+        checksums: Checksums,
+        mut on_stored: OnStored,
+    ) -> Self {
         let (queue, mut queued) = mpsc::channel::<Queued>(QUEUED_STORES);
         let task = runtime.spawn(async move {
             while let Some(next) = queued.recv().await {
                 match next {
                     Queued::Data(data, permit) => {
                         let len = data.payload.len() as u64;
-                        let crc = sink
-                            .write_checksummed(data.offset, data.payload, permit)
-                            .await?;
+                        let crc = match checksums {
+                            Checksums::PerPayload => Some(
+                                sink.write_checksummed(data.offset, data.payload, permit)
+                                    .await?,
+                            ),
+                            Checksums::OfLandedBytes => {
+                                sink.write(data.offset, data.payload, permit).await?;
+                                None
+                            }
+                        };
                         on_stored(crc, len)?;
                     }
                     Queued::Flush => sink.flush().await?,

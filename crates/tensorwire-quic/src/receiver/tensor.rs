@@ -18,7 +18,7 @@ use tracing::{debug, warn};
 
 use super::connection::ConnectionState;
 use super::incoming::{DECISION_GRACE, Decision, Ended, IncomingTensor, Run};
-use super::offload::{OnStored, Receiving, Stores};
+use super::offload::{Checksums, OnStored, Receiving, Stores};
 use super::{CLOSE_GRACE, Shared};
 use crate::error::TransportError;
 use crate::stream::FrameStream;
@@ -105,10 +105,18 @@ impl Accepted {
         self.handle_checked(CheckedFrame::new(frame))
     }
 
-    /// As [`handle`](Self::handle), DATA's checksum computed later, while its bytes are
-    /// stored, and reported through [`stored`](Self::stored).
-    fn handle_checksum_later(&self, frame: Frame) -> Result<SessionEvent, ProtocolError> {
-        self.handle_checked(CheckedFrame::checksum_later(frame))
+    /// As [`handle`](Self::handle), DATA's checksum computed later: per payload while its
+    /// bytes are stored, reported through [`stored`](Self::stored), or over the landed tensor
+    /// by its sink after END.
+    fn handle_checksum_later(
+        &self,
+        frame: Frame,
+        checksums: Checksums,
+    ) -> Result<SessionEvent, ProtocolError> {
+        self.handle_checked(match checksums {
+            Checksums::PerPayload => CheckedFrame::checksum_later(frame),
+            Checksums::OfLandedBytes => CheckedFrame::checksum_landed(frame),
+        })
     }
 
     /// What each payload handled by [`handle_checksum_later`](Self::handle_checksum_later)
@@ -119,10 +127,12 @@ impl Accepted {
         shared: &Shared,
         id: StreamId,
         progress: &AtomicU64,
-        crc: u32,
+        crc: Option<u32>,
         len: u64,
     ) -> Result<(), TransportError> {
-        connection.session().record_payload_crc(id, crc)?;
+        if let Some(crc) = crc {
+            connection.session().record_payload_crc(id, crc)?;
+        }
         Self::count_stored(connection, shared, progress, len);
         Ok(())
     }
@@ -350,6 +360,12 @@ impl Accepted {
         if self.early_ended {
             return self.complete(sink, &pending).await;
         }
+        // Early DATA was checksummed as it came; the rest may be left to the landed tensor.
+        let checksums = if !stored_early && sink.checksums_landed_bytes() {
+            Checksums::OfLandedBytes
+        } else {
+            Checksums::PerPayload
+        };
         let mut stores = Stores::Here(sink);
         // Whether the sink stored bytes since it was last flushed.
         let mut stored_since_flush = stored_early;
@@ -392,23 +408,34 @@ impl Accepted {
                     let frame = frame.map_err(|_| TransportError::timed_out("DATA", config.progress_timeout))??;
                     if matches!(frame, Frame::End(_)) {
                         // END is checked against every payload's CRC: all stored first.
-                        let sink = stores.into_sink().await?;
-                        return match self.handle_checksum_later(frame)? {
-                            SessionEvent::End => self.complete(sink, &pending).await,
+                        let mut sink = stores.into_sink().await?;
+                        return match self.handle_checksum_later(frame, checksums)? {
+                            SessionEvent::End => {
+                                if checksums == Checksums::OfLandedBytes {
+                                    self.verify_landed(&mut sink).await?;
+                                }
+                                self.complete(sink, &pending).await
+                            }
                             _ => Err(ProtocolError::Misuse("END handled as another frame").into()),
                         };
                     }
-                    match self.handle_checksum_later(frame)? {
+                    match self.handle_checksum_later(frame, checksums)? {
                         SessionEvent::Data(data) => {
                             let n = data.payload.len() as u64;
                             let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
                             let on_stored = || Self::on_stored_elsewhere(&connection, &shared, self.id, &progress);
-                            stores = stores.for_payload(data.payload.len(), &shared.offload, &connection.load, &mut self.receiving, on_stored).await?;
+                            stores = stores.for_payload(data.payload.len(), &shared.offload, &connection.load, &mut self.receiving, checksums, on_stored).await?;
                             stored_since_flush = true;
                             match &mut stores {
                                 Stores::OffThread(off_thread) => off_thread.store(data, permit).await?,
                                 Stores::Here(sink) => {
-                                    let crc = sink.write_checksummed(data.offset, data.payload, permit).await?;
+                                    let crc = match checksums {
+                                        Checksums::PerPayload => Some(sink.write_checksummed(data.offset, data.payload, permit).await?),
+                                        Checksums::OfLandedBytes => {
+                                            sink.write(data.offset, data.payload, permit).await?;
+                                            None
+                                        }
+                                    };
                                     Self::stored(&connection, &shared, self.id, &progress, crc, n)?;
                                 }
                             }
@@ -418,6 +445,14 @@ impl Accepted {
                 }
             }
         }
+    }
+
+    /// Every byte arrived: the sink checksums the landed tensor, which must match END's
+    /// checksum (spec §7.3). A mismatch fails the tensor with CHECKSUM_MISMATCH.
+    async fn verify_landed<S: Sink>(&mut self, sink: &mut S) -> Result<(), TransportError> {
+        let crc = self.finish_watching(sink.landed_checksum()).await??;
+        self.connection.session().verify_landed_crc(self.id, crc)?;
+        Ok(())
     }
 
     /// Every byte arrived and matched END's checksum: finishes the sink, then sends COMPLETE.
