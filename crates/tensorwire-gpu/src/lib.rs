@@ -61,7 +61,7 @@ pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 pub use receiver::{GpuReceiverEvent, GpuTensorReceiver, LandError};
 #[cfg(feature = "cuda")]
 pub use sink::{
-    DEFAULT_STAGING_POOL, GpuMemoryPool, GpuSink, Handoff, HostFallback, PinnedMemoryPool,
-    PooledGpuReceiver, STAGING_BUFFER,
+    CHECKSUM_ON_DEVICE_FROM, ChecksumOn, DEFAULT_STAGING_POOL, GpuMemoryPool, GpuSink, Handoff,
+    HostFallback, PinnedMemoryPool, PooledGpuReceiver, STAGING_BUFFER,
 };
 pub use status::{GpuStatus, gpus_or_skip};

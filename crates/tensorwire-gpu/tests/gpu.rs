@@ -229,8 +229,8 @@ mod on_gpu {
     use tensorwire_gpu::gpus_or_skip as gpus;
 
     use tensorwire_gpu::{
-        CudaBuffer, GpuDevice, GpuSink, PinnedMemoryPool, PoolConfig, PooledGpuReceiver,
-        STAGING_BUFFER,
+        CHECKSUM_ON_DEVICE_FROM, ChecksumOn, CudaBuffer, GpuDevice, GpuSink, PinnedMemoryPool,
+        PoolConfig, PooledGpuReceiver, STAGING_BUFFER,
     };
     use tensorwire_proto::Payload;
     use tensorwire_quic::{CreditPermit, Sink};
@@ -440,6 +440,161 @@ mod on_gpu {
         }
         let landed = sink.finish().await.unwrap();
         assert!(landed.copy_to_host().unwrap() == data);
+    }
+
+    /// Spec §7.3 on the device: a tensor of a staging buffer or more is checksummed over its
+    /// landed bytes by the GPU kernel, whatever its length and the order its bytes came in,
+    /// equal to the host's CRC-32C; shorter tensors, and a sink told to, checksum on the host.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_device_checksums_a_landed_tensor_as_the_host_does() {
+        let Some(_) = gpus("the_device_checksums_a_landed_tensor_as_the_host_does") else {
+            return;
+        };
+        let gpu = PooledGpuReceiver::with_defaults(0).unwrap();
+        assert_eq!(gpu.checksum_on(), ChecksumOn::Device);
+        for (i, len) in [
+            CHECKSUM_ON_DEVICE_FROM,
+            CHECKSUM_ON_DEVICE_FROM + 3,
+            (37 << 20) + 12_345,
+            (16 << 10) * 1000 + 1,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let data = random(len, 40 + i as u64);
+            let meta = TensorMeta::new([len as u64], DType::U8).unwrap();
+            let mut sink = gpu.sink(&meta).unwrap();
+            sink.poison(0xAB).unwrap();
+            assert!(sink.checksums_landed_bytes(), "{len} bytes");
+            let step = (1 << 20) - 1;
+            let mut chunks: Vec<(u64, Vec<u8>)> = (0..len)
+                .step_by(step)
+                .map(|at| (at as u64, data[at..(at + step).min(len)].to_vec()))
+                .collect();
+            chunks.reverse();
+            feed(&mut sink, &chunks).await;
+            let crc = sink.landed_checksum().await.unwrap();
+            assert_eq!(
+                crc,
+                tensorwire_proto::checksum::crc32c(&data),
+                "{len} bytes"
+            );
+            let landed = sink.finish().await.unwrap();
+            assert!(landed.copy_to_host().unwrap() == data, "{len} bytes");
+        }
+        assert_eq!(gpu.staging_stats().in_use_buffers, 0, "staging all free");
+        let short = TensorMeta::new([(CHECKSUM_ON_DEVICE_FROM - 1) as u64], DType::U8).unwrap();
+        assert!(!gpu.sink(&short).unwrap().checksums_landed_bytes());
+        let on_host = gpu.clone().with_checksum_on(ChecksumOn::Host);
+        let long = TensorMeta::new([(64 << 20) as u64], DType::U8).unwrap();
+        assert!(!on_host.sink(&long).unwrap().checksums_landed_bytes());
+    }
+
+    /// A GPU sink that corrupts one byte on its way in, as a bad copy would.
+    struct Corrupting(GpuSink);
+
+    impl Sink for Corrupting {
+        type Output = CudaBuffer;
+
+        async fn store(
+            &mut self,
+            offset: u64,
+            payload: Payload,
+            permit: CreditPermit,
+            crc: Option<&mut u32>,
+        ) -> Result<(), tensorwire_quic::SinkError> {
+            let mut bytes = payload.to_bytes().to_vec();
+            if offset == 0 {
+                bytes[1000] ^= 1;
+            }
+            self.0
+                .store(offset, Payload::from(bytes), permit, crc)
+                .await
+        }
+
+        async fn flush(&mut self) -> Result<(), tensorwire_quic::SinkError> {
+            self.0.flush().await
+        }
+
+        fn checksums_landed_bytes(&self) -> bool {
+            self.0.checksums_landed_bytes()
+        }
+
+        async fn landed_checksum(&mut self) -> Result<u32, tensorwire_quic::SinkError> {
+            self.0.landed_checksum().await
+        }
+
+        async fn finish(self) -> Result<CudaBuffer, tensorwire_quic::SinkError> {
+            self.0.finish().await
+        }
+    }
+
+    /// Over the network, the device's checksum decides: a landed byte that differs from
+    /// what was sent fails the tensor with CHECKSUM_MISMATCH on both sides, and the credit
+    /// and staging buffers come back; the next tensor lands.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_landed_byte_that_differs_fails_the_tensor_with_checksum_mismatch() {
+        let Some(_) = gpus("a_landed_byte_that_differs_fails_the_tensor_with_checksum_mismatch")
+        else {
+            return;
+        };
+        let gpu = PooledGpuReceiver::with_defaults(0).unwrap();
+        let mut config = ReceiverConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            tensorwire_quic::ServerTls::Development,
+        );
+        config.transport = TransportSettings::jumbo();
+        let mut receiver = Receiver::bind(config).await.unwrap();
+        let addr = receiver.local_addr().unwrap();
+        let len = (9 << 20) + 7;
+        let data = random(len, 77);
+        let server = tokio::spawn({
+            let gpu = gpu.clone();
+            async move {
+                let incoming = receiver.next().await.unwrap();
+                let sink = Corrupting(gpu.sink(incoming.meta()).unwrap());
+                let corrupted = incoming.accept(sink).finished().await.map(drop);
+                let incoming = receiver.next().await.unwrap();
+                let sink = gpu.sink(incoming.meta()).unwrap();
+                let landed = incoming.accept(sink).finished().await.unwrap().1;
+                (corrupted, landed, receiver)
+            }
+        });
+        let sender = Sender::connect(
+            addr,
+            SenderConfig {
+                transport: TransportSettings::jumbo(),
+                ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
+            },
+        )
+        .await
+        .unwrap();
+        let meta = TensorMeta::new([len as u64], DType::U8).unwrap();
+        let sent = sender
+            .send(meta.clone().with_name("bad"), Bytes::from(data.clone()))
+            .finished()
+            .await;
+        let code = tensorwire_proto::ErrorCode::CHECKSUM_MISMATCH;
+        let sent = sent.unwrap_err();
+        assert_eq!(sent.code(), Some(code), "{sent}");
+        sender
+            .send(meta.with_name("good"), Bytes::from(data.clone()))
+            .finished()
+            .await
+            .unwrap();
+        let (corrupted, landed, receiver) = server.await.unwrap();
+        let corrupted = corrupted.unwrap_err();
+        assert_eq!(corrupted.code(), Some(code), "{corrupted}");
+        assert!(landed.copy_to_host().unwrap() == data);
+        drop(landed);
+        let budget = receiver.budget();
+        assert_eq!(
+            (budget.in_flight - budget.early_offered, budget.held),
+            (0, 0)
+        );
+        assert_eq!(gpu.staging_stats().in_use_buffers, 0, "staging all free");
+        sender.close().await;
+        receiver.close().await;
     }
 
     /// With one staging buffer, every new fill must wait for the previous copy: a buffer

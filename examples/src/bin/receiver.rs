@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use tensorwire::exec::{ExecAccess, ExecConfig, ExecServer, WorkerCommand, refuse_exec};
-use tensorwire::gpu::{DeviceRequest, GpuRequirement, Placement, TensorBuffer};
+use tensorwire::gpu::{ChecksumOn, DeviceRequest, GpuRequirement, Placement, TensorBuffer};
 use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::proto::TensorMeta;
 use tensorwire::proto::split::SplitPart;
@@ -113,6 +113,11 @@ struct Args {
     /// on other cores, whatever the load).
     #[arg(long, default_value = "auto")]
     store_offload: StoreOffload,
+    /// Where a GPU receiver computes each tensor's CRC-32C: device (over the landed tensor,
+    /// for tensors of 4 MiB or more, so no CPU core reads their bytes a second time) or host
+    /// (each payload as it is copied into staging).
+    #[arg(long, default_value = "device")]
+    checksum_on: ChecksumOn,
     /// Run CUDA kernels that peers send with their inputs (spec §14; `tensorwire-exec`), in
     /// worker processes of their own. Needs mutual TLS (--client-ca), or a loopback --listen
     /// address, so that only authenticated or local peers can run code here.
@@ -186,6 +191,10 @@ async fn main() -> anyhow::Result<()> {
         Placement::choose_shareable(args.device, gpu)?
     } else {
         Placement::choose(args.device, gpu)?
+    };
+    let placement = match placement {
+        Placement::Gpu(gpu) => Placement::Gpu(gpu.with_checksum_on(args.checksum_on)),
+        host => host,
     };
     // Kernels use the receiver's own pools and device-memory budget.
     let exec = match exec_access {

@@ -7,8 +7,10 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::{CudaContext, result, sys};
 
-use super::{cuda, require_driver};
+use super::checksum::ChecksumKernel;
+use super::{PinnedAllocation, cuda, require_driver};
 use crate::error::GpuError;
+use crate::pool::Pooled;
 
 /// What a device is, for logs and for matching devices across processes (by UUID).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,6 +117,8 @@ pub struct GpuDevice {
     /// Shared with the completion thread, which gives events back. Like the device (opened
     /// once per process), they live until the process exits.
     events: Arc<SpareEvents>,
+    /// The CRC-32C kernel, loaded at its first use.
+    checksum: OnceLock<Result<ChecksumKernel, GpuError>>,
 }
 
 impl std::fmt::Debug for GpuDevice {
@@ -205,6 +209,7 @@ impl GpuDevice {
             stream: CopyStream(stream),
             completions: Mutex::new(tx),
             events,
+            checksum: OnceLock::new(),
         })
     }
 
@@ -274,6 +279,73 @@ impl GpuDevice {
         if let Err(e) = unsafe { result::memcpy_htod_async(target, src, self.stream.0) } {
             return done(Err(cuda("cuMemcpyHtoDAsync")(e)));
         }
+        self.complete_after_enqueued(done);
+    }
+
+    /// Whether the CRC-32C kernel loads on this device (loading it at the first call); the
+    /// error says why not, such as a driver too old for its PTX.
+    pub(crate) fn checksum_kernel(&self) -> Result<(), GpuError> {
+        self.checksum_kernel_loaded().map(drop)
+    }
+
+    fn checksum_kernel_loaded(&self) -> Result<&ChecksumKernel, GpuError> {
+        let loaded = self.checksum.get_or_init(|| {
+            self.bind()?;
+            ChecksumKernel::load()
+        });
+        loaded.as_ref().map_err(Clone::clone)
+    }
+
+    /// Enqueues on the copy stream, after every copy enqueued so far, the CRC-32C of each
+    /// `piece` bytes of `src` (the last piece shorter), written to `out` as one native-endian
+    /// `u32` per piece; once that completed (or could not be enqueued), hands `out`, `src`
+    /// and the outcome to `done` on the completion thread. Owning both until then keeps the
+    /// device memory allocated and the results unread while the kernel runs.
+    pub(crate) fn checksum_pieces_async(
+        &self,
+        src: crate::buffer::CudaBuffer,
+        piece: usize,
+        out: Pooled<PinnedAllocation>,
+        done: impl FnOnce(Pooled<PinnedAllocation>, crate::buffer::CudaBuffer, Result<(), GpuError>)
+        + Send
+        + 'static,
+    ) {
+        let len = src.len();
+        let pieces = len.div_ceil(piece.max(1));
+        if piece == 0
+            || pieces
+                .checked_mul(4)
+                .is_none_or(|n| n > out.as_slice().len())
+        {
+            let err = GpuError::Bounds(format!(
+                "checksums of {pieces} pieces of a {len}-byte buffer into {} bytes",
+                out.as_slice().len()
+            ));
+            return done(out, src, Err(err));
+        }
+        let (data, results) = (src.device_ptr(), out.as_slice().as_ptr());
+        let done: Box<dyn FnOnce(Result<(), GpuError>) + Send> =
+            Box::new(move |result| done(out, src, result));
+        if pieces == 0 {
+            return done(Ok(()));
+        }
+        let kernel = match self.bind().and_then(|()| self.checksum_kernel_loaded()) {
+            Ok(kernel) => kernel,
+            Err(e) => return done(Err(e)),
+        };
+        // SAFETY: `data..data + len` is the device memory of `src` and `results` the pinned
+        // buffer `out`, holding 4 bytes per piece (checked above); `done` owns both, so they
+        // stay allocated and unread until the kernel's event completed. The copy stream is
+        // live in this context, which is current.
+        if let Err(e) = unsafe { kernel.enqueue(data, len, piece, results, self.stream.0) } {
+            return done(Err(e));
+        }
+        self.complete_after_enqueued(done);
+    }
+
+    /// Records an event after the work enqueued on the copy stream and has the completion
+    /// thread run `done` once it completed; waits here if the event cannot be tracked.
+    fn complete_after_enqueued(&self, done: Box<dyn FnOnce(Result<(), GpuError>) + Send>) {
         let event = match self.events.take() {
             Ok(event) => event,
             Err(e) => {

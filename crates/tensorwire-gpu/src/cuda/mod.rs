@@ -7,6 +7,7 @@
 //! memory comes from `cuMemAlloc` (never the stream-ordered pool, which cannot be exported for
 //! sharing); pinned memory is page-locked without write-combining.
 
+mod checksum;
 mod device;
 pub mod kernel;
 mod memory;
