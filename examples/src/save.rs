@@ -234,8 +234,8 @@ impl<S: Sink> Sink for SpoolingSink<S> {
         self.inner.flush().await
     }
 
-    fn checksums_landed_bytes(&self) -> bool {
-        self.inner.checksums_landed_bytes()
+    fn take_checksum(&mut self) -> bool {
+        self.inner.take_checksum()
     }
 
     async fn landed_checksum(&mut self) -> Result<u32, SinkError> {

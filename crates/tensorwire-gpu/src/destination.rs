@@ -322,11 +322,11 @@ impl Sink for DestinationSink {
         }
     }
 
-    fn checksums_landed_bytes(&self) -> bool {
-        match &self.into {
+    fn take_checksum(&mut self) -> bool {
+        match &mut self.into {
             LandIn::Host(_) => false,
             #[cfg(feature = "cuda")]
-            LandIn::Device(sink) => sink.checksums_landed_bytes(),
+            LandIn::Device(sink) => sink.take_checksum(),
         }
     }
 

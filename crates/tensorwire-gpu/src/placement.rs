@@ -330,11 +330,11 @@ impl Sink for TensorSink {
         }
     }
 
-    fn checksums_landed_bytes(&self) -> bool {
+    fn take_checksum(&mut self) -> bool {
         match self {
             #[cfg(feature = "cuda")]
-            TensorSink::Gpu(sink) => sink.checksums_landed_bytes(),
-            TensorSink::Host(sink) => sink.checksums_landed_bytes(),
+            TensorSink::Gpu(sink) => sink.take_checksum(),
+            TensorSink::Host(sink) => sink.take_checksum(),
         }
     }
 

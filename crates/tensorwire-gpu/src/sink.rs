@@ -387,6 +387,8 @@ pub struct GpuSink {
     in_flight: Arc<InFlight>,
     handoff: Option<oneshot::Sender<CudaBuffer>>,
     checksum_on: ChecksumOn,
+    /// Whether a receiver left the tensor's checksum to the device (`Sink::take_checksum`).
+    checksum_taken: bool,
 }
 
 /// The destination of a tensor, handed over as soon as its last copy is enqueued: before
@@ -396,13 +398,16 @@ pub struct GpuSink {
 pub struct Handoff(oneshot::Receiver<CudaBuffer>);
 
 impl Handoff {
-    /// Resolves, once every byte was verified and its copy enqueued, to the destination with
+    /// Resolves, once every byte arrived and its copy was enqueued, to the destination with
     /// its landing event: work on a stream that [`CudaBuffer::wait_on`] (or
-    /// [`CudaBuffer::as_slice`]) ordered after the event reads the landed bytes.
+    /// [`CudaBuffer::as_slice`]) ordered after the event reads the landed bytes. The bytes'
+    /// checksum was verified by then, unless the device computes it over the landed tensor
+    /// ([`ChecksumOn::Device`]), which then runs beside the application's first work.
     ///
     /// Fails if the tensor failed first. The tensor can still fail after the hand-off (a
-    /// copy error, or the sender's CANCEL while the last copies run): only the receiver's
-    /// own result says the bytes are good, so publish nothing computed from them before it.
+    /// copy error, a checksum that differs, or the sender's CANCEL while the last copies
+    /// run): only the receiver's own result says the bytes are good, so publish nothing
+    /// computed from them before it.
     pub async fn landed(self) -> Result<CudaBuffer, GpuError> {
         self.0
             .await
@@ -421,6 +426,7 @@ impl GpuSink {
             in_flight: Arc::default(),
             handoff: None,
             checksum_on: ChecksumOn::default(),
+            checksum_taken: false,
         }
     }
 
@@ -430,9 +436,24 @@ impl GpuSink {
         self
     }
 
+    /// Hands the destination over (if [`handoff`](Self::handoff) was asked for) once its last
+    /// copy is enqueued. Only a hand-off needs the landing event (copies run in order on one
+    /// stream, so an event after the last is the tensor's landing): the buffer `finish`
+    /// returns has landed already, so other tensors pay nothing for it.
+    fn hand_off(&mut self) -> Result<(), GpuError> {
+        if let Some(handoff) = self.handoff.take() {
+            let mut early = self.dest.share();
+            early.set_landing(self.device.record_copies()?);
+            let _ = handoff.send(early);
+        }
+        Ok(())
+    }
+
     /// The CRC-32C of the landed bytes, computed on the device after every copy enqueued.
     async fn checksum_on_device(&mut self) -> Result<u32, GpuError> {
         self.copy_fill()?;
+        // The application's work may queue behind the copies while the checksum runs.
+        self.hand_off()?;
         let len = self.dest.len();
         let piece = checksum_piece(len);
         let out = self.staging.acquire_wait(STAGING_BUFFER).await?;
@@ -602,10 +623,12 @@ impl GpuSink {
             };
             let n = part.len().min(fill.buffer.len() - fill.filled);
             let to = &mut fill.buffer.as_mut_slice()[fill.filled..fill.filled + n];
-            // A connection's DATA streams into staging; a copy from memory (no checksum)
-            // keeps ordinary stores, which one thread moves faster (`cuda::streaming`).
+            // A connection's DATA (checksummed here, or by the device once landed) streams
+            // into staging; a copy from memory keeps ordinary stores, which one thread moves
+            // faster (`cuda::streaming`).
             match crc.as_deref_mut() {
                 Some(crc) => *crc = checksum_then_copy_with(*crc, &part[..n], to, stream_into),
+                None if self.checksum_taken => stream_into(to, &part[..n]),
                 None => to.copy_from_slice(&part[..n]),
             }
             fill.filled += n;
@@ -639,12 +662,15 @@ impl Sink for GpuSink {
         Ok(self.copy_fill()?)
     }
 
-    fn checksums_landed_bytes(&self) -> bool {
+    fn take_checksum(&mut self) -> bool {
         if self.checksum_on != ChecksumOn::Device || self.dest.len() < CHECKSUM_ON_DEVICE_FROM {
             return false;
         }
         match self.device.checksum_kernel() {
-            Ok(()) => true,
+            Ok(()) => {
+                self.checksum_taken = true;
+                true
+            }
             Err(e) => {
                 static WARNED: std::sync::Once = std::sync::Once::new();
                 WARNED.call_once(|| {
@@ -664,14 +690,7 @@ impl Sink for GpuSink {
 
     async fn finish(mut self) -> Result<CudaBuffer, SinkError> {
         self.copy_fill()?;
-        // Only a hand-off needs the landing event (copies run in order on one stream, so an
-        // event after the last is the tensor's landing): the buffer returned below has
-        // landed already, so other tensors pay nothing for it.
-        if let Some(handoff) = self.handoff.take() {
-            let mut early = self.dest.share();
-            early.set_landing(self.device.record_copies()?);
-            let _ = handoff.send(early);
-        }
+        self.hand_off()?;
         self.in_flight.wait_idle().await;
         if let Some(e) = self.in_flight.error() {
             return Err(e.into());
@@ -713,7 +732,10 @@ mod tests {
             usize::MAX / 2,
         ] {
             let piece = checksum_piece(len);
-            assert!(piece >= CHECKSUM_PIECE && piece.is_multiple_of(16), "{len}: {piece}");
+            assert!(
+                piece >= CHECKSUM_PIECE && piece.is_multiple_of(16),
+                "{len}: {piece}"
+            );
             assert!(len.div_ceil(piece) * 4 <= STAGING_BUFFER, "{len}: {piece}");
         }
         assert_eq!(checksum_piece(16 << 30), CHECKSUM_PIECE);

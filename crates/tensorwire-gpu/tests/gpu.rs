@@ -465,7 +465,7 @@ mod on_gpu {
             let meta = TensorMeta::new([len as u64], DType::U8).unwrap();
             let mut sink = gpu.sink(&meta).unwrap();
             sink.poison(0xAB).unwrap();
-            assert!(sink.checksums_landed_bytes(), "{len} bytes");
+            assert!(sink.take_checksum(), "{len} bytes");
             let step = (1 << 20) - 1;
             let mut chunks: Vec<(u64, Vec<u8>)> = (0..len)
                 .step_by(step)
@@ -484,10 +484,10 @@ mod on_gpu {
         }
         assert_eq!(gpu.staging_stats().in_use_buffers, 0, "staging all free");
         let short = TensorMeta::new([(CHECKSUM_ON_DEVICE_FROM - 1) as u64], DType::U8).unwrap();
-        assert!(!gpu.sink(&short).unwrap().checksums_landed_bytes());
+        assert!(!gpu.sink(&short).unwrap().take_checksum());
         let on_host = gpu.clone().with_checksum_on(ChecksumOn::Host);
         let long = TensorMeta::new([(64 << 20) as u64], DType::U8).unwrap();
-        assert!(!on_host.sink(&long).unwrap().checksums_landed_bytes());
+        assert!(!on_host.sink(&long).unwrap().take_checksum());
     }
 
     /// A GPU sink that corrupts one byte on its way in, as a bad copy would.
@@ -516,8 +516,8 @@ mod on_gpu {
             self.0.flush().await
         }
 
-        fn checksums_landed_bytes(&self) -> bool {
-            self.0.checksums_landed_bytes()
+        fn take_checksum(&mut self) -> bool {
+            self.0.take_checksum()
         }
 
         async fn landed_checksum(&mut self) -> Result<u32, tensorwire_quic::SinkError> {

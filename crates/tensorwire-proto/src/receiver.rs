@@ -104,7 +104,8 @@ pub enum ReceiverState {
     EndedEarly,
     /// Accepted: DATA arrives against granted credit.
     Receiving,
-    /// END verified every byte and the checksum; waiting for the sink to make them durable.
+    /// END verified every byte and the checksum (or the landed bytes' checksum is owed);
+    /// waiting for the sink to make them durable.
     AwaitingResidency,
     /// COMPLETE queued. Terminal.
     Complete,
@@ -201,7 +202,8 @@ pub enum ReceiverEvent {
     Metadata,
     /// Verified DATA: give it to the sink, release its credit once durable.
     Data(Data),
-    /// Every byte arrived and the checksum matched: flush the sink, then
+    /// Every byte arrived and the checksum matched (for DATA left to the landed checksum,
+    /// it is owed: [`TensorReceiver::verify_landed_crc`]): flush the sink, then
     /// [`TensorReceiver::mark_resident`].
     End,
 }
@@ -212,7 +214,9 @@ pub enum ReceiverEvent {
 /// call [`accept`](Self::accept) or [`reject`](Self::reject) after
 /// [`ReceiverEvent::Metadata`], [`grant`](Self::grant) credit as the budget allows, and
 /// [`mark_resident`](Self::mark_resident) after [`ReceiverEvent::End`] once the sink is
-/// durable. After every call, send what [`poll_frame`](Self::poll_frame) returns, in order.
+/// durable (and, for DATA handled with [`CheckedFrame::checksum_landed`], once
+/// [`verify_landed_crc`](Self::verify_landed_crc) accepted the landed bytes' CRC). After
+/// every call, send what [`poll_frame`](Self::poll_frame) returns, in order.
 /// Any error closes the tensor and queues the REJECT (before ACCEPT) or CANCEL (after)
 /// that tells the sender why; [`revocable_credit`](Self::revocable_credit) then says how
 /// many granted bytes will never arrive.

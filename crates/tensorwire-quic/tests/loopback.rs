@@ -463,7 +463,7 @@ impl Sink for LandedChecksumSink {
         Ok(())
     }
 
-    fn checksums_landed_bytes(&self) -> bool {
+    fn take_checksum(&mut self) -> bool {
         true
     }
 

@@ -131,7 +131,8 @@ impl SinkError {
 /// or [`write`](Sink::write) for bytes it checksummed already; both go through
 /// [`store`](Sink::store)) in arrival order, offsets already checked against the tensor's
 /// length and for overlap, then calls [`finish`](Sink::finish) after END verified every
-/// byte. COMPLETE is sent only after `finish` resolves. A sink that is dropped instead was
+/// byte (with the CRC from [`landed_checksum`](Sink::landed_checksum) where the sink
+/// checksums its landed bytes). COMPLETE is sent only after `finish` resolves. A sink that is dropped instead was
 /// cancelled: it frees its memory.
 pub trait Sink: Send + 'static {
     /// What a finished sink hands to the application, such as the filled buffer.
@@ -188,16 +189,17 @@ pub trait Sink: Send + 'static {
         std::future::ready(Ok(()))
     }
 
-    /// Whether this sink computes the tensor's CRC-32C over its landed bytes
-    /// ([`landed_checksum`](Sink::landed_checksum)), so that the receiver reads no payload
-    /// to checksum it (spec §7.3). Asked once, when the tensor is accepted; the default is no.
-    fn checksums_landed_bytes(&self) -> bool {
+    /// Offers this sink the tensor's checksum: a sink that computes the CRC-32C over its
+    /// landed bytes ([`landed_checksum`](Sink::landed_checksum)) takes it and returns true,
+    /// and the receiver then reads no payload to checksum it (spec §7.3). Offered once, by a
+    /// receiver, when the tensor is accepted and before any store; the default declines.
+    fn take_checksum(&mut self) -> bool {
         false
     }
 
     /// The CRC-32C of the tensor's bytes as they landed, all of them: asked once every byte
     /// was stored and END checked their ranges, before [`finish`](Sink::finish), of a sink
-    /// whose [`checksums_landed_bytes`](Sink::checksums_landed_bytes) said yes.
+    /// whose [`take_checksum`](Sink::take_checksum) said yes.
     fn landed_checksum(&mut self) -> impl Future<Output = Result<u32, SinkError>> + Send {
         std::future::ready(Err(SinkError::failed(
             "this sink does not checksum its landed bytes",

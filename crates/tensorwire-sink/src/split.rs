@@ -424,9 +424,9 @@ impl<S: Divisible> Sink for Assembling<S> {
 
     /// A whole tensor's sink may checksum its landed bytes; a part is checksummed as it
     /// arrives (its END covers the part, not the destination).
-    fn checksums_landed_bytes(&self) -> bool {
+    fn take_checksum(&mut self) -> bool {
         match self {
-            Assembling::Whole(_, sink) => sink.checksums_landed_bytes(),
+            Assembling::Whole(_, sink) => sink.take_checksum(),
             Assembling::Part(_) => false,
         }
     }

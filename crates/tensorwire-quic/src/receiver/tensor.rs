@@ -361,7 +361,7 @@ impl Accepted {
             return self.complete(sink, &pending).await;
         }
         // Early DATA was checksummed as it came; the rest may be left to the landed tensor.
-        let checksums = if !stored_early && sink.checksums_landed_bytes() {
+        let checksums = if !stored_early && sink.take_checksum() {
             Checksums::OfLandedBytes
         } else {
             Checksums::PerPayload
