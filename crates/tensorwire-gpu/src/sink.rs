@@ -156,6 +156,11 @@ impl PooledGpuReceiver {
         };
         let staging = PinnedMemoryPool::for_device(&device, staging)?;
         let memory = GpuMemoryPool::for_device_with_kind(&device, memory, kind)?;
+        // The checksum kernel loads now rather than at the first large tensor: the driver
+        // compiles its PTX for this GPU (once per machine where its compute cache is kept),
+        // which would stall that tensor's connection. A kernel that does not load is
+        // reported when a tensor would have used it (`Sink::take_checksum`).
+        let _ = device.checksum_kernel();
         // Measured after the staging pool's preallocation: what is left for tensors.
         let (free, _total) = device.memory()?;
         let (num, den) = DEFAULT_BUDGET_OF_FREE;
