@@ -6,7 +6,10 @@
 MTU=${MTU:-6000}
 
 # Waits up to 10 s for `listening on ADDR` in LOG (written by a program starting in the
-# background) and prints ADDR; prints the log and fails if it never comes.
+# background) and prints ADDR; prints the log and fails if it never comes. Empty LOG before
+# starting the program (`: > LOG`): the background job truncates it only once it runs, and
+# until then an earlier run's address would be read (a sender then failed at once against
+# a receiver that had exited).
 listening_address() {
   local log=$1 addr
   for _ in $(seq 100); do grep -q "listening on" "$log" && break; sleep 0.1; done
@@ -63,6 +66,7 @@ raw_quinn_as_processes() {
   local connections=$((processes * each)) workers=$((2 * each)) server addr start end
   [ "$workers" -le "$(nproc)" ] || workers=$(nproc)
   rm -f "$work"/raw-*.cpu
+  : > "$work/raw-server.log"
   with_cpu_time "$work/raw-server.cpu" "$work/raw-server.log" \
     "$bin/bench" --raw-server "$work/raw.der" --connections "$connections" --mtu "$MTU" \
     ${RAW_SERVER_FLAGS:-} &

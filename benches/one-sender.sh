@@ -52,6 +52,7 @@ sent=() ratio_process=() ratio_shared=() ratio_processes=() cpu_ratio=()
 one_round() {
   local receiver start end gbit raw raw_hot raw_shared raw_shared_hot raw_procs raw_procs_hot
   local to_process to_shared to_processes
+  : > "$work/receiver.log"
   with_cpu_time "$work/receiver.cpu" "$work/receiver.log" \
     "$bin/receiver" --listen 127.0.0.1:0 --mtu "$MTU" --device "$device" --count "$tensors" \
     ${RECEIVER_FLAGS:-} &
