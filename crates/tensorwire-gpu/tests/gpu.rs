@@ -110,6 +110,15 @@ async fn stream_into(
     stream_stored(placement, tensors, StoreOffload::Auto).await
 }
 
+/// A sender connected to a development receiver at `addr`, with jumbo packets.
+async fn sender_to(addr: std::net::SocketAddr) -> Sender {
+    let config = SenderConfig {
+        transport: TransportSettings::jumbo(),
+        ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
+    };
+    Sender::connect(addr, config).await.unwrap()
+}
+
 /// As [`stream_into`], the receiver storing large payloads as `offload` says.
 async fn stream_stored(
     placement: &Placement,
@@ -141,16 +150,7 @@ async fn stream_stored(
         }
         (landed, receiver)
     });
-    let transport = TransportSettings::jumbo();
-    let sender = Sender::connect(
-        addr,
-        SenderConfig {
-            transport,
-            ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
-        },
-    )
-    .await
-    .unwrap();
+    let sender = sender_to(addr).await;
     let sends: Vec<_> = tensors
         .iter()
         .map(|(m, b)| sender.send(m.clone(), Bytes::from(b.clone())))
@@ -312,6 +312,18 @@ mod on_gpu {
         }
     }
 
+    /// `data` in chunks of 1 MiB - 1 bytes, back to front: every one starts a new staging
+    /// fill.
+    fn back_to_front(data: &[u8]) -> Vec<(u64, Vec<u8>)> {
+        let step = (1 << 20) - 1;
+        let mut chunks: Vec<(u64, Vec<u8>)> = (0..data.len())
+            .step_by(step)
+            .map(|at| (at as u64, data[at..(at + step).min(data.len())].to_vec()))
+            .collect();
+        chunks.reverse();
+        chunks
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn out_of_order_chunks_land_exactly() {
         let Some(_) = gpus("out_of_order_chunks_land_exactly") else {
@@ -323,14 +335,7 @@ mod on_gpu {
         let meta = TensorMeta::new([len as u64], DType::U8).unwrap();
         let mut sink = gpu.sink(&meta).unwrap();
         sink.poison(0xAB).unwrap();
-        // Chunks of 1 MiB - 1 bytes, sent back to front: every one starts a new staging fill.
-        let step = (1 << 20) - 1;
-        let mut chunks: Vec<(u64, Vec<u8>)> = (0..len)
-            .step_by(step)
-            .map(|at| (at as u64, data[at..(at + step).min(len)].to_vec()))
-            .collect();
-        chunks.reverse();
-        feed(&mut sink, &chunks).await;
+        feed(&mut sink, &back_to_front(&data)).await;
         let landed = sink.finish().await.unwrap();
         assert!(landed.copy_to_host().unwrap() == data);
         drop(landed);
@@ -466,13 +471,7 @@ mod on_gpu {
             let mut sink = gpu.sink(&meta).unwrap();
             sink.poison(0xAB).unwrap();
             assert!(sink.take_checksum(), "{len} bytes");
-            let step = (1 << 20) - 1;
-            let mut chunks: Vec<(u64, Vec<u8>)> = (0..len)
-                .step_by(step)
-                .map(|at| (at as u64, data[at..(at + step).min(len)].to_vec()))
-                .collect();
-            chunks.reverse();
-            feed(&mut sink, &chunks).await;
+            feed(&mut sink, &back_to_front(&data)).await;
             let crc = sink.landed_checksum().await.unwrap();
             assert_eq!(
                 crc,
@@ -560,15 +559,7 @@ mod on_gpu {
                 (corrupted, landed, receiver)
             }
         });
-        let sender = Sender::connect(
-            addr,
-            SenderConfig {
-                transport: TransportSettings::jumbo(),
-                ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
-            },
-        )
-        .await
-        .unwrap();
+        let sender = sender_to(addr).await;
         let meta = TensorMeta::new([len as u64], DType::U8).unwrap();
         let sent = sender
             .send(meta.clone().with_name("bad"), Bytes::from(data.clone()))
