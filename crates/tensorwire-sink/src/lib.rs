@@ -132,8 +132,8 @@ impl SinkError {
 /// [`store`](Sink::store)) in arrival order, offsets already checked against the tensor's
 /// length and for overlap, then calls [`finish`](Sink::finish) after END verified every
 /// byte (with the CRC from [`landed_checksum`](Sink::landed_checksum) where the sink
-/// checksums its landed bytes). COMPLETE is sent only after `finish` resolves. A sink that is dropped instead was
-/// cancelled: it frees its memory.
+/// checksums its landed bytes). COMPLETE is sent only after `finish` resolves. A sink that
+/// is dropped instead was cancelled: it frees its memory.
 pub trait Sink: Send + 'static {
     /// What a finished sink hands to the application, such as the filled buffer.
     type Output: Send + 'static;

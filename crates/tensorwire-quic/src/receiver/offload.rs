@@ -240,6 +240,27 @@ pub(super) enum Checksums {
     OfLandedBytes,
 }
 
+impl Checksums {
+    /// Stores `data` into `sink`; its CRC-32C where each payload is checksummed.
+    pub(super) async fn store<S: Sink>(
+        self,
+        sink: &mut S,
+        data: Data,
+        permit: CreditPermit,
+    ) -> Result<Option<u32>, SinkError> {
+        match self {
+            Self::PerPayload => sink
+                .write_checksummed(data.offset, data.payload, permit)
+                .await
+                .map(Some),
+            Self::OfLandedBytes => sink
+                .write(data.offset, data.payload, permit)
+                .await
+                .map(|()| None),
+        }
+    }
+}
+
 /// Where a tensor's payloads are stored: into its sink on the stream's own task, until a
 /// large payload moves them off the thread ([`Offloader::place`]); then, in order, there.
 pub(super) enum Stores<S> {
@@ -340,16 +361,7 @@ impl<S: Sink> OffThreadStores<S> {
                 match next {
                     Queued::Data(data, permit) => {
                         let len = data.payload.len() as u64;
-                        let crc = match checksums {
-                            Checksums::PerPayload => Some(
-                                sink.write_checksummed(data.offset, data.payload, permit)
-                                    .await?,
-                            ),
-                            Checksums::OfLandedBytes => {
-                                sink.write(data.offset, data.payload, permit).await?;
-                                None
-                            }
-                        };
+                        let crc = checksums.store(&mut sink, data, permit).await?;
                         on_stored(crc, len)?;
                     }
                     Queued::Flush => sink.flush().await?,

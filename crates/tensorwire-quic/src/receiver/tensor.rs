@@ -429,13 +429,7 @@ impl Accepted {
                             match &mut stores {
                                 Stores::OffThread(off_thread) => off_thread.store(data, permit).await?,
                                 Stores::Here(sink) => {
-                                    let crc = match checksums {
-                                        Checksums::PerPayload => Some(sink.write_checksummed(data.offset, data.payload, permit).await?),
-                                        Checksums::OfLandedBytes => {
-                                            sink.write(data.offset, data.payload, permit).await?;
-                                            None
-                                        }
-                                    };
+                                    let crc = checksums.store(sink, data, permit).await?;
                                     Self::stored(&connection, &shared, self.id, &progress, crc, n)?;
                                 }
                             }
