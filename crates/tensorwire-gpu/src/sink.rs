@@ -472,9 +472,10 @@ impl GpuSink {
                 let _ = tx.send((out, result));
             },
         );
-        let (out, result) = rx
-            .await
-            .map_err(|_| GpuError::Bounds("the checksum's completion was dropped".into()))?;
+        let (out, result) = rx.await.map_err(|_| GpuError::Cuda {
+            call: "checksum kernel",
+            error: "its completion was dropped".into(),
+        })?;
         result?;
         if let Some(e) = self.in_flight.error() {
             return Err(e);

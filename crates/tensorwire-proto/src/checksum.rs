@@ -37,12 +37,12 @@ pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
 /// order: how a GPU's per-chunk checksums of a landed tensor become the tensor's (spec §7.3).
 /// `None` if the pieces do not add up to `total_len`.
 pub fn crc32c_of_pieces(piece_crcs: &[u32], piece_len: u64, total_len: u64) -> Option<u32> {
-    let pieces = if piece_len == 0 {
-        0
-    } else {
-        total_len.div_ceil(piece_len)
+    let pieces = match piece_len {
+        0 => 0,
+        len => total_len.div_ceil(len),
     };
-    if pieces != piece_crcs.len() as u64 || (total_len == 0) != piece_crcs.is_empty() {
+    // No pieces cover only an empty tensor (pieces of length 0 cover nothing).
+    if pieces != piece_crcs.len() as u64 || (piece_crcs.is_empty() && total_len != 0) {
         return None;
     }
     let Some((&last, full)) = piece_crcs.split_last() else {

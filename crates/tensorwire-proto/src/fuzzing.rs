@@ -112,29 +112,25 @@ pub fn receiver_ops(data: &[u8]) {
             }
         }
         match op.map_or(0, |k| k % 8) {
-            0 | 1 | 7 => match decoder.next_frame() {
+            feed @ (0 | 1 | 7) => match decoder.next_frame() {
                 Ok(Some(frame)) => {
                     if let Frame::End(end) = &frame {
                         end_checksum = Some(end.checksum);
                     }
                     let crc_later = match &frame {
-                        Frame::Data(data) if op.is_some_and(|k| k % 8 == 1) => {
+                        Frame::Data(data) if op.is_some() && feed == 1 => {
                             Some(data.payload.crc32c())
                         }
                         _ => None,
                     };
                     let handled = match crc_later {
                         Some(_) => receiver.handle_checked(CheckedFrame::checksum_later(frame)),
-                        None if op.is_some_and(|k| k % 8 == 7) => {
+                        None if feed == 7 => {
                             receiver.handle_checked(CheckedFrame::checksum_landed(frame))
                         }
                         None => receiver.handle_frame(frame),
                     };
-                    if op.is_some_and(|k| k % 8 == 7)
-                        && matches!(handled, Ok(ReceiverEvent::Data(_)))
-                    {
-                        landed_used = true;
-                    }
+                    landed_used |= feed == 7 && matches!(handled, Ok(ReceiverEvent::Data(_)));
                     if let (Ok(ReceiverEvent::Data(_)), Some(crc)) = (&handled, crc_later) {
                         owed.push_back(crc);
                     }

@@ -360,11 +360,7 @@ impl TensorReceiver {
                     self.on_data(data, crc)?
                 }
                 PayloadCrc::Later => self.on_data_checksum_later(data)?,
-                PayloadCrc::OfLandedBytes => {
-                    self.claim(&data)?;
-                    self.landed = LandedChecksum::Deferred;
-                    ReceiverEvent::Data(data)
-                }
+                PayloadCrc::OfLandedBytes => self.on_data_checksum_landed(data)?,
             },
             Frame::End(end) => self.on_end(end.checksum)?,
             Frame::Cancel(cancel) => {
@@ -424,6 +420,13 @@ impl TensorReceiver {
     fn on_data_checksum_later(&mut self, data: Data) -> Result<ReceiverEvent, ProtocolError> {
         let range = self.claim(&data)?;
         self.crc_owed.push_back(range);
+        Ok(ReceiverEvent::Data(data))
+    }
+
+    /// As [`on_data`](Self::on_data), the tensor's CRC left to its landed bytes.
+    fn on_data_checksum_landed(&mut self, data: Data) -> Result<ReceiverEvent, ProtocolError> {
+        self.claim(&data)?;
+        self.landed = LandedChecksum::Deferred;
         Ok(ReceiverEvent::Data(data))
     }
 
