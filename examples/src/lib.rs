@@ -2,13 +2,19 @@
 //! `.safetensors`, `.npy`, `.wav` and raw files, saving received tensors as `.safetensors`,
 //! and the TLS and transport options every program takes.
 
-/// Every program's allocator. A receiver stores large payloads on other threads, so quinn's
-/// receive buffers are freed away from the connection's thread that allocated them. With
-/// glibc's allocator that thread then spent about a third more CPU per byte than raw
-/// quinn's on the same decryption and copies; with mimalloc one sender moved 4–10% more
-/// (benches/README.md).
+/// Every program's allocator: mimalloc, with received datagrams in pinned memory once a
+/// receiver opens a GPU.
+///
+/// A receiver stores large payloads on other threads, so quinn's receive buffers are freed
+/// away from the connection's thread that allocated them. With glibc's allocator that
+/// thread then spent about a third more CPU per byte than raw quinn's on the same
+/// decryption and copies; with mimalloc one sender moved 4–10% more (benches/README.md).
+/// `PinnedDatagrams` lets a GPU receiver copy payloads to the device straight from the
+/// buffers quinn decrypted them into, with no copy into staging. Its region (256 MiB) holds
+/// the receiver's default budget of received datagrams; past it, payloads go through staging.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: tensorwire::gpu::PinnedDatagrams<mimalloc::MiMalloc> =
+    tensorwire::gpu::PinnedDatagrams::new(mimalloc::MiMalloc);
 
 pub mod cli;
 pub mod files;

@@ -16,6 +16,8 @@
 //!   ([`CudaBuffer::as_slice`]; from an early hand-off, ordered after its landing event with
 //!   no host wait), and any
 //!   [`TensorBuffer`] exports as DLPack ([`TensorBuffer::into_dlpack`]).
+//! - [`PinnedDatagrams`], as a program's global allocator, puts quinn's received datagrams
+//!   in pinned memory, from which the GPU sink copies payloads with no pass through staging.
 //! - [`GpuTensorReceiver`] lands one tensor from frames that arrive by any means, no QUIC.
 //! - Sharing device memory with other processes: [`DeviceAllocation::export_fd`] (VMM),
 //!   [`DeviceAllocation::ipc_handle`] (legacy), [`ImportedMemory`] on the consumer's side, and
@@ -48,7 +50,8 @@ pub use cuda::kernel;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     DeviceAllocation, DeviceInfo, DeviceMemoryKind, DeviceRange, DeviceSlice, Element, GpuDevice,
-    IPC_HANDLE_LEN, ImportedMemory, IpcHandle, PinnedAllocation,
+    IPC_HANDLE_LEN, ImportedMemory, IpcHandle, PinnedAllocation, PinnedDatagramStats,
+    PinnedDatagrams, pinned_datagram_stats,
 };
 /// The cudarc this crate is built with: use it for [`CudaBuffer::as_slice`]'s streams so the
 /// types match.

@@ -413,10 +413,17 @@ async fn main() -> anyhow::Result<()> {
     // A tensor the device pool could not serve was allocated, and freed, on its own: its
     // free may have stalled the copies of the others.
     let outside_pool = match &placement {
-        Placement::Gpu(gpu) => format!(
-            ", {} tensors in device memory outside the pool",
-            gpu.allocations_outside_pool()
-        ),
+        Placement::Gpu(gpu) => {
+            let datagrams = tensorwire::gpu::pinned_datagram_stats();
+            format!(
+                ", {} tensors in device memory outside the pool; {} datagrams received into \
+                 pinned memory, {} past its {}",
+                gpu.allocations_outside_pool(),
+                datagrams.served,
+                datagrams.overflowed,
+                size(datagrams.capacity as u64)
+            )
+        }
         Placement::Host { .. } => String::new(),
     };
     println!(

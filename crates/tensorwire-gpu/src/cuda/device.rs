@@ -282,6 +282,121 @@ impl GpuDevice {
         self.complete_after_enqueued(done);
     }
 
+    /// Enqueues a copy of each piece's bytes into `dst` at its byte offset, records one
+    /// event after them, and once it has completed (or the copies could not be made) hands
+    /// the pieces, `dst` and the outcome to `done` on the completion thread. As for
+    /// [`copy_to_device_async`](Self::copy_to_device_async), owning them until then keeps
+    /// the host bytes unwritten and the device memory allocated; `done` runs exactly once.
+    pub(crate) fn copy_pieces_to_device_async<S: AsRef<[u8]> + Send + 'static>(
+        &self,
+        pieces: Vec<(S, u64)>,
+        dst: crate::buffer::CudaBuffer,
+        done: impl FnOnce(Vec<(S, u64)>, crate::buffer::CudaBuffer, Result<(), GpuError>)
+        + Send
+        + 'static,
+    ) {
+        if let Err(e) = self.bind() {
+            return done(pieces, dst, Err(e));
+        }
+        let mut batch = CopyBatch::default();
+        let enqueued = self.enqueue_pieces(&pieces, &dst, &mut batch);
+        // Recorded even after a failure: the pieces enqueued before it must complete before
+        // their bytes are let go. The batch's arrays are kept as long: the driver's documents
+        // do not say that it has read them when the call returns.
+        self.complete_after_enqueued(Box::new(move |result| {
+            drop(batch);
+            done(pieces, dst, enqueued.and(result))
+        }));
+    }
+
+    /// Enqueues the copies of `pieces` into `dst` on the copy stream, in one call where the
+    /// driver batches copies (CUDA 12.8 or later) rather than one call per piece: pieces
+    /// of a datagram's size make 131,000 calls per 8 GiB, from every connection's sink at
+    /// once. The arrays the call reads go into `batch`, which the caller keeps, with the
+    /// pieces, until the copies' event completed.
+    fn enqueue_pieces<S: AsRef<[u8]>>(
+        &self,
+        pieces: &[(S, u64)],
+        dst: &crate::buffer::CudaBuffer,
+        batch: &mut CopyBatch,
+    ) -> Result<(), GpuError> {
+        let CopyBatch {
+            targets,
+            sources,
+            sizes,
+        } = batch;
+        targets.reserve(pieces.len());
+        sources.reserve(pieces.len());
+        sizes.reserve(pieces.len());
+        for (src, offset) in pieces {
+            let src = src.as_ref();
+            let fits = usize::try_from(*offset)
+                .ok()
+                .and_then(|at| at.checked_add(src.len()))
+                .is_some_and(|end| end <= dst.len());
+            if !fits {
+                return Err(GpuError::Bounds(format!(
+                    "copy of {} bytes at {offset} into a {}-byte buffer",
+                    src.len(),
+                    dst.len()
+                )));
+            }
+            if !src.is_empty() {
+                targets.push(dst.device_ptr() + offset);
+                sources.push(src.as_ptr() as sys::CUdeviceptr);
+                sizes.push(src.len());
+            }
+        }
+        if targets.is_empty() {
+            return Ok(());
+        }
+        if batched_copies() {
+            let mut attributes = sys::CUmemcpyAttributes {
+                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                srcLocHint: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+                    id: 0,
+                },
+                dstLocHint: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: i32::try_from(self.info.ordinal).unwrap_or(0),
+                },
+                flags: 0,
+            };
+            let mut first_attribute = 0usize;
+            let mut failed_at = usize::MAX;
+            // SAFETY: the three arrays hold `targets.len()` entries each: device ranges inside
+            // `dst` (checked above) and host ranges of the pieces, which the caller keeps
+            // unchanged until the copies' event completed; one attribute applies to all of
+            // them (index 0). The driver has the call (12.8 or later, checked), the stream
+            // belongs to this context, which is current.
+            let status = unsafe {
+                sys::cuMemcpyBatchAsync(
+                    targets.as_mut_ptr(),
+                    sources.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    targets.len(),
+                    &mut attributes,
+                    &mut first_attribute,
+                    1,
+                    &mut failed_at,
+                    self.stream.0,
+                )
+            };
+            return status.result().map_err(cuda("cuMemcpyBatchAsync"));
+        }
+        for ((&target, &source), &size) in targets.iter().zip(sources.iter()).zip(sizes.iter()) {
+            // SAFETY: as above, one piece at a time: `source..source + size` are a piece's
+            // bytes, kept unchanged by the caller until the copies' event completed.
+            let src = unsafe { std::slice::from_raw_parts(source as *const u8, size) };
+            // SAFETY: the target range lies inside `dst` (checked above), device memory of
+            // this context; the stream belongs to this context, which is current.
+            unsafe { result::memcpy_htod_async(target, src, self.stream.0) }
+                .map_err(cuda("cuMemcpyHtoDAsync"))?;
+        }
+        Ok(())
+    }
+
     /// Whether the CRC-32C kernel loads on this device (loading it at the first call); the
     /// error says why not, such as a driver too old for its PTX.
     pub(crate) fn checksum_kernel(&self) -> Result<(), GpuError> {
@@ -438,6 +553,20 @@ impl GpuDevice {
 /// The completion thread: copies on one stream finish in order, so waiting on each event in
 /// turn runs every completion as soon as its copy is done. A completed event goes back to
 /// `spare`; one whose wait failed is destroyed instead.
+/// The arrays of one `cuMemcpyBatchAsync` call: device targets, host sources, sizes.
+#[derive(Default)]
+struct CopyBatch {
+    targets: Vec<sys::CUdeviceptr>,
+    sources: Vec<sys::CUdeviceptr>,
+    sizes: Vec<usize>,
+}
+
+/// Whether the driver batches copies (`cuMemcpyBatchAsync`, CUDA 12.8 or later), asked once.
+fn batched_copies() -> bool {
+    static BATCHED: OnceLock<bool> = OnceLock::new();
+    *BATCHED.get_or_init(|| super::kernel::driver_version().is_ok_and(|v| v >= (12, 8)))
+}
+
 fn complete_in_order(ctx: &CudaContext, jobs: &mpsc::Receiver<Completion>, spare: &SpareEvents) {
     let bound = ctx.bind_to_thread();
     for job in jobs {

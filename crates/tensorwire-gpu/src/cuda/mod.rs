@@ -8,6 +8,7 @@
 //! sharing); pinned memory is page-locked without write-combining.
 
 mod checksum;
+mod datagrams;
 mod device;
 pub mod kernel;
 mod memory;
@@ -15,6 +16,8 @@ mod share;
 mod streaming;
 mod view;
 
+pub use datagrams::{PinnedDatagramStats, PinnedDatagrams, pinned_datagram_stats};
+pub(crate) use datagrams::{holds as in_pinned_datagram, pin_region as pin_datagram_region};
 pub use device::{DeviceInfo, GpuDevice};
 pub(crate) use memory::check_range;
 pub use memory::{DeviceAllocation, DeviceRange, PinnedAllocation};
