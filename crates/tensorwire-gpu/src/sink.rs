@@ -35,7 +35,7 @@ pub const DEFAULT_STAGING_POOL: usize = 128 << 20;
 /// copy engine would spend more on a copy's fixed cost than on its bytes.
 const DIRECT_FROM: usize = 16 << 10;
 
-/// The most pieces copied in one batch: 4 MiB of them are 64 to 256, the counts measured.
+/// The most pieces copied in one batch: 4 MiB of pieces of 16 to 64 KiB are 64 to 256.
 const MOST_DIRECT: usize = 256;
 
 /// Tensors at least this long (one staging buffer) are checksummed on the device once landed
@@ -419,7 +419,7 @@ pub struct GpuSink {
     dest: CudaBuffer,
     staging: PinnedMemoryPool,
     fill: Option<Fill>,
-    /// Boxed: most sinks of a receiver without `PinnedDatagrams` never use it.
+    /// Boxed, so that enums holding a sink stay small.
     direct: Box<Direct>,
     in_flight: Arc<InFlight>,
     handoff: Option<oneshot::Sender<CudaBuffer>>,
