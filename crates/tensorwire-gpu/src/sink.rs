@@ -407,9 +407,16 @@ impl AsRef<[u8]> for Fill {
 struct Direct {
     /// Each piece, kept until its copy completed, and its tensor offset.
     pieces: Vec<(Bytes, u64)>,
-    bytes: u64,
-    /// The pieces' credit, returned when their copies completed.
+    /// The pieces' credit (as many bytes as they hold), returned when their copies
+    /// completed.
     permit: Option<CreditPermit>,
+}
+
+impl Direct {
+    /// The bytes gathered.
+    fn bytes(&self) -> u64 {
+        self.permit.as_ref().map_or(0, CreditPermit::bytes)
+    }
 }
 
 /// Receives one tensor into device memory (see the module docs).
@@ -568,14 +575,10 @@ impl GpuSink {
 
     /// Enqueues the copies of the payload pieces gathered from pinned datagrams; the pieces
     /// (so quinn's buffers) and their credit come back when the copies have completed.
-    fn copy_direct(&mut self) -> Result<(), GpuError> {
-        let Direct {
-            pieces,
-            bytes: _,
-            permit,
-        } = std::mem::take(&mut *self.direct);
+    fn copy_direct(&mut self) {
+        let Direct { pieces, permit } = std::mem::take(&mut *self.direct);
         if pieces.is_empty() {
-            return Ok(());
+            return;
         }
         let in_flight = self.in_flight.clone();
         in_flight.copies.fetch_add(1, Ordering::AcqRel);
@@ -589,14 +592,14 @@ impl GpuSink {
                 in_flight.finished(result);
             },
         );
-        Ok(())
     }
 
     /// Enqueues every copy this sink holds back: the staging buffer being filled and the
     /// pieces gathered from pinned datagrams.
     fn copy_held(&mut self) -> Result<(), GpuError> {
         self.copy_fill()?;
-        self.copy_direct()
+        self.copy_direct();
+        Ok(())
     }
 
     /// Starts a new staging buffer at tensor offset `at`, flushing the current one.
@@ -668,14 +671,14 @@ impl GpuSink {
         if direct_bytes > 0 {
             // Credit moves once per payload, for the reason `Fill::permit` gives.
             let credit = permit.split_off(direct_bytes);
-            self.direct.bytes += direct_bytes;
             match &mut self.direct.permit {
                 Some(held) => held.merge(credit),
                 None => self.direct.permit = Some(credit),
             }
-            if self.direct.bytes >= STAGING_BUFFER as u64 || self.direct.pieces.len() >= MOST_DIRECT
+            if self.direct.bytes() >= STAGING_BUFFER as u64
+                || self.direct.pieces.len() >= MOST_DIRECT
             {
-                self.copy_direct()?;
+                self.copy_direct();
             }
         }
         // Liveness: with every staging buffer taken, other tensors wait for a copy to

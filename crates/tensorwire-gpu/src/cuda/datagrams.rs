@@ -117,10 +117,7 @@ impl Region {
     fn open(&self, base: usize, slots: usize) {
         let slots = slots.min(MOST_SLOTS);
         for (word, bits) in self.lent.iter().enumerate() {
-            let first = word * 64;
-            let free = slots.saturating_sub(first).min(64);
-            let taken = if free == 64 { 0 } else { u64::MAX << free };
-            bits.store(taken, Ordering::Relaxed);
+            bits.store(!slots_of_word(slots, word), Ordering::Relaxed);
         }
         self.slots.store(slots, Ordering::Relaxed);
         // Release: a thread that sees the base sees the bits.
@@ -182,13 +179,7 @@ impl Region {
         let lent = (0..slots.div_ceil(64))
             .map(|word| {
                 let bits = self.lent[word].load(Ordering::Relaxed);
-                let free = slots.saturating_sub(word * 64).min(64);
-                let mask = if free == 64 {
-                    u64::MAX
-                } else {
-                    !(u64::MAX << free)
-                };
-                (bits & mask).count_ones() as usize
+                (bits & slots_of_word(slots, word)).count_ones() as usize
             })
             .sum();
         PinnedDatagramStats {
@@ -197,6 +188,15 @@ impl Region {
             served: self.served.load(Ordering::Relaxed),
             overflowed: self.overflowed.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// The bits of `word` that stand for one of `slots` slots (the rest stay set, never lent).
+fn slots_of_word(slots: usize, word: usize) -> u64 {
+    match slots.saturating_sub(word * 64) {
+        0 => 0,
+        n if n >= 64 => u64::MAX,
+        n => !(u64::MAX << n),
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cudarc::driver::{CudaContext, result, sys};
 
 use super::checksum::ChecksumKernel;
-use super::{PinnedAllocation, cuda, require_driver};
+use super::{PinnedAllocation, check_range, cuda, require_driver};
 use crate::error::GpuError;
 use crate::pool::Pooled;
 
@@ -320,81 +320,70 @@ impl GpuDevice {
         dst: &crate::buffer::CudaBuffer,
         batch: &mut CopyBatch,
     ) -> Result<(), GpuError> {
-        let CopyBatch {
-            targets,
-            sources,
-            sizes,
-        } = batch;
-        targets.reserve(pieces.len());
-        sources.reserve(pieces.len());
-        sizes.reserve(pieces.len());
         for (src, offset) in pieces {
             let src = src.as_ref();
-            let fits = usize::try_from(*offset)
-                .ok()
-                .and_then(|at| at.checked_add(src.len()))
-                .is_some_and(|end| end <= dst.len());
-            if !fits {
-                return Err(GpuError::Bounds(format!(
-                    "copy of {} bytes at {offset} into a {}-byte buffer",
-                    src.len(),
-                    dst.len()
-                )));
-            }
+            let at = usize::try_from(*offset)
+                .map_err(|_| GpuError::Bounds("offset past the address space".into()))?;
+            check_range(at, src.len(), dst.len())?;
             if !src.is_empty() {
-                targets.push(dst.device_ptr() + offset);
-                sources.push(src.as_ptr() as sys::CUdeviceptr);
-                sizes.push(src.len());
+                batch.targets.push(dst.device_ptr() + offset);
+                batch.sources.push(src.as_ptr() as sys::CUdeviceptr);
+                batch.sizes.push(src.len());
             }
         }
-        if targets.is_empty() {
+        if batch.targets.is_empty() {
             return Ok(());
         }
-        if batched_copies() {
-            let mut attributes = sys::CUmemcpyAttributes {
-                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-                srcLocHint: sys::CUmemLocation {
-                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
-                    id: 0,
-                },
-                dstLocHint: sys::CUmemLocation {
-                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: i32::try_from(self.info.ordinal).unwrap_or(0),
-                },
-                flags: 0,
-            };
-            let mut first_attribute = 0usize;
-            let mut failed_at = usize::MAX;
-            // SAFETY: the three arrays hold `targets.len()` entries each: device ranges inside
-            // `dst` (checked above) and host ranges of the pieces, which the caller keeps
-            // unchanged until the copies' event completed; one attribute applies to all of
-            // them (index 0). The driver has the call (12.8 or later, checked), the stream
-            // belongs to this context, which is current.
-            let status = unsafe {
-                sys::cuMemcpyBatchAsync(
-                    targets.as_mut_ptr(),
-                    sources.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    targets.len(),
-                    &mut attributes,
-                    &mut first_attribute,
-                    1,
-                    &mut failed_at,
-                    self.stream.0,
-                )
-            };
-            return status.result().map_err(cuda("cuMemcpyBatchAsync"));
-        }
-        for ((&target, &source), &size) in targets.iter().zip(sources.iter()).zip(sizes.iter()) {
-            // SAFETY: as above, one piece at a time: `source..source + size` are a piece's
-            // bytes, kept unchanged by the caller until the copies' event completed.
-            let src = unsafe { std::slice::from_raw_parts(source as *const u8, size) };
-            // SAFETY: the target range lies inside `dst` (checked above), device memory of
-            // this context; the stream belongs to this context, which is current.
-            unsafe { result::memcpy_htod_async(target, src, self.stream.0) }
+        if !batched_copies() {
+            for (src, offset) in pieces.iter().filter(|(src, _)| !src.as_ref().is_empty()) {
+                // SAFETY: the target range lies inside `dst` (checked above), device memory
+                // of this context; `src` is a piece the caller keeps unchanged until the
+                // copies' event completed; the stream belongs to this context, which is
+                // current.
+                unsafe {
+                    result::memcpy_htod_async(
+                        dst.device_ptr() + offset,
+                        src.as_ref(),
+                        self.stream.0,
+                    )
+                }
                 .map_err(cuda("cuMemcpyHtoDAsync"))?;
+            }
+            return Ok(());
         }
-        Ok(())
+        let mut attributes = sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+                id: 0,
+            },
+            dstLocHint: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: i32::try_from(self.info.ordinal).unwrap_or(0),
+            },
+            flags: 0,
+        };
+        let mut first_attribute = 0usize;
+        let mut failed_at = usize::MAX;
+        // SAFETY: the three arrays hold `targets.len()` entries each: device ranges inside
+        // `dst` (checked above) and host ranges of the pieces, which the caller keeps
+        // unchanged, with the arrays, until the copies' event completed; one attribute
+        // applies to all of them (index 0). The driver has the call (12.8 or later, checked),
+        // the stream belongs to this context, which is current.
+        let status = unsafe {
+            sys::cuMemcpyBatchAsync(
+                batch.targets.as_mut_ptr(),
+                batch.sources.as_mut_ptr(),
+                batch.sizes.as_mut_ptr(),
+                batch.targets.len(),
+                &mut attributes,
+                &mut first_attribute,
+                1,
+                &mut failed_at,
+                self.stream.0,
+            )
+        };
+        status.result().map_err(cuda("cuMemcpyBatchAsync"))
     }
 
     /// Whether the CRC-32C kernel loads on this device (loading it at the first call); the
@@ -550,9 +539,6 @@ impl GpuDevice {
     }
 }
 
-/// The completion thread: copies on one stream finish in order, so waiting on each event in
-/// turn runs every completion as soon as its copy is done. A completed event goes back to
-/// `spare`; one whose wait failed is destroyed instead.
 /// The arrays of one `cuMemcpyBatchAsync` call: device targets, host sources, sizes.
 #[derive(Default)]
 struct CopyBatch {
@@ -567,6 +553,9 @@ fn batched_copies() -> bool {
     *BATCHED.get_or_init(|| super::kernel::driver_version().is_ok_and(|v| v >= (12, 8)))
 }
 
+/// The completion thread: copies on one stream finish in order, so waiting on each event in
+/// turn runs every completion as soon as its copy is done. A completed event goes back to
+/// `spare`; one whose wait failed is destroyed instead.
 fn complete_in_order(ctx: &CudaContext, jobs: &mpsc::Receiver<Completion>, spare: &SpareEvents) {
     let bound = ctx.bind_to_thread();
     for job in jobs {
