@@ -42,6 +42,54 @@ async fn payloads_are_copied_to_the_device_from_the_datagrams_they_arrived_in() 
     // 6000-byte packets, which GRO may gather into pinned datagrams: pieces too short to
     // copy alone go through staging, and land as well.
     land_over(TransportSettings::default().fixed_mtu(6000), 0).await;
+    zeroed_slots_are_zero();
+    a_forked_child_allocates_outside_the_region();
+}
+
+/// Slots that held datagrams are lent again zeroed where zeroed memory is asked for.
+fn zeroed_slots_are_zero() {
+    let before = pinned_datagram_stats().served;
+    let blocks: Vec<Vec<u8>> = (0..64).map(|_| vec![0u8; 40_000]).collect();
+    assert!(
+        pinned_datagram_stats().served >= before + 64,
+        "lent from the region"
+    );
+    assert!(
+        blocks.iter().all(|b| b.iter().all(|&x| x == 0)),
+        "not zeroed"
+    );
+}
+
+/// The region is the parent's: in a forked child (a Python process's workers, say) an
+/// allocation of a datagram's size comes from the wrapped allocator. Without the fork
+/// handler, the child was lent a slot (H200, driver 580.159.04), and this test failed.
+fn a_forked_child_allocates_outside_the_region() {
+    let opened = pinned_datagram_stats();
+    assert!(opened.capacity > 0, "the region is open in the parent");
+    // SAFETY: the child only allocates (glibc's allocator is usable after fork), reads
+    // atomics and calls `_exit`; the parent waits for it.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork failed");
+    if child == 0 {
+        let before = pinned_datagram_stats().served;
+        let block = vec![7u8; 32 << 10];
+        let lent = pinned_datagram_stats().served != before;
+        let code = if !lent && block[(32 << 10) - 1] == 7 {
+            0
+        } else {
+            3
+        };
+        // SAFETY: ends the child without running the parent's destructors or runtime.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: `child` is this process's child; `status` is a valid place for its status.
+    let waited = unsafe { libc::waitpid(child, &mut status, 0) };
+    assert_eq!(waited, child);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the forked child was lent a slot of the parent's region (wait status {status:#x})"
+    );
 }
 
 /// One receiver and sender over `transport`, at least `min_pinned` datagrams received into

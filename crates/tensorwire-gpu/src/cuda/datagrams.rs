@@ -11,7 +11,7 @@
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use cudarc::driver::{result, sys};
 
@@ -73,6 +73,13 @@ impl<A> PinnedDatagrams<A> {
         };
         self
     }
+
+    /// Tells [`pin_region`] the capacity to pin: this allocator is the process's.
+    fn note_installed(&self) {
+        if INSTALLED.load(Ordering::Relaxed) == 0 {
+            INSTALLED.store(self.capacity.max(1), Ordering::Relaxed);
+        }
+    }
 }
 
 /// How the region has been used: for tests and diagnostics.
@@ -97,6 +104,10 @@ struct Region {
     lent: [AtomicU64; WORDS],
     /// The word the last slot came from: where the next search starts.
     hint: AtomicUsize,
+    /// Set in a forked child: the region is the parent's, pinned for its CUDA context, and
+    /// the child's copy of these bits says nothing of the parent's use of the slots since.
+    /// Its slots are still told apart there, never lent again.
+    forked: AtomicBool,
     served: AtomicU64,
     overflowed: AtomicU64,
 }
@@ -108,6 +119,7 @@ impl Region {
             slots: AtomicUsize::new(0),
             lent: [const { AtomicU64::new(u64::MAX) }; WORDS],
             hint: AtomicUsize::new(0),
+            forked: AtomicBool::new(false),
             served: AtomicU64::new(0),
             overflowed: AtomicU64::new(0),
         }
@@ -137,7 +149,7 @@ impl Region {
     /// A free slot's address, or `None` when the region is full or not open.
     fn lend(&self) -> Option<usize> {
         let base = self.base.load(Ordering::Acquire);
-        if base == 0 {
+        if base == 0 || self.forked.load(Ordering::Relaxed) {
             return None;
         }
         let words = self.slots.load(Ordering::Relaxed).div_ceil(64);
@@ -172,6 +184,11 @@ impl Region {
         let slot = (ptr - self.base.load(Ordering::Relaxed)) / SLOT;
         // Release: the slot's last writes happen before its next lending.
         self.lent[slot / 64].fetch_and(!(1 << (slot % 64)), Ordering::Release);
+    }
+
+    /// Lends no slot from now on (in a forked child); taking back and telling apart go on.
+    fn stop_lending(&self) {
+        self.forked.store(true, Ordering::Relaxed);
     }
 
     fn stats(&self) -> PinnedDatagramStats {
@@ -217,9 +234,7 @@ fn lent_a_slot(layout: Layout) -> bool {
 // inside the region, which the CUDA driver allocated and which is never freed.
 unsafe impl<A: GlobalAlloc> GlobalAlloc for PinnedDatagrams<A> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if INSTALLED.load(Ordering::Relaxed) == 0 {
-            INSTALLED.store(self.capacity.max(1), Ordering::Relaxed);
-        }
+        self.note_installed();
         if lent_a_slot(layout)
             && let Some(slot) = REGION.lend()
         {
@@ -227,6 +242,22 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for PinnedDatagrams<A> {
         }
         // SAFETY: the caller's contract for `layout`, passed on.
         unsafe { self.inner.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if lent_a_slot(layout) {
+            // SAFETY: the caller's contract for `layout`, passed on.
+            let ptr = unsafe { self.alloc(layout) };
+            if !ptr.is_null() {
+                // SAFETY: `ptr` is a fresh allocation of `layout.size()` bytes.
+                unsafe { std::ptr::write_bytes(ptr, 0, layout.size()) };
+            }
+            return ptr;
+        }
+        self.note_installed();
+        // SAFETY: the caller's contract for `layout`, passed on: large zeroed allocations
+        // keep the wrapped allocator's way (fresh pages, no second pass to zero them).
+        unsafe { self.inner.alloc_zeroed(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
@@ -290,7 +321,21 @@ pub(crate) fn pin_region(device: &GpuDevice) -> Result<(), GpuError> {
     // The allocation ends with the context: keep the primary context for the process.
     std::mem::forget(device.cuda_context().clone());
     REGION.open(base as usize, slots);
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe as a forked
+    // child's handler must be; registering it has no other precondition.
+    let registered = unsafe { libc::pthread_atfork(None, None, Some(stop_lending_in_child)) };
+    if registered != 0 {
+        tracing::warn!(
+            errno = registered,
+            "pthread_atfork failed: a forked child would lend the parent's pinned memory"
+        );
+    }
     Ok(())
+}
+
+/// Runs in a child right after `fork`: the region is the parent's.
+extern "C" fn stop_lending_in_child() {
+    REGION.stop_lending();
 }
 
 #[cfg(test)]
@@ -337,6 +382,21 @@ mod tests {
             region.take_back(slot);
         }
         assert_eq!(region.stats().lent, 0, "all back");
+    }
+
+    #[test]
+    fn a_forked_child_lends_nothing_but_takes_back_what_was_lent() {
+        let (region, _memory) = region(4);
+        let before = region.lend().unwrap();
+        region.stop_lending();
+        assert_eq!(region.lend(), None);
+        assert_eq!(region.stats().overflowed, 0, "not full: closed");
+        assert!(
+            region.holds(before, SLOT),
+            "still told apart from the wrapped allocator's"
+        );
+        region.take_back(before);
+        assert_eq!(region.stats().lent, 0);
     }
 
     #[test]
