@@ -36,6 +36,7 @@ __all__ = [
     "SendResult",
     "TensorwireError",
     "devices",
+    "pinned_datagram_stats",
     "send",
     "send_async",
 ]
@@ -108,6 +109,14 @@ class GpuStatus:
 def devices() -> List[Dict[str, Any]]:
     """Each GPU: ordinal, name, uuid, compute_capability, total_memory."""
     return _native.devices()
+
+
+def pinned_datagram_stats() -> Dict[str, int]:
+    """How the pinned region received datagrams land in has been used: `capacity` (bytes;
+    0 until a GPU `Receiver` pinned it), slots `lent` now, allocations `served` from it, and
+    allocations that found it full (`overflowed`; their payloads go through staging)."""
+    capacity, lent, served, overflowed = _native.pinned_datagram_stats()
+    return {"capacity": capacity, "lent": lent, "served": served, "overflowed": overflowed}
 
 
 def _torch_dtype(t: Any) -> str:

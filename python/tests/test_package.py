@@ -321,6 +321,11 @@ def test_gpu_status_and_devices_describe_this_host():
     assert len(listed) == (status.device_count if status.available else 0)
     for d in listed:
         assert d["uuid"].startswith("GPU-") and "." in d["compute_capability"]
+    # The pinned region opens with the first GPU receiver; without a GPU it never does.
+    pinned = tensorwire.pinned_datagram_stats()
+    assert set(pinned) == {"capacity", "lent", "served", "overflowed"}
+    assert pinned["capacity"] in ((256 << 20) if status.available else 0, 0)
+    assert pinned["lent"] <= pinned["capacity"] // 65536
 
 
 def short_socket_path() -> pathlib.Path:
@@ -435,11 +440,17 @@ def test_received_gpu_tensors_go_to_torch_with_no_copy_and_back_to_the_pool():
         assert after["in_use_buffers"] == before["in_use_buffers"] - 1
         assert after["outside_pool"] == 0, after
         # 96 MiB: past the default pool's largest buffer (64 MiB), so memory of its own.
-        big = torch.ones(24 << 20, dtype=torch.float32, device="cuda:0")
+        # Its datagrams (65,507 bytes on loopback) land in the pinned region, and the copy
+        # engine reads the payloads from there.
+        pinned = tensorwire.pinned_datagram_stats()
+        assert pinned["capacity"] == 256 << 20, pinned
+        big = torch.arange(24 << 20, dtype=torch.float32, device="cuda:0")
         tensorwire.send(rx.address, {"big": big})
         landed = rx.recv(timeout=60)
         assert torch.equal(torch.from_dlpack(landed), big)
         assert rx.pool_stats()["device"]["outside_pool"] == 1
+        served = tensorwire.pinned_datagram_stats()["served"] - pinned["served"]
+        assert served >= 1000, (pinned, tensorwire.pinned_datagram_stats())
 
 
 def test_a_tensor_published_from_python_is_mapped_by_rust_and_python_and_written_in_place():

@@ -29,12 +29,16 @@ use tensorwire::quic::{
 use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tokio::sync::mpsc;
 
-/// The module's allocator for Rust's allocations (Python's own keep the interpreter's). Its
-/// receiver stores large payloads on other threads, so quinn's receive buffers are freed away
-/// from the connection's thread that allocated them, which glibc's allocator makes about a
-/// third dearer per byte on that thread (benches/README.md); the programs use it too.
+/// The module's allocator for Rust's allocations (Python's own keep the interpreter's), as
+/// the programs': mimalloc, with received datagrams in pinned memory once a `Receiver` opens
+/// a GPU. Its receiver stores large payloads on other threads, so quinn's receive buffers
+/// are freed away from the connection's thread that allocated them, which glibc's allocator
+/// makes about a third dearer per byte on that thread (benches/README.md). The pinned region
+/// (256 MiB, locked for the life of the process) lets a GPU receiver copy payloads to the
+/// device straight from the buffers quinn decrypted them into; a forked child lends none.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: tensorwire::gpu::PinnedDatagrams<mimalloc::MiMalloc> =
+    tensorwire::gpu::PinnedDatagrams::new(mimalloc::MiMalloc);
 
 /// Bytes read from GPU memory per chunk when sending a device tensor.
 const DEVICE_CHUNK: usize = 8 << 20;
@@ -1007,6 +1011,13 @@ fn gpu_status() -> (bool, usize, String) {
     )
 }
 
+/// `(capacity, lent, served, overflowed)` of the pinned region received datagrams land in.
+#[pyfunction]
+fn pinned_datagram_stats() -> (usize, usize, u64, u64) {
+    let stats = tensorwire::gpu::pinned_datagram_stats();
+    (stats.capacity, stats.lent, stats.served, stats.overflowed)
+}
+
 /// Each GPU: `{ordinal, name, uuid, compute_capability, total_memory}`.
 #[pyfunction]
 fn devices(py: Python<'_>) -> PyResult<Vec<HashMap<&'static str, PyObject>>> {
@@ -1054,6 +1065,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(send, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_status, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
+    m.add_function(wrap_pyfunction!(pinned_datagram_stats, m)?)?;
     m.add_class::<Receiver>()?;
     m.add_class::<ReceivedTensor>()?;
     m.add_class::<SharedBuffer>()?;
