@@ -22,13 +22,18 @@ use tensorwire::quic::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// mimalloc, as the programs use (their allocator's doc says why), counting allocations (and
+/// The programs' allocator (their allocator's doc says why): mimalloc, with received
+/// datagrams in pinned memory once a GPU row opens its device, counting allocations (and
 /// reallocations) while a latency row runs, so the rows can print them per message. Raw quinn,
 /// TCP+TLS and tensorwire run on it alike.
 struct CountingAllocator {
     counting: AtomicBool,
     allocations: AtomicU64,
 }
+
+/// What [`CountingAllocator`] passes every call on to.
+static PROGRAMS_ALLOCATOR: tensorwire::gpu::PinnedDatagrams<mimalloc::MiMalloc> =
+    tensorwire::gpu::PinnedDatagrams::new(mimalloc::MiMalloc);
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator {
@@ -64,30 +69,30 @@ enum Counting {
 }
 
 #[allow(unsafe_code)]
-// SAFETY: every call is passed on unchanged to mimalloc, which upholds
+// SAFETY: every call is passed on unchanged to the programs' allocator, which upholds
 // `GlobalAlloc`'s contract; the counting touches only two atomics and never allocates.
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         self.note();
         // SAFETY: the caller's contract for `alloc`, passed on.
-        unsafe { mimalloc::MiMalloc.alloc(layout) }
+        unsafe { PROGRAMS_ALLOCATOR.alloc(layout) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         self.note();
         // SAFETY: the caller's contract for `alloc_zeroed`, passed on.
-        unsafe { mimalloc::MiMalloc.alloc_zeroed(layout) }
+        unsafe { PROGRAMS_ALLOCATOR.alloc_zeroed(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: the caller's contract for `dealloc`, passed on.
-        unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) }
+        unsafe { PROGRAMS_ALLOCATOR.dealloc(ptr, layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         self.note();
         // SAFETY: the caller's contract for `realloc`, passed on.
-        unsafe { mimalloc::MiMalloc.realloc(ptr, layout, new_size) }
+        unsafe { PROGRAMS_ALLOCATOR.realloc(ptr, layout, new_size) }
     }
 }
 
