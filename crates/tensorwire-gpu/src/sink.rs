@@ -35,12 +35,6 @@ pub const DEFAULT_STAGING_POOL: usize = 128 << 20;
 /// copy engine would spend more on a copy's fixed cost than on its bytes.
 const DIRECT_FROM: usize = 16 << 10;
 
-/// The most pieces copied in one batch: 4 MiB of pieces of 16 to 64 KiB are 64 to 256.
-/// Batches of about 700 copies (6,000-byte packets, no cap) crashed inside the driver's
-/// `cuMemcpyBatchAsync` in 7 of 10 single-connection runs (H200, driver 580.159.04); with
-/// 64 or 256 at most, none crashed in 8 (benches/README.md).
-const MOST_DIRECT: usize = 256;
-
 /// Tensors at least this long (one staging buffer) are checksummed on the device once landed
 /// ([`ChecksumOn::Device`]); shorter ones as they arrive, where a kernel's round trip would
 /// cost more time than the CPU saves.
@@ -678,9 +672,7 @@ impl GpuSink {
                 Some(held) => held.merge(credit),
                 None => self.direct.permit = Some(credit),
             }
-            if self.direct.bytes() >= STAGING_BUFFER as u64
-                || self.direct.pieces.len() >= MOST_DIRECT
-            {
+            if self.direct.bytes() >= STAGING_BUFFER as u64 {
                 self.copy_direct();
             }
         }
