@@ -114,9 +114,17 @@ def devices() -> List[Dict[str, Any]]:
 def pinned_datagram_stats() -> Dict[str, int]:
     """How the pinned region received datagrams land in has been used: `capacity` (bytes;
     0 until a GPU `Receiver` pinned it), slots `lent` now, allocations `served` from it, and
-    allocations that found it full (`overflowed`; their payloads go through staging)."""
-    capacity, lent, served, overflowed = _native.pinned_datagram_stats()
-    return {"capacity": capacity, "lent": lent, "served": served, "overflowed": overflowed}
+    allocations that found it full (`overflowed`; their payloads go through staging), and
+    how far into it a slot was ever lent (`reached`, bytes: about the most received bytes
+    that waited for their copy at once)."""
+    capacity, lent, served, overflowed, reached = _native.pinned_datagram_stats()
+    return {
+        "capacity": capacity,
+        "lent": lent,
+        "served": served,
+        "overflowed": overflowed,
+        "reached": reached,
+    }
 
 
 def _torch_dtype(t: Any) -> str:

@@ -153,6 +153,10 @@ async fn land_over(transport: TransportSettings, min_pinned: u64) {
         after.served >= pinned.served + min_pinned,
         "payloads arrived in pinned datagrams: {after:?}"
     );
+    assert!(
+        after.reached <= after.capacity && (after.served == 0) == (after.reached == 0),
+        "how far the region was used: {after:?}"
+    );
     let budget = receiver.budget();
     assert_eq!(
         (budget.in_flight - budget.early_offered, budget.held),

@@ -1011,11 +1011,18 @@ fn gpu_status() -> (bool, usize, String) {
     )
 }
 
-/// `(capacity, lent, served, overflowed)` of the pinned region received datagrams land in.
+/// `(capacity, lent, served, overflowed, reached)` of the pinned region received datagrams
+/// land in.
 #[pyfunction]
-fn pinned_datagram_stats() -> (usize, usize, u64, u64) {
+fn pinned_datagram_stats() -> (usize, usize, u64, u64, usize) {
     let stats = tensorwire::gpu::pinned_datagram_stats();
-    (stats.capacity, stats.lent, stats.served, stats.overflowed)
+    (
+        stats.capacity,
+        stats.lent,
+        stats.served,
+        stats.overflowed,
+        stats.reached,
+    )
 }
 
 /// Each GPU: `{ordinal, name, uuid, compute_capability, total_memory}`.

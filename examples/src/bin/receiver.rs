@@ -417,11 +417,12 @@ async fn main() -> anyhow::Result<()> {
             let datagrams = tensorwire::gpu::pinned_datagram_stats();
             format!(
                 ", {} tensors in device memory outside the pool; {} datagrams received into \
-                 pinned memory, {} past its {}",
+                 pinned memory (at most {} of its {} at once), {} past it",
                 gpu.allocations_outside_pool(),
                 datagrams.served,
-                datagrams.overflowed,
-                size(datagrams.capacity as u64)
+                size(datagrams.reached as u64),
+                size(datagrams.capacity as u64),
+                datagrams.overflowed
             )
         }
         Placement::Host { .. } => String::new(),

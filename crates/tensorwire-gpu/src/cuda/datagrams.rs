@@ -93,6 +93,10 @@ pub struct PinnedDatagramStats {
     pub served: u64,
     /// Allocations of a datagram's size that found the region full.
     pub overflowed: u64,
+    /// How far into the region a slot has ever been lent, in bytes. The lowest free slot is
+    /// lent first, so this is about the most received bytes that waited for their copy at
+    /// once: a region this size would have served them all.
+    pub reached: usize,
 }
 
 /// The region of the installed allocator, and its slots in use.
@@ -108,6 +112,8 @@ struct Region {
     forked: AtomicBool,
     served: AtomicU64,
     overflowed: AtomicU64,
+    /// One past the highest slot ever lent.
+    reached: AtomicUsize,
 }
 
 impl Region {
@@ -119,6 +125,7 @@ impl Region {
             forked: AtomicBool::new(false),
             served: AtomicU64::new(0),
             overflowed: AtomicU64::new(0),
+            reached: AtomicUsize::new(0),
         }
     }
 
@@ -168,7 +175,12 @@ impl Region {
                 ) {
                     Ok(_) => {
                         self.served.fetch_add(1, Ordering::Relaxed);
-                        return Some(base + (word * 64 + bit) * SLOT);
+                        let slot = word * 64 + bit;
+                        // Read first: the line is written only while the mark rises.
+                        if slot >= self.reached.load(Ordering::Relaxed) {
+                            self.reached.fetch_max(slot + 1, Ordering::Relaxed);
+                        }
+                        return Some(base + slot * SLOT);
                     }
                     Err(changed) => now = changed,
                 }
@@ -203,6 +215,7 @@ impl Region {
             lent,
             served: self.served.load(Ordering::Relaxed),
             overflowed: self.overflowed.load(Ordering::Relaxed),
+            reached: self.reached.load(Ordering::Relaxed) * SLOT,
         }
     }
 }
@@ -365,7 +378,7 @@ mod tests {
         assert_eq!(region.lend(), None, "70 slots, the 71st overflows");
         let stats = region.stats();
         assert_eq!((stats.lent, stats.served, stats.overflowed), (70, 70, 1));
-        assert_eq!(stats.capacity, 70 * SLOT);
+        assert_eq!((stats.capacity, stats.reached), (70 * SLOT, 70 * SLOT));
         lent.sort_unstable();
         lent.dedup();
         assert_eq!(lent.len(), 70, "no slot lent twice");
@@ -401,6 +414,11 @@ mod tests {
         region.take_back(lent[120]);
         assert_eq!(region.lend(), Some(lent[1]));
         assert_eq!(region.stats().lent, 51);
+        assert_eq!(
+            region.stats().reached,
+            150 * SLOT,
+            "no slot past the 150th lent"
+        );
     }
 
     #[test]
