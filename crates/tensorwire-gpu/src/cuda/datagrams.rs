@@ -74,11 +74,17 @@ impl<A> PinnedDatagrams<A> {
         self
     }
 
-    /// Tells [`pin_region`] the capacity to pin: this allocator is the process's.
-    fn note_installed(&self) {
+    /// A slot for an allocation of `layout`, where it is a datagram's size and the region
+    /// has one free; first tells [`pin_region`] the capacity to pin, as this allocator is
+    /// the process's.
+    fn lend_for(&self, layout: Layout) -> Option<*mut u8> {
         if INSTALLED.load(Ordering::Relaxed) == 0 {
             INSTALLED.store(self.capacity.max(1), Ordering::Relaxed);
         }
+        if !lent_a_slot(layout) {
+            return None;
+        }
+        REGION.lend().map(|slot| slot as *mut u8)
     }
 }
 
@@ -246,29 +252,21 @@ fn lent_a_slot(layout: Layout) -> bool {
 // inside the region, which the CUDA driver allocated and which is never freed.
 unsafe impl<A: GlobalAlloc> GlobalAlloc for PinnedDatagrams<A> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        self.note_installed();
-        if lent_a_slot(layout)
-            && let Some(slot) = REGION.lend()
-        {
-            return slot as *mut u8;
+        if let Some(slot) = self.lend_for(layout) {
+            return slot;
         }
         // SAFETY: the caller's contract for `layout`, passed on.
         unsafe { self.inner.alloc(layout) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if lent_a_slot(layout) {
-            // SAFETY: the caller's contract for `layout`, passed on.
-            let ptr = unsafe { self.alloc(layout) };
-            if !ptr.is_null() {
-                // SAFETY: `ptr` is a fresh allocation of `layout.size()` bytes.
-                unsafe { std::ptr::write_bytes(ptr, 0, layout.size()) };
-            }
-            return ptr;
+        if let Some(slot) = self.lend_for(layout) {
+            // SAFETY: a slot holds at least `layout.size()` bytes; a reused one is not zero.
+            unsafe { std::ptr::write_bytes(slot, 0, layout.size()) };
+            return slot;
         }
-        self.note_installed();
-        // SAFETY: the caller's contract for `layout`, passed on: large zeroed allocations
-        // keep the wrapped allocator's way (fresh pages, no second pass to zero them).
+        // SAFETY: the caller's contract for `layout`, passed on: the wrapped allocator zeroes
+        // its own way (fresh pages need no second pass).
         unsafe { self.inner.alloc_zeroed(layout) }
     }
 
