@@ -153,10 +153,11 @@ struct Args {
     /// thread).
     #[arg(long, default_value = "auto")]
     store_offload: tensorwire::quic::StoreOffload,
-    /// Run only this transport's throughput (raw-quinn, tensorwire, tcp-tls), e.g. to profile
-    /// it, or only the small-tensor latency (latency); latency-inline or latency-raw measure
-    /// one latency row alone (tensorwire inline, raw quinn), for a profile of that path;
-    /// gpu measures only the GPU section (as --gpu does).
+    /// Run only these transports' throughput, comma-separated (raw-quinn, raw-quinn-hot,
+    /// tensorwire, tcp-tls), e.g. `raw-quinn,tensorwire` for more rounds in the same time or
+    /// one of them to profile it; or only the small-tensor latency (latency); latency-inline
+    /// or latency-raw measure one latency row alone (tensorwire inline, raw quinn), for a
+    /// profile of that path; gpu measures only the GPU section (as --gpu does).
     #[arg(long)]
     only: Option<String>,
     /// Small-tensor latency samples per row (default 20000, quick 300): on a 16-core host
@@ -402,6 +403,8 @@ struct Report {
     /// (connections, the lowest and highest of those rounds' ratios): how far one host's
     /// rounds spread, which a median of few rounds hides
     round_ratio_range_tensorwire_over_quinn: Vec<(usize, (f64, f64))>,
+    /// (connections, every round's ratio in the order run): whether the host drifted
+    round_ratios_tensorwire_over_quinn: Vec<(usize, Vec<f64>)>,
     /// (connections, tensorwire's rate / raw quinn's from a cache-hot 4 MiB buffer)
     ratio_tensorwire_over_hot_quinn: Vec<(usize, f64)>,
     latency: Vec<Latency>,
@@ -1914,6 +1917,7 @@ async fn main() -> anyhow::Result<()> {
     let mut ratios = Vec::new();
     let mut median_ratios = Vec::new();
     let mut ratio_ranges = Vec::new();
+    let mut rounds_in_order = Vec::new();
     let mut hot_ratios = Vec::new();
     let connections: &[usize] = if no_throughput {
         &[]
@@ -1921,7 +1925,11 @@ async fn main() -> anyhow::Result<()> {
         &args.connections
     };
     for &n in connections {
-        let wanted = |name: &str| args.only.as_deref().is_none_or(|only| only == name);
+        let wanted = |name: &str| {
+            args.only
+                .as_deref()
+                .is_none_or(|only| only.split(',').any(|one| one == name))
+        };
         let skipped = f64::NAN;
         let tw_run = TensorwireRun::from_args(&args, SinkKind::Discard, tensor_bytes);
         // Each round runs every transport once, so a machine that slows down or speeds up
@@ -1943,7 +1951,7 @@ async fn main() -> anyhow::Result<()> {
             } else {
                 skipped
             };
-            if let Some(hot) = hot.as_ref().filter(|_| wanted("raw-quinn")) {
+            if let Some(hot) = hot.as_ref().filter(|_| wanted("raw-quinn-hot")) {
                 keep_best(&mut hot_quinn_s, raw_quinn(n, bytes, args.mtu, hot).await?);
             }
             if !tensorwire_first && wanted("tensorwire") {
@@ -1959,6 +1967,7 @@ async fn main() -> anyhow::Result<()> {
         // None where `--source hot` made the first anchor the hot one.
         let hot_quinn_s = hot.as_ref().map(|_| hot_quinn_s);
         ratio_ranges.push((n, spread(&round_ratios)));
+        rounds_in_order.push((n, round_ratios.clone()));
         median_ratios.push((n, median(&mut round_ratios)));
         let total = bytes * n as u64;
         let rows = [
@@ -2047,6 +2056,12 @@ async fn main() -> anyhow::Result<()> {
             println!(
                 "  tensorwire / raw quinn, {n} connection(s): {ratio:.3} (best of each), {median_ratio:.3} (median of the rounds' ratios{spread}){hot}"
             );
+            if let Some((_, rounds)) = rounds_in_order.iter().find(|(m, _)| m == n)
+                && rounds.len() > 1
+            {
+                let rounds: Vec<String> = rounds.iter().map(|r| format!("{r:.3}")).collect();
+                println!("    rounds in the order run: {}", rounds.join(" "));
+            }
         }
     }
     if !latency.is_empty() {
@@ -2142,6 +2157,7 @@ async fn main() -> anyhow::Result<()> {
         ratio_tensorwire_over_quinn: ratios,
         median_round_ratio_tensorwire_over_quinn: median_ratios,
         round_ratio_range_tensorwire_over_quinn: ratio_ranges,
+        round_ratios_tensorwire_over_quinn: rounds_in_order,
         ratio_tensorwire_over_hot_quinn: hot_ratios,
         latency,
         gpu,
