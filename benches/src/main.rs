@@ -1165,7 +1165,12 @@ struct ThreadUsage(std::collections::BTreeMap<u32, ThreadCounts>);
 struct ThreadCounts {
     name: String,
     context_switches: u64,
+    /// Of `context_switches`, those where the thread was taken off its CPU while it could
+    /// still run (preempted), not parked to wait.
+    preempted: u64,
     on_cpu_ns: u64,
+    /// Nanoseconds runnable but waiting for a CPU.
+    waiting_for_cpu_ns: u64,
 }
 
 impl ThreadUsage {
@@ -1173,20 +1178,23 @@ impl ThreadUsage {
         let read = |tid: &std::path::Path| -> Option<ThreadCounts> {
             let name = std::fs::read_to_string(tid.join("comm")).ok()?;
             let status = std::fs::read_to_string(tid.join("status")).ok()?;
-            let context_switches = status
-                .lines()
-                .filter(|l| l.contains("ctxt_switches:"))
-                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                .sum();
-            // The first field: nanoseconds on a CPU.
-            let on_cpu_ns = std::fs::read_to_string(tid.join("schedstat"))
-                .ok()
-                .and_then(|s| s.split_whitespace().next()?.parse().ok())
-                .unwrap_or(0);
+            let count = |key: &str| -> u64 {
+                status
+                    .lines()
+                    .filter(|l| l.starts_with(key))
+                    .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                    .sum()
+            };
+            // Nanoseconds on a CPU, then nanoseconds runnable and waiting for one.
+            let schedstat = std::fs::read_to_string(tid.join("schedstat")).unwrap_or_default();
+            let mut fields = schedstat.split_whitespace().map(|f| f.parse().unwrap_or(0));
             Some(ThreadCounts {
                 name: name.trim().to_owned(),
-                context_switches,
-                on_cpu_ns,
+                context_switches: count("voluntary_ctxt_switches:")
+                    + count("nonvoluntary_ctxt_switches:"),
+                preempted: count("nonvoluntary_ctxt_switches:"),
+                on_cpu_ns: fields.next().unwrap_or(0),
+                waiting_for_cpu_ns: fields.next().unwrap_or(0),
             })
         };
         let threads = std::fs::read_dir("/proc/self/task")
@@ -1202,25 +1210,38 @@ impl ThreadUsage {
     }
 
     /// Threads on a CPU more than a tenth of the `seconds` since `before`, busiest first, as
-    /// "name#tid 0.98 (20/s), name#tid 0.40 (3000/s)": the fraction of those seconds on a
-    /// CPU, and how often per second the thread was switched out (mostly to wait: an
-    /// endpoint thread with nothing to do parks, and each wake-up costs a switch back).
+    /// "name#tid 0.98 (20/s), name#tid 0.40 (3000/s; 0.05 waiting for a CPU, 900/s
+    /// preempted)": the fraction of those seconds on a CPU, and how often per second the
+    /// thread was switched out (mostly to wait: an endpoint thread with nothing to do parks,
+    /// and each wake-up costs a switch back). Where the thread was kept from a CPU while it
+    /// could run for more than a hundredth of the time, or preempted more than 10 times a
+    /// second, it says so: then another thread took its core, not a lack of work.
     fn busy_since(&self, before: &Self, seconds: f64) -> String {
         let seconds = seconds.max(1e-9);
         let mut busy: Vec<(f64, String)> = self
             .0
             .iter()
             .filter_map(|(tid, now)| {
-                let (ns, switches) = before
-                    .0
-                    .get(tid)
-                    .map_or((0, 0), |then| (then.on_cpu_ns, then.context_switches));
-                let share = now.on_cpu_ns.saturating_sub(ns) as f64 / 1e9 / seconds;
-                let per_second = now.context_switches.saturating_sub(switches) as f64 / seconds;
+                let then = before.0.get(tid);
+                let since = |count: fn(&ThreadCounts) -> u64| {
+                    count(now).saturating_sub(then.map_or(0, count)) as f64 / seconds
+                };
+                let share = since(|c| c.on_cpu_ns) / 1e9;
+                let per_second = since(|c| c.context_switches);
+                let waiting = since(|c| c.waiting_for_cpu_ns) / 1e9;
+                let preempted = since(|c| c.preempted);
+                let kept_off = if waiting > 0.01 || preempted > 10.0 {
+                    format!("; {waiting:.2} waiting for a CPU, {preempted:.0}/s preempted")
+                } else {
+                    String::new()
+                };
                 (share > 0.1).then(|| {
                     (
                         share,
-                        format!("{}#{tid} {share:.2} ({per_second:.0}/s)", now.name),
+                        format!(
+                            "{}#{tid} {share:.2} ({per_second:.0}/s{kept_off})",
+                            now.name
+                        ),
                     )
                 })
             })
