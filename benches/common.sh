@@ -90,17 +90,17 @@ raw_quinn_as_processes() {
     'BEGIN { printf "%.1f\n", b * 1048576 * 8 / (e - s) / 1e9 }'
 }
 
-# Raw quinn with both sides in one process (`bench --only raw-quinn`, one run): CONNECTIONS
-# connections of MIB_EACH MiB sending SOURCE (a file, each connection its own part), then,
-# beside it, one 4 MiB buffer that stays in the CPU's cache. Prints both rates in Gbit/s,
-# "SAME HOT", n/a for a rate that did not come. BENCH_ARGS go to bench as they are (e.g.
-# --endpoint-threads caller).
+# Raw quinn with both sides in one process (`bench --only raw-quinn,raw-quinn-hot`, one
+# run): CONNECTIONS connections of MIB_EACH MiB sending SOURCE (a file, each connection its
+# own part), then, beside it, one 4 MiB buffer that stays in the CPU's cache. Prints both
+# rates in Gbit/s, "SAME HOT", n/a for a rate that did not come. BENCH_ARGS go to bench as
+# they are (e.g. --endpoint-threads caller).
 #
 #   raw_quinn_in_process BIN_DIR CONNECTIONS MIB_EACH SOURCE [BENCH_ARGS...]
 raw_quinn_in_process() {
   local bin=$1 connections=$2 mib=$3 source=$4 log
   shift 4
-  log=$("$bin/bench" --only raw-quinn --connections "$connections" --mtu "$MTU" --runs 1 \
+  log=$("$bin/bench" --only raw-quinn,raw-quinn-hot --connections "$connections" --mtu "$MTU" --runs 1 \
     --mib "$mib" --source "$source" "$@" 2>&1) || true
   awk '/^ *raw quinn +[0-9]/ { same = $4 } /^ *raw quinn, hot +[0-9]/ { hot = $5 }
     END { print (same == "" ? "n/a" : same), (hot == "" ? "n/a" : hot) }' <<< "$log"
