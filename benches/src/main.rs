@@ -1897,9 +1897,34 @@ fn spread_text(runs: usize, (lowest, highest): (f64, f64)) -> String {
     }
 }
 
+/// Transports `--only` may list.
+const TRANSPORTS: [&str; 4] = ["raw-quinn", "raw-quinn-hot", "tensorwire", "tcp-tls"];
+
+/// Modes `--only` may name, each alone.
+const MODES: [&str; 4] = ["latency", "latency-inline", "latency-raw", "gpu"];
+
+/// `--only` names transports, or one mode: a misspelt name would otherwise measure nothing.
+fn check_only(only: &str) -> anyhow::Result<()> {
+    if MODES.contains(&only) {
+        return Ok(());
+    }
+    for name in only.split(',') {
+        anyhow::ensure!(
+            TRANSPORTS.contains(&name),
+            "--only {only:?}: {name:?} is not one of {} (comma-separated), nor one of {} (alone)",
+            TRANSPORTS.join(", "),
+            MODES.join(", ")
+        );
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(only) = &args.only {
+        check_only(only)?;
+    }
     let _ = ENDPOINT_THREADS.set(args.endpoint_threads);
     let _ = STORE_OFFLOAD.set(args.store_offload);
     let _ = THREAD_USAGE.set(args.thread_usage);
