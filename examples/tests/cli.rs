@@ -198,6 +198,11 @@ fn a_receiver_on_every_address_takes_loopback_senders_largest_packets() {
     assert!(summary.contains("sent 3 tensors"), "{summary}");
     let largest = format!("packets of {} bytes", tensorwire::quic::MAX_MTU);
     assert!(summary.contains(&largest), "{summary}");
+    // And what held its tensors up.
+    assert!(
+        summary.contains("waited, summed over the tensors sent: for the receiver"),
+        "{summary}"
+    );
     assert!(receiver.wait().unwrap().success());
     // A fixed size is kept, and the smaller side's is used.
     // Its output is read, or it could not print what it received.

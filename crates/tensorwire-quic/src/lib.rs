@@ -41,7 +41,9 @@ pub use receiver::{
     CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, StoreOffload, TensorHandle,
 };
 pub use runtime::EndpointThreads;
-pub use sender::{ConnectionSender, SendHandle, SendProgress, SendReport, Sender, Source};
+pub use sender::{
+    ConnectionSender, SendHandle, SendProgress, SendReport, SendWaits, Sender, Source,
+};
 pub use steering::{ConnectionSlot, ServerEndpoint, Steering};
 pub use tensorwire_proto as proto;
 pub use tensorwire_sink::{

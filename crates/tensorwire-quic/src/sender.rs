@@ -130,6 +130,41 @@ pub struct SendReport {
     pub bytes: u64,
     /// From the send's start, its turn on the connection waited for included, to COMPLETE.
     pub elapsed: Duration,
+    /// What the send waited for, and how long: which side held it up.
+    pub waited: SendWaits,
+}
+
+/// How long a send waited for each thing it needs; the rest of its time it handed bytes to
+/// QUIC. A split tensor's are summed over its parts, which wait at once.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendWaits {
+    /// For the large tensors before it on its connection to hand over their DATA (its turn).
+    pub turn: Duration,
+    /// For the receiver: its ACCEPT, CREDIT once the bytes granted were sent, and COMPLETE
+    /// once every byte was. A slow or full receiver shows here.
+    pub receiver: Duration,
+    /// For the source's next checksummed chunk: a file's pages from disk, a stream's items.
+    pub source: Duration,
+    /// For QUIC to take the bytes: its send buffer full, so congestion control or a slow path
+    /// holds them.
+    pub transport: Duration,
+}
+
+impl std::ops::AddAssign for SendWaits {
+    fn add_assign(&mut self, other: Self) {
+        self.turn += other.turn;
+        self.receiver += other.receiver;
+        self.source += other.source;
+        self.transport += other.transport;
+    }
+}
+
+/// Awaits `future`, adding the time it took to `waited`.
+async fn timed<T>(waited: &mut Duration, future: impl Future<Output = T>) -> T {
+    let started = Instant::now();
+    let out = future.await;
+    *waited += started.elapsed();
+    out
 }
 
 impl Sender {
@@ -450,7 +485,7 @@ impl SendHandle {
                 .enumerate()
                 .map(|(i, part)| async move { (i, part.finished().await) })
                 .collect();
-            let (mut bytes, mut cancelling) = (0, false);
+            let (mut bytes, mut waited, mut cancelling) = (0, SendWaits::default(), false);
             loop {
                 let joined = tokio::select! {
                     joined = waiting.join_next() => joined,
@@ -464,7 +499,10 @@ impl SendHandle {
                 let (i, outcome) =
                     joined.map_err(|e| TransportError::Io(std::io::Error::other(e)))?;
                 match outcome {
-                    Ok(report) => bytes += report.bytes,
+                    Ok(report) => {
+                        bytes += report.bytes;
+                        waited += report.waited;
+                    }
                     Err(e) => {
                         cancel_all();
                         debug!(part = i, error = %e, "a part of a split tensor failed");
@@ -475,6 +513,7 @@ impl SendHandle {
             Ok(SendReport {
                 bytes,
                 elapsed: started.elapsed(),
+                waited,
             })
         });
         SendHandle {
@@ -520,15 +559,19 @@ async fn send_tensor(
     let mut count = CountedSend::start(metrics);
     let started = count.started;
     let total = meta.byte_len();
+    let mut waited = SendWaits::default();
     let result = async {
         // Built before the stream is opened: building checks the metadata fits the wire.
         let machine = TensorSender::new(meta)?;
         let turn = if sharing == Sharing::InTurn && total > options.chunk_size {
-            tokio::select! {
-                biased;
-                turn = session.take_turn() => turn,
-                () = cancelled(cancel) => return Err(TransportError::cancelled_by("sending")),
-            }
+            timed(&mut waited.turn, async {
+                tokio::select! {
+                    biased;
+                    turn = session.take_turn() => Ok(turn),
+                    () = cancelled(cancel) => Err(TransportError::cancelled_by("sending")),
+                }
+            })
+            .await?
         } else {
             None
         };
@@ -548,7 +591,15 @@ async fn send_tensor(
             turn,
         };
         let outcome = tensor
-            .drive(&connection, reader, total, sent, cancel, options)
+            .drive(
+                &connection,
+                reader,
+                total,
+                sent,
+                cancel,
+                options,
+                &mut waited,
+            )
             .await;
         let outcome = match outcome {
             Err(e) => Err(tensor.explain_stop(e).await),
@@ -583,6 +634,7 @@ async fn send_tensor(
     result.map(|bytes| SendReport {
         bytes,
         elapsed: started.elapsed(),
+        waited,
     })
 }
 
@@ -660,11 +712,13 @@ impl OutgoingTensor {
     }
 
     /// Sends METADATA, then DATA as credit allows, then END; returns on COMPLETE. Gives up
-    /// the connection's turn (if held) once all its DATA is QUIC's.
+    /// the connection's turn (if held) once all its DATA is QUIC's. Adds what it waited for
+    /// to `waited`.
     ///
     /// The progress timeout counts time without progress, not silence: while the receiver has
     /// nothing to say (all credit granted, bytes still crossing a slow path), our data being
     /// sent and resent shows that the transfer moves.
+    #[allow(clippy::too_many_arguments)] // One send's parts, passed once from `send_tensor`.
     async fn drive(
         &mut self,
         connection: &quinn::Connection,
@@ -673,6 +727,7 @@ impl OutgoingTensor {
         sent: &AtomicU64,
         cancel: Option<&CancellationToken>,
         options: SendOptions,
+        waited: &mut SendWaits,
     ) -> Result<(), TransportError> {
         let SendOptions {
             progress_timeout,
@@ -692,9 +747,11 @@ impl OutgoingTensor {
                 // Checksummed already, batches ahead and off this task (which shares its
                 // thread with the connection's driver): the session, shared by every stream
                 // of the connection, is locked only to queue it.
-                let chunk = reader
-                    .next(usize::try_from(max).unwrap_or(usize::MAX))
-                    .await?;
+                let chunk = timed(
+                    &mut waited.source,
+                    reader.next(usize::try_from(max).unwrap_or(usize::MAX)),
+                )
+                .await?;
                 if chunk.is_empty() {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::UnexpectedEof,
@@ -709,11 +766,14 @@ impl OutgoingTensor {
                     sent.store(total, Ordering::Relaxed);
                     break;
                 }
-                tokio::select! {
-                    biased;
-                    written = self.flush() => written?,
-                    () = cancelled(cancel) => return Err(TransportError::cancelled_by("sending")),
-                }
+                timed(&mut waited.transport, async {
+                    tokio::select! {
+                        biased;
+                        written = self.flush() => written,
+                        () = cancelled(cancel) => Err(TransportError::cancelled_by("sending")),
+                    }
+                })
+                .await?;
                 sent.store(done + len, Ordering::Relaxed);
             }
             let all_queued = {
@@ -725,18 +785,21 @@ impl OutgoingTensor {
                 all_queued
             };
             // Our half stays open after END, so that a CANCEL can still follow it (spec §4).
-            self.flush().await?;
+            timed(&mut waited.transport, self.flush()).await?;
             if all_queued {
                 // The next large tensor's METADATA and admission overlap our last DATA in
                 // QUIC's send buffer and our wait for COMPLETE.
                 self.turn = None;
             }
-            let frame = tokio::select! {
-                // The reply first: no random draw per poll, and a reply that is in wins.
-                biased;
-                frame = next_frame_while_progressing(&mut self.stream, connection, progress_timeout) => frame?,
-                () = cancelled(cancel) => return Err(TransportError::cancelled_by("sending")),
-            };
+            let frame = timed(&mut waited.receiver, async {
+                tokio::select! {
+                    // The reply first: no random draw per poll, and a reply that is in wins.
+                    biased;
+                    frame = next_frame_while_progressing(&mut self.stream, connection, progress_timeout) => frame,
+                    () = cancelled(cancel) => Err(TransportError::cancelled_by("sending")),
+                }
+            })
+            .await?;
             if self.session.lock().handle_reply(id, frame)? == SessionEvent::Complete {
                 // The receiver's FIN comes with COMPLETE.
                 self.stream.read_fin_if_arrived();

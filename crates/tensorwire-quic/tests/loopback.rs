@@ -581,6 +581,61 @@ async fn a_file_region_and_a_chunk_stream_are_sources() {
     tx.close().await;
 }
 
+/// A stream source whose items come when the test sends them.
+struct ChannelStream(tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>);
+
+impl futures_core::Stream for ChannelStream {
+    type Item = std::io::Result<Bytes>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+/// A send's report says what held it up: a receiver that decides late shows as waiting for
+/// the receiver, a stream whose bytes come late as waiting for the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_reports_what_held_it_up() {
+    // Above the early credit: each tensor waits for ACCEPT.
+    const LEN: usize = 4 << 20;
+    const HELD: Duration = Duration::from_millis(300);
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let tx = sender(addr).await;
+
+    let send = tx.send(u8_meta("decided late", LEN), pattern(LEN, 1));
+    let incoming = rx.next().await.unwrap();
+    tokio::time::sleep(HELD).await;
+    land_host(incoming).await;
+    let waited = send.finished().await.unwrap().waited;
+    assert!(waited.receiver >= HELD, "{waited:?}");
+    assert!(waited.receiver > waited.source, "{waited:?}");
+
+    let (feed, items) = tokio::sync::mpsc::channel(2);
+    let source = tensorwire_quic::Source::Stream(Box::pin(ChannelStream(items)));
+    let send = tx.send(u8_meta("late source", LEN), source);
+    let server = tokio::spawn(async move { (land_host(rx.next().await.unwrap()).await, rx) });
+    let data = pattern(LEN, 2);
+    feed.send(Ok(data.slice(..LEN / 2))).await.unwrap();
+    tokio::time::sleep(HELD).await;
+    feed.send(Ok(data.slice(LEN / 2..))).await.unwrap();
+    let report = send.finished().await.unwrap();
+    let ((meta, bytes), rx) = server.await.unwrap();
+    assert_eq!((meta.name(), bytes), ("late source", data));
+    let waited = report.waited;
+    assert!(waited.source >= HELD / 2, "{waited:?}");
+    assert!(waited.source > waited.receiver, "{waited:?}");
+    assert!(
+        waited.turn + waited.receiver + waited.source + waited.transport <= report.elapsed,
+        "{waited:?} in {:?}",
+        report.elapsed
+    );
+    assert_budget_returned(&rx).await;
+    tx.close().await;
+}
+
 /// Credit smaller than a DATA chunk: the sender cuts its checksummed chunks where credit ends,
 /// and each tensor, from a file and from memory, lands with the checksum of the whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

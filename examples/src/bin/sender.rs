@@ -164,10 +164,14 @@ async fn send(
         })
         .collect();
     let mut failed = 0;
+    let mut waited = tensorwire::quic::SendWaits::default();
     for task in tasks {
         let (name, result, bar) = task.await?;
         match result {
-            Ok(()) => bar.finish(),
+            Ok(report) => {
+                waited += report.waited;
+                bar.finish();
+            }
             Err(e) => {
                 failed += 1;
                 bar.abandon_with_message(format!("{name}: {e}"));
@@ -189,6 +193,16 @@ async fn send(
         sender.path_mtu(),
         metrics.latency_p50_us,
         metrics.latency_p99_us,
+    );
+    // Which side held the tensors up: the receiver (credit, its decisions), the files, or
+    // the network (QUIC's send buffer full).
+    println!(
+        "waited, summed over the tensors sent: for the receiver {:.2} s, for the source {:.2} \
+         s, for QUIC {:.2} s, for their turn on a connection {:.2} s",
+        waited.receiver.as_secs_f64(),
+        waited.source.as_secs_f64(),
+        waited.transport.as_secs_f64(),
+        waited.turn.as_secs_f64(),
     );
     sender.close().await;
     if failed > 0 {
@@ -236,7 +250,7 @@ fn explain(e: &anyhow::Error) -> String {
 async fn send_with_progress(
     send: tensorwire::quic::SendHandle,
     bar: &ProgressBar,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<tensorwire::quic::SendReport> {
     let progress = send.progress();
     let finished = send.finished();
     tokio::pin!(finished);
@@ -244,9 +258,9 @@ async fn send_with_progress(
     loop {
         tokio::select! {
             result = &mut finished => {
-                result?;
+                let report = result?;
                 bar.set_position(progress.total_bytes());
-                return Ok(());
+                return Ok(report);
             }
             _ = tick.tick() => bar.set_position(progress.sent_bytes()),
         }
