@@ -742,17 +742,11 @@ type ChunkStream =
 
 /// A stream over a list of chunks, without pulling in a stream-utilities crate.
 fn tokio_stream_iter(items: Vec<std::io::Result<Bytes>>) -> ChunkStream {
-    struct Iter(std::vec::IntoIter<std::io::Result<Bytes>>);
-    impl futures_core::Stream for Iter {
-        type Item = std::io::Result<Bytes>;
-        fn poll_next(
-            mut self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<Option<Self::Item>> {
-            std::task::Poll::Ready(self.0.next())
-        }
+    let (feed, queued) = tokio::sync::mpsc::channel(items.len().max(1));
+    for item in items {
+        feed.try_send(item).unwrap();
     }
-    Box::pin(Iter(items.into_iter()))
+    Box::pin(ChannelStream(queued))
 }
 
 #[tokio::test]
