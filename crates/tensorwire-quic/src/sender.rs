@@ -134,14 +134,16 @@ pub struct SendReport {
     pub waited: SendWaits,
 }
 
-/// How long a send waited for each thing it needs; the rest of its time it handed bytes to
-/// QUIC. A split tensor's are summed over its parts, which wait at once.
+/// How long a send waited for each thing it needs; the rest of its time is its own work
+/// (opening its source, laying out frames, handing bytes to QUIC). A split tensor's are
+/// summed over its parts, which wait at once.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SendWaits {
     /// For the large tensors before it on its connection to hand over their DATA (its turn).
     pub turn: Duration,
-    /// For the receiver: its ACCEPT, CREDIT once the bytes granted were sent, and COMPLETE
-    /// once every byte was. A slow or full receiver shows here.
+    /// For the receiver: a stream it allows (QUIC's stream limit), its ACCEPT, CREDIT once
+    /// the bytes granted were sent, and COMPLETE once every byte was. A slow or full
+    /// receiver shows here.
     pub receiver: Duration,
     /// For the source's next checksummed chunk: a file's pages from disk, a stream's items.
     pub source: Duration,
@@ -580,7 +582,8 @@ async fn send_tensor(
         // METADATA waits for credit.
         let chunk_len = usize::try_from(options.chunk_size).unwrap_or(usize::MAX);
         let reader = SourceReader::open(source, total, chunk_len).await?;
-        let (send, recv) = connection.open_bi().await?;
+        // The receiver's stream limit (QUIC's MAX_STREAMS) can hold the open.
+        let (send, recv) = timed(&mut waited.receiver, connection.open_bi()).await?;
         let id = VarInt::from(send.id()).into_inner();
         session.lock().start_sending(id, machine)?;
         let mut tensor = OutgoingTensor {
