@@ -428,6 +428,20 @@ fn print_busy_threads(run: &str, before: &ThreadUsage, seconds: f64) {
     }
 }
 
+/// With `--thread-usage`, prints what tensorwire's sends waited for over a run of `seconds`,
+/// summed over its tensors (several at once per connection, so a sum can pass the run).
+fn print_send_waits(waited: &tensorwire::quic::SendWaits, seconds: f64) {
+    if THREAD_USAGE.get().copied().unwrap_or_default() {
+        eprintln!(
+            "  tensorwire: sends waited (s, summed over tensors, run {seconds:.3} s): receiver {:.3}, source {:.3}, QUIC {:.3}, turn {:.3}",
+            waited.receiver.as_secs_f64(),
+            waited.source.as_secs_f64(),
+            waited.transport.as_secs_f64(),
+            waited.turn.as_secs_f64(),
+        );
+    }
+}
+
 /// With `BENCH_STATS` set, prints what a throughput run's connection saw of its path.
 fn print_path_stats(who: &str, stats: &quinn::ConnectionStats) {
     if std::env::var_os("BENCH_STATS").is_some() {
@@ -863,25 +877,28 @@ async fn tensorwire_run(
         // `in_flight` tensors per connection: the next starts as soon as the oldest completes.
         tasks.push(tokio::spawn(async move {
             let mut inflight = std::collections::VecDeque::new();
+            let mut waited = tensorwire::quic::SendWaits::default();
             for _ in 0..tensors_per_conn {
                 if inflight.len() == in_flight.max(1) {
                     let oldest: tensorwire::quic::SendHandle =
                         inflight.pop_front().expect("in flight");
-                    oldest.finished().await?;
+                    waited += oldest.finished().await?.waited;
                 }
                 inflight.push_back(sender.send(meta.clone(), data.clone()));
             }
             for send in inflight {
-                send.finished().await?;
+                waited += send.finished().await?.waited;
             }
-            anyhow::Ok(())
+            anyhow::Ok(waited)
         }));
     }
+    let mut waited = tensorwire::quic::SendWaits::default();
     for task in tasks {
-        task.await??;
+        waited += task.await??;
     }
     let seconds = started.elapsed().as_secs_f64();
     print_busy_threads("tensorwire", &usage, seconds);
+    print_send_waits(&waited, seconds);
     for s in senders {
         let s = Arc::into_inner(s).ok_or_else(|| anyhow::anyhow!("sender still shared"))?;
         print_path_stats("tensorwire", &s.connection_stats());
