@@ -432,13 +432,7 @@ fn print_busy_threads(run: &str, before: &ThreadUsage, seconds: f64) {
 /// summed over its tensors (several at once per connection, so a sum can pass the run).
 fn print_send_waits(waited: &tensorwire::quic::SendWaits, seconds: f64) {
     if THREAD_USAGE.get().copied().unwrap_or_default() {
-        eprintln!(
-            "  tensorwire: sends waited (s, summed over tensors, run {seconds:.3} s): receiver {:.3}, source {:.3}, QUIC {:.3}, turn {:.3}",
-            waited.receiver.as_secs_f64(),
-            waited.source.as_secs_f64(),
-            waited.transport.as_secs_f64(),
-            waited.turn.as_secs_f64(),
-        );
+        eprintln!("  tensorwire: sends waited (summed over tensors, run {seconds:.3} s): {waited}");
     }
 }
 
@@ -1978,8 +1972,6 @@ async fn main() -> anyhow::Result<()> {
     };
     let mut throughput = Vec::new();
     let mut ratios = Vec::new();
-    let mut median_ratios = Vec::new();
-    let mut ratio_ranges = Vec::new();
     let mut rounds_in_order = Vec::new();
     let mut hot_ratios = Vec::new();
     let connections: &[usize] = if no_throughput {
@@ -2029,9 +2021,7 @@ async fn main() -> anyhow::Result<()> {
         }
         // None where `--source hot` made the first anchor the hot one.
         let hot_quinn_s = hot.as_ref().map(|_| hot_quinn_s);
-        ratio_ranges.push((n, spread(&round_ratios)));
-        rounds_in_order.push((n, round_ratios.clone()));
-        median_ratios.push((n, median(&mut round_ratios)));
+        rounds_in_order.push((n, round_ratios));
         let total = bytes * n as u64;
         let rows = [
             Some(("raw quinn", quinn_s)),
@@ -2108,20 +2098,17 @@ async fn main() -> anyhow::Result<()> {
                 t.transport, t.connections, t.gbit_per_s, t.seconds
             );
         }
-        for (((n, ratio), (_, median_ratio)), (_, range)) in
-            ratios.iter().zip(&median_ratios).zip(&ratio_ranges)
-        {
+        for ((n, ratio), (_, rounds)) in ratios.iter().zip(&rounds_in_order) {
+            let median_ratio = median(&mut rounds.clone());
             let hot = hot_ratios.iter().find(|(m, _)| m == n);
             let hot = hot.map_or_else(String::new, |(_, hot_ratio)| {
                 format!("; / raw quinn, hot: {hot_ratio:.3}")
             });
-            let spread = spread_text(runs, *range);
+            let range = spread_text(runs, spread(rounds));
             println!(
-                "  tensorwire / raw quinn, {n} connection(s): {ratio:.3} (best of each), {median_ratio:.3} (median of the rounds' ratios{spread}){hot}"
+                "  tensorwire / raw quinn, {n} connection(s): {ratio:.3} (best of each), {median_ratio:.3} (median of the rounds' ratios{range}){hot}"
             );
-            if let Some((_, rounds)) = rounds_in_order.iter().find(|(m, _)| m == n)
-                && rounds.len() > 1
-            {
+            if rounds.len() > 1 {
                 let rounds: Vec<String> = rounds.iter().map(|r| format!("{r:.3}")).collect();
                 println!("    rounds in the order run: {}", rounds.join(" "));
             }
@@ -2218,8 +2205,14 @@ async fn main() -> anyhow::Result<()> {
         mtu: args.mtu,
         throughput,
         ratio_tensorwire_over_quinn: ratios,
-        median_round_ratio_tensorwire_over_quinn: median_ratios,
-        round_ratio_range_tensorwire_over_quinn: ratio_ranges,
+        median_round_ratio_tensorwire_over_quinn: rounds_in_order
+            .iter()
+            .map(|(n, rounds)| (*n, median(&mut rounds.clone())))
+            .collect(),
+        round_ratio_range_tensorwire_over_quinn: rounds_in_order
+            .iter()
+            .map(|(n, rounds)| (*n, spread(rounds)))
+            .collect(),
         round_ratios_tensorwire_over_quinn: rounds_in_order,
         ratio_tensorwire_over_hot_quinn: hot_ratios,
         latency,

@@ -200,7 +200,7 @@ fn a_receiver_on_every_address_takes_loopback_senders_largest_packets() {
     assert!(summary.contains(&largest), "{summary}");
     // And what held its tensors up.
     assert!(
-        summary.contains("waited, summed over the tensors sent: for the receiver"),
+        summary.contains("waited, summed over the tensors sent: receiver "),
         "{summary}"
     );
     assert!(receiver.wait().unwrap().success());
