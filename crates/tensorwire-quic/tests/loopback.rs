@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{
-    assert_budget_returned, init_tracing, land_host, pattern, receive_host, receiver,
-    receiver_config, sender, u8_meta,
+    ChannelStream, assert_budget_returned, chunk_stream, init_tracing, land_host, pattern,
+    receive_host, receiver, receiver_config, sender, u8_meta,
 };
 use tensorwire_quic::proto::{ErrorCode, Payload};
 use tensorwire_quic::{CreditPermit, Receiver, Sender, Sink, SinkError, StoreOffload};
@@ -567,7 +567,7 @@ async fn a_file_region_and_a_chunk_stream_are_sources() {
         .chunks(777_777)
         .map(|c| Ok(Bytes::copy_from_slice(c)))
         .collect();
-    let stream = tokio_stream_iter(pieces);
+    let stream = chunk_stream(pieces);
     tx.send(
         u8_meta("stream", data.len()),
         tensorwire_quic::Source::Stream(stream),
@@ -579,20 +579,6 @@ async fn a_file_region_and_a_chunk_stream_are_sources() {
     assert_eq!(out, vec![data.clone(), data]);
     std::fs::remove_dir_all(dir).unwrap();
     tx.close().await;
-}
-
-/// A stream source whose items come when the test sends them.
-struct ChannelStream(tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>);
-
-impl futures_core::Stream for ChannelStream {
-    type Item = std::io::Result<Bytes>;
-
-    fn poll_next(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Self::Item>> {
-        self.0.poll_recv(cx)
-    }
 }
 
 /// A send's report says what held it up: a receiver that decides late shows as waiting for
@@ -735,18 +721,6 @@ async fn send_file(tx: &tensorwire_quic::Sender, path: &std::path::Path, offset:
         .finished()
         .await
         .unwrap();
-}
-
-type ChunkStream =
-    std::pin::Pin<Box<dyn futures_core::Stream<Item = std::io::Result<Bytes>> + Send>>;
-
-/// A stream over a list of chunks, without pulling in a stream-utilities crate.
-fn tokio_stream_iter(items: Vec<std::io::Result<Bytes>>) -> ChunkStream {
-    let (feed, queued) = tokio::sync::mpsc::channel(items.len().max(1));
-    for item in items {
-        feed.try_send(item).unwrap();
-    }
-    Box::pin(ChannelStream(queued))
 }
 
 #[tokio::test]

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{assert_budget_returned, pattern, receiver, receiver_config};
+use common::{assert_budget_returned, chunk_stream, pattern, receiver, receiver_config};
 use tensorwire_quic::proto::split::{SplitId, SplitPart, plan_split};
 use tensorwire_quic::proto::{DType, ErrorCode, TensorMeta};
 use tensorwire_quic::{
@@ -165,7 +165,7 @@ async fn a_part_that_overlaps_another_is_refused_with_split_mismatch() {
 async fn what_cannot_be_split_is_refused_before_anything_is_sent() {
     let (rx, _) = receiver(receiver_config()).await;
     let tx = pool(&rx, 2).await;
-    let stream = Source::Stream(Box::pin(futures_stream()));
+    let stream = Source::Stream(chunk_stream(vec![Ok(Bytes::from_static(b"x"))]));
     assert!(tx.send_split(whole(), stream, 2).is_err(), "a stream");
     let bytes = pattern((ROWS * ROW) as usize, 1);
     assert!(
@@ -219,7 +219,7 @@ async fn each_part_may_come_from_a_source_of_its_own() {
     let send = tx
         .send_split_with(whole(), 2, move |offset, len| {
             let part = whole_bytes.slice(offset as usize..(offset + len) as usize);
-            Ok(Source::Stream(Box::pin(one_chunk(part))))
+            Ok(Source::Stream(chunk_stream(vec![Ok(part)])))
         })
         .unwrap();
     let splits = SplitTensors::new(Duration::from_secs(10));
@@ -231,24 +231,4 @@ async fn each_part_may_come_from_a_source_of_its_own() {
     send.finished().await.unwrap();
     tx.close().await;
     rx.close().await;
-}
-
-/// A stream of one chunk.
-fn futures_stream() -> impl futures_core::Stream<Item = std::io::Result<Bytes>> + Send {
-    one_chunk(Bytes::from_static(b"x"))
-}
-
-/// A stream of `chunk` alone.
-fn one_chunk(chunk: Bytes) -> impl futures_core::Stream<Item = std::io::Result<Bytes>> + Send {
-    struct Once(Option<Bytes>);
-    impl futures_core::Stream for Once {
-        type Item = std::io::Result<Bytes>;
-        fn poll_next(
-            mut self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<Option<Self::Item>> {
-            std::task::Poll::Ready(self.0.take().map(Ok))
-        }
-    }
-    Once(Some(chunk))
 }

@@ -240,3 +240,30 @@ pub async fn narrow_path(
     });
     (addr, dropped)
 }
+
+/// A stream source whose items come when the test sends them.
+pub struct ChannelStream(pub tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>);
+
+impl futures_core::Stream for ChannelStream {
+    type Item = std::io::Result<Bytes>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+/// Chunks as `Source::Stream` takes them.
+pub type ChunkStream =
+    std::pin::Pin<Box<dyn futures_core::Stream<Item = std::io::Result<Bytes>> + Send>>;
+
+/// A stream over a list of chunks, without pulling in a stream-utilities crate.
+pub fn chunk_stream(items: Vec<std::io::Result<Bytes>>) -> ChunkStream {
+    let (feed, queued) = tokio::sync::mpsc::channel(items.len().max(1));
+    for item in items {
+        feed.try_send(item).unwrap();
+    }
+    Box::pin(ChannelStream(queued))
+}
