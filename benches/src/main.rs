@@ -405,6 +405,9 @@ struct Report {
     round_ratio_range_tensorwire_over_quinn: Vec<(usize, (f64, f64))>,
     /// (connections, every round's ratio in the order run): whether the host drifted
     round_ratios_tensorwire_over_quinn: Vec<(usize, Vec<f64>)>,
+    /// (connections, a 95% confidence interval of the median round ratio, where there were
+    /// 6 rounds or more): whether a target lies within the rounds' spread
+    median_interval_95_tensorwire_over_quinn: Vec<(usize, Option<(f64, f64)>)>,
     /// (connections, tensorwire's rate / raw quinn's from a cache-hot 4 MiB buffer)
     ratio_tensorwire_over_hot_quinn: Vec<(usize, f64)>,
     latency: Vec<Latency>,
@@ -1899,6 +1902,28 @@ fn spread(values: &[f64]) -> (f64, f64) {
     (lowest, highest)
 }
 
+/// A 95% confidence interval of the median of `values`, free of any assumption about their
+/// distribution: the order statistics `k` and `n + 1 - k` where fewer than 2.5% of
+/// `Binomial(n, 1/2)` draws fall below `k`. `None` under 6 values, too few for one.
+fn median_interval(values: &[f64]) -> Option<(f64, f64)> {
+    let mut sorted: Vec<f64> = values.iter().copied().filter(|v| !v.is_nan()).collect();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    // P(X <= j) for X ~ Binomial(n, 1/2), summed term by term: C(n, j) / 2^n.
+    let mut term = 0.5f64.powi(i32::try_from(n).ok()?);
+    let mut below = 0.0;
+    let mut k = 0;
+    for j in 0..n {
+        below += term;
+        if below > 0.025 {
+            break;
+        }
+        k = j + 1;
+        term *= (n - j) as f64 / (j + 1) as f64;
+    }
+    (k >= 1).then(|| (sorted[k - 1], sorted[n - k]))
+}
+
 /// ", rounds LOW to HIGH" where there was more than one round, else nothing.
 fn spread_text(runs: usize, (lowest, highest): (f64, f64)) -> String {
     if runs > 1 {
@@ -2029,7 +2054,9 @@ async fn main() -> anyhow::Result<()> {
             Some(("tensorwire", tw_s)),
             Some(("TCP+TLS", tcp_s)),
         ];
-        for (transport, seconds) in rows.into_iter().flatten() {
+        // A transport `--only` left out has no row.
+        let measured = rows.into_iter().flatten().filter(|(_, s)| !s.is_nan());
+        for (transport, seconds) in measured {
             let gbit_per_s = total as f64 * 8.0 / seconds / 1e9;
             throughput.push(Throughput {
                 transport,
@@ -2099,14 +2126,20 @@ async fn main() -> anyhow::Result<()> {
             );
         }
         for ((n, ratio), (_, rounds)) in ratios.iter().zip(&rounds_in_order) {
+            if ratio.is_nan() {
+                continue; // `--only` left tensorwire or raw quinn out.
+            }
             let median_ratio = median(&mut rounds.clone());
-            let hot = hot_ratios.iter().find(|(m, _)| m == n);
+            let hot = hot_ratios.iter().find(|(m, r)| m == n && !r.is_nan());
             let hot = hot.map_or_else(String::new, |(_, hot_ratio)| {
                 format!("; / raw quinn, hot: {hot_ratio:.3}")
             });
             let range = spread_text(runs, spread(rounds));
+            let interval = median_interval(rounds).map_or_else(String::new, |(low, high)| {
+                format!("; 95% interval of the median {low:.3} to {high:.3}")
+            });
             println!(
-                "  tensorwire / raw quinn, {n} connection(s): {ratio:.3} (best of each), {median_ratio:.3} (median of the rounds' ratios{range}){hot}"
+                "  tensorwire / raw quinn, {n} connection(s): {ratio:.3} (best of each), {median_ratio:.3} (median of the rounds' ratios{range}{interval}){hot}"
             );
             if rounds.len() > 1 {
                 let rounds: Vec<String> = rounds.iter().map(|r| format!("{r:.3}")).collect();
@@ -2213,6 +2246,10 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .map(|(n, rounds)| (*n, spread(rounds)))
             .collect(),
+        median_interval_95_tensorwire_over_quinn: rounds_in_order
+            .iter()
+            .map(|(n, rounds)| (*n, median_interval(rounds)))
+            .collect(),
         round_ratios_tensorwire_over_quinn: rounds_in_order,
         ratio_tensorwire_over_hot_quinn: hot_ratios,
         latency,
@@ -2223,4 +2260,33 @@ async fn main() -> anyhow::Result<()> {
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median_interval;
+
+    #[test]
+    fn the_median_interval_takes_the_order_statistics_of_the_binomial() {
+        // 12 rounds: P(X <= 2) = 0.019 and P(X <= 3) = 0.073, so the 3rd and 10th values.
+        let rounds: Vec<f64> = (1..=12).rev().map(f64::from).collect();
+        assert_eq!(median_interval(&rounds), Some((3.0, 10.0)));
+        // 6 rounds: P(X = 0) = 0.016, the whole range.
+        assert_eq!(
+            median_interval(&[6.0, 1.0, 5.0, 2.0, 4.0, 3.0]),
+            Some((1.0, 6.0))
+        );
+        // 100 rounds: the 40th and 61st (the textbook's k = 40).
+        let rounds: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(median_interval(&rounds), Some((40.0, 61.0)));
+    }
+
+    #[test]
+    fn too_few_rounds_have_no_median_interval() {
+        assert_eq!(median_interval(&[1.0, 2.0, 3.0, 4.0, 5.0]), None);
+        // A skipped round (NaN) is no round.
+        let with_skipped = [1.0, 2.0, 3.0, 4.0, 5.0, f64::NAN];
+        assert_eq!(median_interval(&with_skipped), None);
+        assert_eq!(median_interval(&[]), None);
+    }
 }
