@@ -34,6 +34,7 @@ __all__ = [
     "ReceivedTensor",
     "Receiver",
     "SendResult",
+    "SendWaits",
     "TensorwireError",
     "devices",
     "pinned_datagram_stats",
@@ -84,12 +85,37 @@ class Raw:
 
 
 @dataclass(frozen=True)
+class SendWaits:
+    """Seconds one send waited for each thing it needs: which side held it up. A tensor sent
+    as parts over several connections sums its parts' waits, which run at once."""
+
+    #: For the receiver: a stream it allows, its ACCEPT, CREDIT once the bytes granted were
+    #: sent, and COMPLETE once every byte was. A slow or full receiver shows here.
+    receiver: float = 0.0
+    #: For the source's next checksummed chunk (a file's pages from disk, a GPU tensor's
+    #: copies to the host).
+    source: float = 0.0
+    #: For QUIC to take the bytes: congestion control or a slow path.
+    transport: float = 0.0
+    #: For the large tensors before it on its connection to hand over their bytes.
+    turn: float = 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"receiver {self.receiver:.2f} s, source {self.source:.2f} s, "
+            f"QUIC {self.transport:.2f} s, turn {self.turn:.2f} s"
+        )
+
+
+@dataclass(frozen=True)
 class SendResult:
     """One tensor sent and acknowledged (COMPLETE: resident where the receiver put it)."""
 
     name: str
     nbytes: int
     seconds: float
+    #: What the send waited for, and how long.
+    waited: SendWaits = SendWaits()
 
 
 @dataclass(frozen=True)
@@ -324,10 +350,10 @@ def send(
         mtu=mtu,
         device=device,
     )
-    out = [SendResult(name, nbytes, seconds) for name, nbytes, seconds in results]
+    out = [SendResult(name, nbytes, seconds, SendWaits(*waited)) for name, nbytes, seconds, waited in results]
     if progress:
         for r in out:
-            print(f"sent {r.name}: {r.nbytes} bytes in {r.seconds:.3f} s")
+            print(f"sent {r.name}: {r.nbytes} bytes in {r.seconds:.3f} s (waited: {r.waited})")
     return out
 
 

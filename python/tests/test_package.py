@@ -126,6 +126,11 @@ def test_numpy_arrays_of_every_dtype_land_bit_exact_in_the_rust_receiver(tmp_pat
     try:
         results = tensorwire.send(rx.addr, {**arrays, **raw})
         assert sorted(r.name for r in results) == sorted([*arrays, *raw])
+        # Each send waits for the receiver at least for its COMPLETE, within its own time;
+        # a small tensor takes no turn.
+        for r in results:
+            assert 0 < r.waited.receiver <= r.seconds, r
+            assert r.waited.turn == 0 and r.waited.transport >= 0 and r.waited.source >= 0, r
         out = rx.wait()
     finally:
         rx.stop()

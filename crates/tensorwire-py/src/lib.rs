@@ -289,8 +289,9 @@ fn client_tls(
 /// Sends `items` to `addr` over `connections` connections (None: one per core, at most 8,
 /// and no more than the tensors, or their 16 MiB parts, can use); with `split`, a tensor
 /// larger than its connection's share goes as parts over several (spec §15). Returns
-/// `(name, bytes, seconds)` per tensor, or raises `TensorwireError` naming the first tensor
-/// that failed.
+/// `(name, bytes, seconds, (receiver, source, transport, turn))` per tensor, the last four
+/// the seconds it waited for each ([`SendWaits`](tensorwire::quic::SendWaits)), or raises
+/// `TensorwireError` naming the first tensor that failed.
 #[pyfunction]
 #[pyo3(signature = (addr, items, *, connections=None, split=true, ca=None, client_cert=None,
     client_key=None, server_name="localhost".to_owned(), mtu=None, device=None))]
@@ -307,7 +308,7 @@ fn send(
     server_name: String,
     mtu: Option<u16>,
     device: Option<String>,
-) -> PyResult<Vec<(String, u64, f64)>> {
+) -> PyResult<Vec<SentTensor>> {
     let addr: SocketAddr = addr.parse().map_err(|e| {
         error(
             py,
@@ -380,7 +381,7 @@ fn send(
             let mut failed = None;
             for (name, handle) in sending {
                 match handle.finished().await {
-                    Ok(report) => results.push((name, report.bytes, report.elapsed.as_secs_f64())),
+                    Ok(report) => results.push(sent_tensor(name, &report)),
                     Err(e) if failed.is_none() => failed = Some((e, Some(name))),
                     Err(_) => {}
                 }
@@ -393,6 +394,25 @@ fn send(
         })
     });
     outcome.map_err(|(e, tensor)| transport_error(py, &e, tensor.as_deref()))
+}
+
+/// What `send` returns for one tensor: its name, bytes, seconds, and the seconds it waited
+/// for the receiver, its source, QUIC and its turn.
+type SentTensor = (String, u64, f64, (f64, f64, f64, f64));
+
+fn sent_tensor(name: String, report: &tensorwire::quic::SendReport) -> SentTensor {
+    let waited = &report.waited;
+    (
+        name,
+        report.bytes,
+        report.elapsed.as_secs_f64(),
+        (
+            waited.receiver.as_secs_f64(),
+            waited.source.as_secs_f64(),
+            waited.transport.as_secs_f64(),
+            waited.turn.as_secs_f64(),
+        ),
+    )
 }
 
 /// A tensor that landed: on the receiver's GPU or in host memory, handed to NumPy, PyTorch or
