@@ -1925,17 +1925,18 @@ fn median_interval(values: &[f64]) -> Option<(f64, f64)> {
     let mut sorted: Vec<f64> = values.iter().copied().filter(|v| !v.is_nan()).collect();
     sorted.sort_by(f64::total_cmp);
     let n = sorted.len();
-    // P(X <= j) for X ~ Binomial(n, 1/2), summed term by term: C(n, j) / 2^n.
-    let mut term = 0.5f64.powi(i32::try_from(n).ok()?);
+    // P(X <= j) for X ~ Binomial(n, 1/2), summed term by term: C(n, j) / 2^n, kept as a
+    // logarithm so that 2^-n does not underflow past about a thousand rounds.
+    let mut ln_term = -(n as f64) * std::f64::consts::LN_2;
     let mut below = 0.0;
     let mut k = 0;
     for j in 0..n {
-        below += term;
+        below += ln_term.exp();
         if below > 0.025 {
             break;
         }
         k = j + 1;
-        term *= (n - j) as f64 / (j + 1) as f64;
+        ln_term += ((n - j) as f64 / (j + 1) as f64).ln();
     }
     (k >= 1).then(|| (sorted[k - 1], sorted[n - k]))
 }
@@ -2306,6 +2307,10 @@ mod tests {
         // 100 rounds: the 40th and 61st (the textbook's k = 40).
         let rounds: Vec<f64> = (1..=100).map(f64::from).collect();
         assert_eq!(median_interval(&rounds), Some((40.0, 61.0)));
+        // 2,000 rounds, where 2^-n underflows: k = 956 (n/2 - 1.96 * sqrt(n)/2, rounded
+        // down, as the normal approximation has it).
+        let rounds: Vec<f64> = (1..=2000).map(f64::from).collect();
+        assert_eq!(median_interval(&rounds), Some((956.0, 1045.0)));
     }
 
     #[test]
