@@ -17,6 +17,14 @@ use crate::steering::{
     Balance, MAX_STEERED_ENDPOINTS, ServerEndpoint, Steering, attach_steering, steered_ids,
 };
 
+/// Threads of an endpoint that accepts connections (a receiver's: `tensorwire-rx-0` for
+/// its first), so that `top -H` and profilers tell them from a sender's. Linux keeps 15
+/// characters of a thread's name.
+pub const ACCEPTING_THREAD: &str = "tensorwire-rx";
+
+/// Threads of an endpoint that connects (a [`Sender`](crate::Sender)'s).
+pub const CONNECTING_THREAD: &str = "tensorwire-tx";
+
 /// Smallest MTU: the datagram size QUIC requires every path to carry (RFC 9000 §14).
 pub const MIN_MTU: u16 = 1200;
 
@@ -204,7 +212,11 @@ impl TransportSettings {
     ) -> Result<(quinn::Endpoint, Handle), TransportError> {
         // Bound first: a port that cannot be had starts no thread.
         let socket = self.socket(addr, PortSharing::Alone)?;
-        let runtime = EndpointRuntime::start(self.endpoint_threads, "tensorwire-endpoint")?;
+        let name = match server {
+            Some(_) => ACCEPTING_THREAD,
+            None => CONNECTING_THREAD,
+        };
+        let runtime = EndpointRuntime::start(self.endpoint_threads, name)?;
         let handle = runtime.handle.clone();
         Ok((self.endpoint_on(socket, server, None, runtime)?, handle))
     }
@@ -252,7 +264,7 @@ impl TransportSettings {
                 let ids = balance.as_ref().and_then(|_| u8::try_from(index).ok());
                 let runtime = EndpointRuntime::start(
                     self.endpoint_threads,
-                    &format!("tensorwire-endpoint-{index}"),
+                    &format!("{ACCEPTING_THREAD}-{index}"),
                 )?;
                 let handle = runtime.handle.clone();
                 let endpoint = self.endpoint_on(socket, Some(server.clone()), ids, runtime)?;

@@ -30,8 +30,8 @@ pub mod tls;
 
 pub use budget::BudgetSnapshot;
 pub use config::{
-    ClientTls, Congestion, MAX_DEFAULT_ENDPOINTS, MAX_MTU, MIN_MTU, ReceiverConfig, SenderConfig,
-    ServerTls, TransportSettings,
+    ACCEPTING_THREAD, CONNECTING_THREAD, ClientTls, Congestion, MAX_DEFAULT_ENDPOINTS, MAX_MTU,
+    MIN_MTU, ReceiverConfig, SenderConfig, ServerTls, TransportSettings,
 };
 pub use dev_trust::dev_cert_path;
 pub use error::TransportError;

@@ -13,9 +13,12 @@ use std::time::Duration;
 use common::*;
 use tensorwire_quic::proto::{ErrorCode, Payload};
 use tensorwire_quic::{
-    CreditPermit, EndpointThreads, Receiver, Sender, SenderConfig, Sink, SinkError, StoreOffload,
-    TransportError, TransportSettings,
+    ACCEPTING_THREAD, CONNECTING_THREAD, CreditPermit, EndpointThreads, Receiver, Sender,
+    SenderConfig, Sink, SinkError, StoreOffload, TransportError, TransportSettings,
 };
+
+/// The name of the thread of a receiver's first endpoint.
+const RECEIVING_THREAD_0: &str = "tensorwire-rx-0";
 
 /// The tests of this binary count endpoint threads: they run one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -125,7 +128,7 @@ fn threads_named(prefix: &str) -> usize {
 async fn a_tensor_lands_on_its_endpoints_own_thread() {
     let one = EndpointThreads::Own(NonZeroUsize::MIN);
     for name in stored_on(one).await {
-        assert_eq!(name, "tensorwire-endpoint-0");
+        assert_eq!(name, RECEIVING_THREAD_0);
     }
 }
 
@@ -147,20 +150,22 @@ async fn endpoint_threads_end_with_their_endpoints() {
     let _serial = SERIAL.lock().await;
     let two = EndpointThreads::Own(NonZeroUsize::new(2).unwrap());
     let (mut rx, tx) = receiver_and_sender(two, 3).await;
-    // Each endpoint's runtime thread and its two workers carry its name (Linux keeps 15
-    // characters of it).
-    assert!(threads_named("tensorwire-endp") >= 4 * 2);
+    // Each endpoint's runtime thread and its two workers carry its side's name (Linux keeps
+    // 15 characters of it): the receiver's three endpoints accept, the sender's connects.
+    assert!(threads_named(ACCEPTING_THREAD) >= 3 * 2);
+    assert!(threads_named(CONNECTING_THREAD) >= 2);
     let send = tx.send(u8_meta("t", 1000), pattern(1000, 1));
     land_host(rx.next().await.unwrap()).await;
     send.finished().await.unwrap();
     tx.close().await;
     rx.close().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while threads_named("tensorwire-endp") > 0 {
+    let endpoint_threads = || threads_named(ACCEPTING_THREAD) + threads_named(CONNECTING_THREAD);
+    while endpoint_threads() > 0 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "{} endpoint threads still running",
-            threads_named("tensorwire-endp")
+            endpoint_threads()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -244,7 +249,7 @@ async fn large_payloads_are_stored_off_the_endpoints_thread_when_asked() {
     expected.push(4096);
     assert_eq!(lengths, expected, "stored in order");
     for (thread, len) in &stores {
-        assert_ne!(thread, "tensorwire-endpoint-0", "{len} bytes");
+        assert_ne!(thread, RECEIVING_THREAD_0, "{len} bytes");
     }
 }
 
@@ -292,14 +297,14 @@ async fn never_stores_on_the_endpoints_thread() {
     let (stores, sent) = stores_with(StoreOffload::Never, None).await;
     sent.unwrap();
     for (thread, len) in stores {
-        assert_eq!(thread, "tensorwire-endpoint-0", "{len} bytes");
+        assert_eq!(thread, RECEIVING_THREAD_0, "{len} bytes");
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_failing_off_the_endpoints_thread_reaches_the_sender() {
     let (stores, sent) = stores_with(StoreOffload::UpTo(NonZeroUsize::MIN), Some(2)).await;
-    assert_ne!(stores[1].0, "tensorwire-endpoint-0");
+    assert_ne!(stores[1].0, RECEIVING_THREAD_0);
     let err = sent.unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::SINK_FAILED), "{err}");
     assert!(
