@@ -1206,11 +1206,11 @@ impl ThreadUsage {
             // Nanoseconds on a CPU, then nanoseconds runnable and waiting for one.
             let schedstat = std::fs::read_to_string(tid.join("schedstat")).unwrap_or_default();
             let mut fields = schedstat.split_whitespace().map(|f| f.parse().unwrap_or(0));
+            let preempted = count("nonvoluntary_ctxt_switches:");
             Some(ThreadCounts {
                 name: name.trim().to_owned(),
-                context_switches: count("voluntary_ctxt_switches:")
-                    + count("nonvoluntary_ctxt_switches:"),
-                preempted: count("nonvoluntary_ctxt_switches:"),
+                context_switches: count("voluntary_ctxt_switches:") + preempted,
+                preempted,
                 on_cpu_ns: fields.next().unwrap_or(0),
                 waiting_for_cpu_ns: fields.next().unwrap_or(0),
             })
@@ -1944,10 +1944,34 @@ fn median_interval(values: &[f64]) -> Option<(f64, f64)> {
 /// " (best of N: A B C)", every round's rate in the order run, where there was more than one.
 fn rounds_text(rates: &[f64]) -> String {
     if rates.len() > 1 {
-        let rates: Vec<String> = rates.iter().map(|r| format!("{r:.1}")).collect();
-        format!(" (best of {}: {})", rates.len(), rates.join(" "))
+        format!(" (best of {}: {})", rates.len(), joined(rates, 1))
     } else {
         String::new()
+    }
+}
+
+/// `values` with `decimals` decimals each, separated by spaces.
+fn joined(values: &[f64], decimals: usize) -> String {
+    let values: Vec<String> = values.iter().map(|v| format!("{v:.decimals$}")).collect();
+    values.join(" ")
+}
+
+/// What one connection count's rounds of tensorwire / raw quinn say.
+struct RoundsSummary {
+    median: f64,
+    /// The lowest and highest round.
+    range: (f64, f64),
+    /// The median's 95% interval ([`median_interval`]).
+    interval: Option<(f64, f64)>,
+}
+
+impl RoundsSummary {
+    fn of(rounds: &[f64]) -> Self {
+        Self {
+            median: median(&mut rounds.to_vec()),
+            range: spread(rounds),
+            interval: median_interval(rounds),
+        }
     }
 }
 
@@ -2098,6 +2122,11 @@ async fn main() -> anyhow::Result<()> {
             hot_ratios.push((n, hot_quinn_s / tw_s));
         }
     }
+    // What each connection count's rounds say, for the table and the JSON alike.
+    let summaries: Vec<(usize, RoundsSummary)> = rounds_in_order
+        .iter()
+        .map(|(n, rounds)| (*n, RoundsSummary::of(rounds)))
+        .collect();
     let default_samples = if args.quick { 300 } else { 20_000 };
     let samples = if args.only.is_none() || latency_only {
         args.samples.unwrap_or(default_samples)
@@ -2152,25 +2181,26 @@ async fn main() -> anyhow::Result<()> {
                 t.transport, t.connections, t.gbit_per_s, t.seconds
             );
         }
-        for ((n, ratio), (_, rounds)) in ratios.iter().zip(&rounds_in_order) {
+        for (((n, ratio), (_, rounds)), (_, summary)) in
+            ratios.iter().zip(&rounds_in_order).zip(&summaries)
+        {
             if ratio.is_nan() {
                 continue; // `--only` left tensorwire or raw quinn out.
             }
-            let median_ratio = median(&mut rounds.clone());
+            let median_ratio = summary.median;
             let hot = hot_ratios.iter().find(|(m, r)| m == n && !r.is_nan());
             let hot = hot.map_or_else(String::new, |(_, hot_ratio)| {
                 format!("; / raw quinn, hot: {hot_ratio:.3}")
             });
-            let range = spread_text(runs, spread(rounds));
-            let interval = median_interval(rounds).map_or_else(String::new, |(low, high)| {
+            let range = spread_text(runs, summary.range);
+            let interval = summary.interval.map_or_else(String::new, |(low, high)| {
                 format!("; 95% interval of the median {low:.3} to {high:.3}")
             });
             println!(
                 "  tensorwire / raw quinn, {n} connection(s): {ratio:.3} (best of each), {median_ratio:.3} (median of the rounds' ratios{range}{interval}){hot}"
             );
             if rounds.len() > 1 {
-                let rounds: Vec<String> = rounds.iter().map(|r| format!("{r:.3}")).collect();
-                println!("    rounds in the order run: {}", rounds.join(" "));
+                println!("    rounds in the order run: {}", joined(rounds, 3));
             }
         }
     }
@@ -2266,17 +2296,17 @@ async fn main() -> anyhow::Result<()> {
         mtu: args.mtu,
         throughput,
         ratio_tensorwire_over_quinn: ratios,
-        median_round_ratio_tensorwire_over_quinn: rounds_in_order
+        median_round_ratio_tensorwire_over_quinn: summaries
             .iter()
-            .map(|(n, rounds)| (*n, median(&mut rounds.clone())))
+            .map(|(n, s)| (*n, s.median))
             .collect(),
-        round_ratio_range_tensorwire_over_quinn: rounds_in_order
+        round_ratio_range_tensorwire_over_quinn: summaries
             .iter()
-            .map(|(n, rounds)| (*n, spread(rounds)))
+            .map(|(n, s)| (*n, s.range))
             .collect(),
-        median_interval_95_tensorwire_over_quinn: rounds_in_order
+        median_interval_95_tensorwire_over_quinn: summaries
             .iter()
-            .map(|(n, rounds)| (*n, median_interval(rounds)))
+            .map(|(n, s)| (*n, s.interval))
             .collect(),
         round_ratios_tensorwire_over_quinn: rounds_in_order,
         ratio_tensorwire_over_hot_quinn: hot_ratios,
