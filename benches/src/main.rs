@@ -22,6 +22,8 @@ use tensorwire::quic::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+mod relay;
+
 /// The programs' allocator (their allocator's doc says why): mimalloc, with received
 /// datagrams in pinned memory once a GPU row opens its device, counting allocations (and
 /// reallocations) while a latency row runs, so the rows can print them per message. Raw quinn,
@@ -124,6 +126,10 @@ struct Args {
     /// tensorwire receiver: credit one tensor may hold unused, in MiB.
     #[arg(long, default_value_t = 8)]
     window_mib: u64,
+    /// tensorwire receiver: most a tensor's window grows to on a long path, in MiB (at or
+    /// below --window-mib, windows stay fixed).
+    #[arg(long, default_value_t = 16)]
+    max_window_mib: u64,
     /// tensorwire receiver: bytes per CREDIT, in MiB.
     #[arg(long, default_value_t = 4)]
     grant_mib: u64,
@@ -199,6 +205,12 @@ struct Args {
     /// `sender` maps the files it sends (cycled through where `--mib` is larger).
     #[arg(long, value_name = "hot|FILE")]
     source: Option<RawSource>,
+    /// Put a relay in each QUIC throughput run's path that holds every datagram this many
+    /// milliseconds each way: a long path on loopback (a round trip of twice this), for raw
+    /// quinn and tensorwire alike. Needs `--only` without tcp-tls; latency rows keep the
+    /// direct path.
+    #[arg(long, default_value_t = 0)]
+    delay_ms: u64,
 }
 
 /// What the raw transports send (`--source`).
@@ -460,6 +472,18 @@ fn print_path_stats(who: &str, stats: &quinn::ConnectionStats) {
 }
 
 /// `--store-offload`, set once at start.
+/// `--delay-ms`: how long the relay in each QUIC throughput run's path holds datagrams.
+static ONE_WAY_DELAY: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+
+/// Where a throughput run's client sends to reach `server`: through a delaying relay with
+/// `--delay-ms`, straight otherwise.
+async fn path_to(server: SocketAddr) -> anyhow::Result<SocketAddr> {
+    match ONE_WAY_DELAY.get() {
+        Some(&one_way) if !one_way.is_zero() => relay::delayed_path(server, one_way).await,
+        _ => Ok(server),
+    }
+}
+
 static STORE_OFFLOAD: std::sync::OnceLock<tensorwire::quic::StoreOffload> =
     std::sync::OnceLock::new();
 
@@ -696,7 +720,7 @@ async fn raw_quinn(
     let mut clients = Vec::new();
     for _ in 0..connections {
         let (server, server_runtime, cert) = quinn_server(mtu)?;
-        let addr = server.local_addr()?;
+        let addr = path_to(server.local_addr()?).await?;
         let (client, client_runtime, config) = quinn_client(mtu, &cert)?;
         let server_task = server_runtime
             .spawn(async move { raw_quinn_serve(first_connection(server).await?).await });
@@ -789,6 +813,7 @@ struct TensorwireRun {
     mtu: u16,
     chunk: u64,
     window: u64,
+    max_window: u64,
     grant: u64,
     inflight: usize,
 }
@@ -802,6 +827,7 @@ impl TensorwireRun {
             mtu: args.mtu,
             chunk: args.chunk_kib << 10,
             window: args.window_mib << 20,
+            max_window: args.max_window_mib << 20,
             grant: args.grant_mib << 20,
             inflight: args.inflight,
         }
@@ -819,6 +845,7 @@ async fn tensorwire_run(
         mtu,
         chunk,
         window,
+        max_window,
         grant,
         inflight: in_flight,
     } = run;
@@ -826,6 +853,7 @@ async fn tensorwire_run(
     let data = payload(tensor_bytes as usize);
     let mut receivers = Vec::new();
     let mut senders = Vec::new();
+    let mut stand_ins = Vec::new();
     for _ in 0..connections {
         // One receiving endpoint (socket) per connection: quinn's receive path is one task
         // per endpoint.
@@ -838,6 +866,7 @@ async fn tensorwire_run(
         config.endpoints = 1;
         config.store_offload = STORE_OFFLOAD.get().copied().unwrap_or_default();
         config.stream_window = window;
+        config.max_stream_window = max_window;
         config.grant_unit = grant;
         let mut receiver = Receiver::bind(config).await?;
         let addr = receiver.local_addr()?;
@@ -867,7 +896,15 @@ async fn tensorwire_run(
             chunk_size: chunk,
             ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
         };
-        senders.push(Sender::connect(addr, config).await?);
+        let path = path_to(addr).await?;
+        if path != addr {
+            // Development trust finds a receiver's certificate by the port connected to: the
+            // relay stands in for the receiver there.
+            let stand_in = tensorwire::quic::dev_cert_path(path.port());
+            std::fs::copy(tensorwire::quic::dev_cert_path(addr.port()), &stand_in)?;
+            stand_ins.push(stand_in);
+        }
+        senders.push(Sender::connect(path, config).await?);
     }
     let meta = TensorMeta::new([tensor_bytes], DType::U8)?.with_name("bench");
     let senders: Vec<Arc<Sender>> = senders.into_iter().map(Arc::new).collect();
@@ -905,8 +942,22 @@ async fn tensorwire_run(
         print_path_stats("tensorwire", &s.connection_stats());
         s.close().await;
     }
+    for stand_in in stand_ins {
+        let _ = std::fs::remove_file(stand_in);
+    }
+    let mut largest_window = 0;
     for r in receivers {
-        r.await??.close().await;
+        let receiver = r.await??;
+        largest_window = largest_window.max(receiver.metrics().largest_stream_window);
+        receiver.close().await;
+    }
+    if largest_window > window {
+        // Spec §7.1: the arrival rate over the path's RTT outgrew the initial window.
+        println!(
+            "    tensorwire: credit windows grew to {} MiB (from {} MiB)",
+            largest_window >> 20,
+            window >> 20
+        );
     }
     Ok(seconds)
 }
@@ -2014,6 +2065,18 @@ async fn main() -> anyhow::Result<()> {
     }
     let _ = ENDPOINT_THREADS.set(args.endpoint_threads);
     let _ = STORE_OFFLOAD.set(args.store_offload);
+    if args.delay_ms > 0 {
+        let tcp_tls = args
+            .only
+            .as_deref()
+            .is_none_or(|only| only.split(',').any(|one| one == "tcp-tls"));
+        anyhow::ensure!(
+            !tcp_tls,
+            "--delay-ms delays UDP datagrams only: pass --only without tcp-tls (e.g. \
+             --only raw-quinn,tensorwire)"
+        );
+        let _ = ONE_WAY_DELAY.set(Duration::from_millis(args.delay_ms));
+    }
     let _ = THREAD_USAGE.set(args.thread_usage);
     let mib = args.mib.unwrap_or(if args.quick { 512 } else { 2048 });
     if let Some(cert) = &args.raw_server {

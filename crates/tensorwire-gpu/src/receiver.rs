@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tensorwire_proto::ErrorCode;
 
 use tensorwire_proto::{
-    CreditTracker, Frame, FrameDecoder, Limits, ProtocolError, Session, SessionConfig,
+    CreditTracker, Frame, FrameDecoder, GrantClock, Limits, ProtocolError, Session, SessionConfig,
     SessionEvent, StreamId, TensorMeta,
 };
 use tensorwire_sink::CreditRelease;
@@ -159,7 +159,11 @@ impl GpuTensorReceiver {
                 self.sink = Some(self.placement.sink(&meta)?);
                 self.session.accept(STREAM)?;
                 let session = &mut self.session;
-                let _ = self.credit.with(|credit| session.grant(STREAM, credit));
+                // Fed from memory: no path, so the window (all of the tensor) stays.
+                let clock = GrantClock::without_path(std::time::Instant::now());
+                let _ = self
+                    .credit
+                    .with(|credit| session.grant(STREAM, credit, clock));
                 self.meta = Some(meta.clone());
                 Ok(GpuReceiverEvent::Metadata(meta))
             }

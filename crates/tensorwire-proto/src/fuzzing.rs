@@ -211,8 +211,8 @@ const SENT_TENSOR_LEN: u64 = 3000;
 ///
 /// Layout: `op_count: u8 | ops: [u8; op_count] | frame bytes`. Op `k`: stream `(k >> 4) % 4`
 /// (streams 0 and 1 receive, 2 and 3 send); `k % 8`: 0–2 feed it the next decoded frame,
-/// 3 accept (receiving) or send the next chunk (sending), 4 grant (receiving) or finish
-/// (sending), 5 release held bytes, 6 cancel, 7 close and reopen it. Each op advances the
+/// 3 accept (receiving) or send the next chunk (sending), 4 grant with a round trip of
+/// `k >> 5` ms (receiving) or finish (sending), 5 release held bytes, 6 cancel, 7 close and reopen it. Each op advances the
 /// clock by `k` milliseconds.
 pub fn session_ops(data: &[u8]) {
     use std::time::{Duration, Instant};
@@ -228,12 +228,14 @@ pub fn session_ops(data: &[u8]) {
         limits: limits.clone(),
         grant_unit: 1024,
         stream_window: 4096,
+        max_stream_window: 16384,
         connection_window: 6144,
         max_failed_streams: 8,
         failure_window: Duration::from_secs(1),
         early_credit: 2048,
     };
     let connection_window = config.connection_window;
+    let max_stream_window = config.max_stream_window;
     let early_credit = config.early_credit;
     let budget = 16 << 10;
     let Ok(mut credit) = CreditTracker::new(budget, budget / 4 * 3, budget / 4) else {
@@ -297,7 +299,9 @@ pub fn session_ops(data: &[u8]) {
                 }
             }
             (4, true) => {
-                let _ = session.grant(id, &mut credit);
+                // A round trip of 0–7 ms: windows grow when bytes arrive fast.
+                let rtt = Duration::from_millis(u64::from(k >> 5));
+                let _ = session.grant(id, &mut credit, crate::GrantClock { now, rtt });
             }
             (4, false) => drop(session.finish(id)),
             (5, _) => {
@@ -326,6 +330,11 @@ pub fn session_ops(data: &[u8]) {
             "the session's unarrived credit disagrees with the tracker's"
         );
         assert!(session.outstanding_credit() <= connection_window + early_credit);
+        assert!(
+            session
+                .stream_window(id)
+                .is_none_or(|w| w <= max_stream_window)
+        );
         while session.poll_control_frame().is_some() {}
         assert!(session.sent(id) <= SENT_TENSOR_LEN);
         while session.poll_frame(id).is_some() {}

@@ -44,6 +44,7 @@ mod receiver;
 mod sender;
 mod session;
 pub mod split;
+mod window;
 
 #[doc(hidden)]
 pub mod fuzzing;
@@ -66,6 +67,7 @@ pub use receiver::{
 };
 pub use sender::{CheckedChunk, SenderEvent, SenderInput, SenderState, TensorSender};
 pub use session::{Session, SessionConfig, SessionEvent, StreamClosed, StreamId};
+pub use window::GrantClock;
 
 /// The ALPN protocol identifier of this version (spec §3).
 pub const ALPN: &[u8] = b"tensorwire/1";

@@ -13,12 +13,13 @@ use crate::limits::Limits;
 use crate::meta::TensorMeta;
 use crate::receiver::{CheckedFrame, ReceiverEvent, ReceiverState, TensorReceiver};
 use crate::sender::{CheckedChunk, SenderEvent, SenderState, TensorSender};
+use crate::window::{GrantClock, StreamWindow};
 
 /// One tensor of the connection, in the direction its stream runs.
 #[derive(Debug)]
 enum Tensor {
-    /// The peer opened the stream and sends the tensor to us.
-    Incoming(TensorReceiver),
+    /// The peer opened the stream and sends the tensor to us, within its window.
+    Incoming(TensorReceiver, StreamWindow),
     /// We opened the stream and send the tensor to the peer.
     Outgoing(TensorSender),
 }
@@ -34,9 +35,13 @@ pub struct SessionConfig {
     pub limits: Limits,
     /// Bytes granted to a tensor in one CREDIT.
     pub grant_unit: u64,
-    /// Most credit one tensor may hold granted and not yet arrived, so one tensor cannot
-    /// take the whole budget.
+    /// Most credit one tensor may hold granted and not yet arrived when it starts, so one
+    /// tensor cannot take the whole budget.
     pub stream_window: u64,
+    /// Most a tensor's window grows to (spec §7.1): it doubles whenever the tensor's bytes
+    /// arrive faster than the window lets them over two round trips. At or below
+    /// `stream_window`, windows stay fixed.
+    pub max_stream_window: u64,
     /// Most credit the whole connection may hold granted and not yet arrived, so one peer
     /// cannot take the receiver-wide budget from the others (spec §7.1).
     pub connection_window: u64,
@@ -50,13 +55,15 @@ pub struct SessionConfig {
 }
 
 impl Default for SessionConfig {
-    /// The reference implementation's policy: 4 MiB grants, an 8 MiB window per tensor and
-    /// 128 MiB per connection, 1000 failed streams per 10 s, 1 MiB of early credit.
+    /// The reference implementation's policy: 4 MiB grants, an 8 MiB window per tensor
+    /// growing to 16 MiB on long paths, 128 MiB per connection, 1000 failed streams per
+    /// 10 s, 1 MiB of early credit.
     fn default() -> Self {
         Self {
             limits: Limits::default(),
             grant_unit: 4 << 20,
             stream_window: 8 << 20,
+            max_stream_window: 16 << 20,
             connection_window: 128 << 20,
             max_failed_streams: 1000,
             failure_window: Duration::from_secs(10),
@@ -144,6 +151,12 @@ pub struct Session {
     control: VecDeque<Frame>,
     /// What the peer's EARLY_CREDIT allows our tensors, once one arrived.
     peer_early: Option<PeerEarly>,
+    /// The smallest round-trip time grants were given (zero before one): the path's own, as
+    /// the smoothed RTT under load also counts the queues the tensors themselves build.
+    min_rtt: Duration,
+    /// The largest window a tensor's grew to on this connection: the path's, so the peer's
+    /// next tensors start there rather than growing again.
+    grown_window: u64,
 }
 
 /// The early allowance the peer gave our tensors (spec §7.6).
@@ -167,13 +180,21 @@ impl Session {
             offering_early: false,
             control: VecDeque::new(),
             peer_early: None,
+            min_rtt: Duration::ZERO,
+            grown_window: 0,
         }
     }
 
     /// The peer opened stream `id`.
     pub fn open_stream(&mut self, id: StreamId) -> Result<(), ProtocolError> {
         let tensor = TensorReceiver::new(self.config.limits.clone());
-        self.open(id, Tensor::Incoming(tensor))
+        // Spec §7.1: a window grown on this connection's path is where the next one starts.
+        let start = self
+            .grown_window
+            .min(self.config.max_stream_window)
+            .max(self.config.stream_window);
+        let window = StreamWindow::new(start);
+        self.open(id, Tensor::Incoming(tensor, window))
     }
 
     /// We opened stream `id` to send `tensor` on it; its METADATA is queued.
@@ -286,7 +307,7 @@ impl Session {
 
     fn incoming(&mut self, id: StreamId) -> Result<&mut TensorReceiver, ProtocolError> {
         match self.tensors.get_mut(&id) {
-            Some(Tensor::Incoming(tensor)) => Ok(tensor),
+            Some(Tensor::Incoming(tensor, _)) => Ok(tensor),
             Some(Tensor::Outgoing(_)) => Err(ProtocolError::Misuse(
                 "a receiving call on a tensor we send",
             )),
@@ -297,7 +318,7 @@ impl Session {
     fn outgoing(&mut self, id: StreamId) -> Result<&mut TensorSender, ProtocolError> {
         match self.tensors.get_mut(&id) {
             Some(Tensor::Outgoing(tensor)) => Ok(tensor),
-            Some(Tensor::Incoming(_)) => Err(ProtocolError::Misuse(
+            Some(Tensor::Incoming(..)) => Err(ProtocolError::Misuse(
                 "a sending call on a tensor we receive",
             )),
             None => Err(ProtocolError::Misuse("no such stream in the session")),
@@ -328,7 +349,7 @@ impl Session {
         credit: &mut CreditTracker,
     ) -> Result<SessionEvent, ProtocolError> {
         let tensor = match self.tensors.get_mut(&id) {
-            Some(Tensor::Incoming(tensor)) => tensor,
+            Some(Tensor::Incoming(tensor, _)) => tensor,
             Some(Tensor::Outgoing(_)) => return self.handle_reply(id, frame.into_frame()),
             None => return Err(ProtocolError::Misuse("no such stream in the session")),
         };
@@ -381,7 +402,7 @@ impl Session {
     /// closes the tensor.
     pub fn record_payload_crc(&mut self, id: StreamId, crc: u32) -> Result<(), ProtocolError> {
         match self.tensors.get_mut(&id) {
-            Some(Tensor::Incoming(tensor)) => tensor.record_payload_crc(crc),
+            Some(Tensor::Incoming(tensor, _)) => tensor.record_payload_crc(crc),
             _ => Err(ProtocolError::Misuse("no incoming tensor on that stream")),
         }
     }
@@ -429,7 +450,7 @@ impl Session {
     /// CANCEL otherwise). A tensor that already ended is left as it is.
     pub fn cancel(&mut self, id: StreamId, code: ErrorCode, reason: impl Into<String>) {
         match self.tensors.get_mut(&id) {
-            Some(Tensor::Incoming(tensor)) => {
+            Some(Tensor::Incoming(tensor, _)) => {
                 let _ = tensor.cancel(code, reason);
             }
             Some(Tensor::Outgoing(tensor)) => {
@@ -451,7 +472,7 @@ impl Session {
     /// be smaller): a window with less than a unit free waits for more bytes to arrive, so
     /// CREDIT goes out once per unit, not once per DATA.
     fn stream_wants(&self, id: StreamId) -> u64 {
-        let Some(Tensor::Incoming(tensor)) = self.tensors.get(&id) else {
+        let Some(Tensor::Incoming(tensor, window)) = self.tensors.get(&id) else {
             return 0;
         };
         if tensor.state() != ReceiverState::Receiving {
@@ -460,13 +481,19 @@ impl Session {
         let unit = self
             .config
             .grant_unit
-            .min(self.config.stream_window)
+            .min(window.size())
             .min(tensor.ungranted());
-        let stream_left = self
-            .config
-            .stream_window
-            .saturating_sub(tensor.revocable_credit());
+        let stream_left = window.size().saturating_sub(tensor.revocable_credit());
         if stream_left < unit { 0 } else { unit }
+    }
+
+    /// The window of the peer's tensor on `id` now (spec §7.1): `stream_window`, or more once
+    /// it grew; `None` for any other stream.
+    pub fn stream_window(&self, id: StreamId) -> Option<u64> {
+        match self.tensors.get(&id) {
+            Some(Tensor::Incoming(_, window)) => Some(window.size()),
+            _ => None,
+        }
     }
 
     /// Whether the peer's tensor on `id` needs more credit and has none in flight: none of its
@@ -474,7 +501,7 @@ impl Session {
     /// (to copy them with later ones) must release them now, not wait for more (spec §7.1).
     pub fn out_of_credit(&self, id: StreamId) -> bool {
         match self.tensors.get(&id) {
-            Some(Tensor::Incoming(tensor)) => {
+            Some(Tensor::Incoming(tensor, _)) => {
                 tensor.state() == ReceiverState::Receiving
                     && tensor.ungranted() > 0
                     && tensor.revocable_credit() == 0
@@ -486,20 +513,40 @@ impl Session {
     /// Grants the tensor on `id` what the tracker allows of what it wants; queues CREDIT.
     /// Returns the bytes granted: 0 while the tracker is paused or full (wait for a release)
     /// or when the tensor wants none.
+    ///
+    /// First, the tensor's window grows if its bytes arrived since its previous grant faster
+    /// than the window lets them over two round trips (spec §7.1): the smallest round trip
+    /// any grant on the connection was given, so that the queues a fast sender builds (which
+    /// lengthen the smoothed RTT) do not count as path.
     #[must_use = "granted bytes are sent as CREDIT by flushing poll_frame"]
-    pub fn grant(&mut self, id: StreamId, credit: &mut CreditTracker) -> u64 {
+    pub fn grant(&mut self, id: StreamId, credit: &mut CreditTracker, clock: GrantClock) -> u64 {
+        if !clock.rtt.is_zero() && (self.min_rtt.is_zero() || clock.rtt < self.min_rtt) {
+            self.min_rtt = clock.rtt;
+        }
+        let path = GrantClock {
+            now: clock.now,
+            rtt: self.min_rtt,
+        };
+        let max_window = self.config.max_stream_window;
+        if let Some(Tensor::Incoming(tensor, window)) = self.tensors.get_mut(&id) {
+            window.tune(tensor.received(), path, max_window);
+            self.grown_window = self.grown_window.max(window.size());
+        }
         let want = self.stream_wants(id).min(self.connection_window_left());
         if want == 0 {
             return 0;
         }
         let granted = credit.grant(want);
-        let Some(Tensor::Incoming(tensor)) = self.tensors.get_mut(&id) else {
+        let Some(Tensor::Incoming(tensor, window)) = self.tensors.get_mut(&id) else {
             let _ = credit.revoke(granted);
             return 0;
         };
         let used = tensor.grant(granted);
         // `want` never exceeds what the tensor takes; return any rest all the same.
         let _ = credit.revoke(granted - used);
+        if used > 0 {
+            window.granted(clock.now, tensor.received());
+        }
         self.outstanding += used;
         used
     }
@@ -543,7 +590,7 @@ impl Session {
     /// The next frame to send on stream `id`.
     pub fn poll_frame(&mut self, id: StreamId) -> Option<Frame> {
         match self.tensors.get_mut(&id)? {
-            Tensor::Incoming(tensor) => tensor.poll_frame(),
+            Tensor::Incoming(tensor, _) => tensor.poll_frame(),
             Tensor::Outgoing(tensor) => tensor.poll_frame(),
         }
     }
@@ -551,7 +598,7 @@ impl Session {
     /// The tensor's metadata (of a peer's tensor, once received).
     pub fn meta(&self, id: StreamId) -> Option<&TensorMeta> {
         match self.tensors.get(&id)? {
-            Tensor::Incoming(tensor) => tensor.meta(),
+            Tensor::Incoming(tensor, _) => tensor.meta(),
             Tensor::Outgoing(tensor) => Some(tensor.meta()),
         }
     }
@@ -559,7 +606,7 @@ impl Session {
     /// Why the tensor on `id` closed, if it did without completing.
     pub fn ending(&self, id: StreamId) -> Option<&ProtocolError> {
         match self.tensors.get(&id)? {
-            Tensor::Incoming(tensor) => tensor.ending(),
+            Tensor::Incoming(tensor, _) => tensor.ending(),
             Tensor::Outgoing(tensor) => tensor.ending(),
         }
     }
@@ -567,7 +614,7 @@ impl Session {
     /// Payload bytes received on `id` so far (a peer's tensor).
     pub fn received(&self, id: StreamId) -> u64 {
         match self.tensors.get(&id) {
-            Some(Tensor::Incoming(tensor)) => tensor.received(),
+            Some(Tensor::Incoming(tensor, _)) => tensor.received(),
             _ => 0,
         }
     }
@@ -604,7 +651,7 @@ impl Session {
         now: Instant,
     ) -> StreamClosed {
         let tensor = match self.remove(id, now) {
-            Some(Tensor::Incoming(tensor)) => tensor,
+            Some(Tensor::Incoming(tensor, _)) => tensor,
             Some(Tensor::Outgoing(tensor)) => return outcome_of_sending(&tensor),
             None => return StreamClosed::Failed,
         };

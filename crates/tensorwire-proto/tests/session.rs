@@ -3,20 +3,26 @@
 //! releasing held bytes late. Every test uses the policy that ships (`SessionConfig`).
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tensorwire_proto::frame::Cancel;
 use tensorwire_proto::testing::pattern;
 use tensorwire_proto::{
-    CreditTracker, DType, ErrorCode, Frame, Session, SessionConfig, SessionEvent, StreamClosed,
-    StreamId, TensorMeta, TensorSender,
+    CreditTracker, DType, ErrorCode, Frame, GrantClock, Session, SessionConfig, SessionEvent,
+    StreamClosed, StreamId, TensorMeta, TensorSender,
 };
 
 /// The fake clock's origin: tests move time by adding durations to it.
 #[allow(clippy::disallowed_methods)] // The one read of the real clock, as the origin.
 fn epoch() -> Instant {
     Instant::now()
+}
+
+/// A grant's clock where no round trip was measured: windows keep their initial size.
+fn no_path() -> GrantClock {
+    GrantClock::without_path(epoch())
 }
 
 fn meta(name: &str, len: usize) -> TensorMeta {
@@ -131,7 +137,7 @@ impl Receiver {
                 moved = true;
             }
             let paused_before = self.credit.should_pause();
-            if session.grant(flow.id, &mut self.credit) > 0 {
+            if session.grant(flow.id, &mut self.credit, no_path()) > 0 {
                 moved = true;
             }
             if self.credit.should_pause() && !paused_before {
@@ -197,12 +203,23 @@ impl DecodeOne for Frame {
 /// `len` bytes of DATA arrive on stream 7 at `*offset`, which moves past them; the session
 /// hands them on as DATA.
 fn data_arrives(session: &mut Session, credit: &mut CreditTracker, offset: &mut u64, len: usize) {
+    data_arrives_on(7, session, credit, offset, len);
+}
+
+/// As [`data_arrives`], on stream `id`.
+fn data_arrives_on(
+    id: StreamId,
+    session: &mut Session,
+    credit: &mut CreditTracker,
+    offset: &mut u64,
+    len: usize,
+) {
     let data = tensorwire_proto::frame::Data {
         offset: *offset,
         payload: Bytes::from(vec![7u8; len]).into(),
     };
     *offset += len as u64;
-    let event = session.handle_frame(7, Frame::Data(data), credit).unwrap();
+    let event = session.handle_frame(id, Frame::Data(data), credit).unwrap();
     assert!(matches!(event, SessionEvent::Data(_)));
 }
 
@@ -226,7 +243,7 @@ fn a_tensor_is_out_of_credit_when_its_granted_bytes_all_arrived() {
     assert!(!session.out_of_credit(7), "not accepted yet");
     session.accept(7).unwrap();
     assert!(session.out_of_credit(7), "accepted, nothing granted");
-    assert_eq!(session.grant(7, &mut credit), 1 << 20);
+    assert_eq!(session.grant(7, &mut credit, no_path()), 1 << 20);
     let mut offset = 0;
     let mut arrive = |session: &mut Session, credit: &mut CreditTracker, len: usize| {
         data_arrives(session, credit, &mut offset, len);
@@ -235,10 +252,14 @@ fn a_tensor_is_out_of_credit_when_its_granted_bytes_all_arrived() {
     assert!(!session.out_of_credit(7), "half the grant still to arrive");
     arrive(&mut session, &mut credit, 512 << 10);
     assert!(session.out_of_credit(7), "the grant arrived, 1 MiB to go");
-    assert_eq!(session.grant(7, &mut credit), 0, "the tracker is paused");
+    assert_eq!(
+        session.grant(7, &mut credit, no_path()),
+        0,
+        "the tracker is paused"
+    );
     // The sink releases what it held: granting resumes.
     assert!(credit.release(1 << 20).unwrap());
-    assert_eq!(session.grant(7, &mut credit), 1 << 20);
+    assert_eq!(session.grant(7, &mut credit, no_path()), 1 << 20);
     assert!(!session.out_of_credit(7), "every byte granted");
     arrive(&mut session, &mut credit, 1 << 20);
     assert!(!session.out_of_credit(7), "every byte arrived");
@@ -260,9 +281,11 @@ fn grants_come_in_units_up_to_the_stream_window() {
         .unwrap();
     assert!(matches!(event, SessionEvent::Metadata(_)));
     assert!(!session.wants_credit(7), "no credit before ACCEPT");
-    assert_eq!(session.grant(7, &mut credit), 0);
+    assert_eq!(session.grant(7, &mut credit, no_path()), 0);
     session.accept(7).unwrap();
-    let grants: Vec<u64> = (0..3).map(|_| session.grant(7, &mut credit)).collect();
+    let grants: Vec<u64> = (0..3)
+        .map(|_| session.grant(7, &mut credit, no_path()))
+        .collect();
     assert_eq!(
         grants,
         [4 << 20, 4 << 20, 0],
@@ -278,12 +301,12 @@ fn grants_come_in_units_up_to_the_stream_window() {
     for _ in 0..15 {
         arrive(&mut session, &mut credit, 100 << 10);
         assert!(!session.wants_credit(7), "a grant after {offset} bytes");
-        assert_eq!(session.grant(7, &mut credit), 0);
+        assert_eq!(session.grant(7, &mut credit, no_path()), 0);
     }
     // ... until a whole unit fits the window again.
     arrive(&mut session, &mut credit, 548 << 10);
     assert!(session.wants_credit(7));
-    assert_eq!(session.grant(7, &mut credit), 4 << 20);
+    assert_eq!(session.grant(7, &mut credit, no_path()), 4 << 20);
     let mut credits = 0;
     while let Some(frame) = session.poll_frame(7) {
         credits += u32::from(matches!(frame, Frame::Credit(_)));
@@ -480,7 +503,7 @@ impl Peer {
             .chain(self.sending.iter().map(|(id, _)| *id))
             .collect();
         for &id in self.landed.keys() {
-            let _ = self.session.grant(id, &mut self.credit);
+            let _ = self.session.grant(id, &mut self.credit, no_path());
         }
         ids
     }
@@ -603,7 +626,9 @@ fn a_connection_holds_at_most_its_window_of_credit() {
         }
         senders.push(sender);
     }
-    let grants: Vec<u64> = (0..4).map(|id| session.grant(id, &mut credit)).collect();
+    let grants: Vec<u64> = (0..4)
+        .map(|id| session.grant(id, &mut credit, no_path()))
+        .collect();
     assert_eq!(
         grants,
         [1 << 20, 1 << 20, 0, 0],
@@ -622,7 +647,7 @@ fn a_connection_holds_at_most_its_window_of_credit() {
         SessionEvent::Data(_)
     ));
     assert_eq!(session.connection_window_left(), 512 << 10);
-    assert_eq!(session.grant(2, &mut credit), 512 << 10);
+    assert_eq!(session.grant(2, &mut credit, no_path()), 512 << 10);
     for id in 0..4 {
         let _ = session.close_stream(id, &mut credit, epoch());
     }
@@ -808,4 +833,230 @@ fn the_control_stream_takes_only_valid_early_credit() {
         ErrorCode::CHUNK_SIZE
     );
     assert_eq!(session.early_allowance(), None);
+}
+
+/// A path for the window tests: one-way delay, the link's rate and the receiver's (how fast
+/// its sink takes bytes), in seconds and bytes per second.
+struct SimulatedPath {
+    one_way_s: f64,
+    link_rate: f64,
+    receiver_rate: f64,
+    /// The round trip the receiver's QUIC stack reports once the tensor moves, where the
+    /// flow's own queues lengthen it (the path's own before).
+    rtt_under_load_s: Option<f64>,
+}
+
+/// Sends one 64 MiB tensor over `path` in simulated time: the sender sends 256 KiB DATA as
+/// soon as it has credit, the receiver grants 1 MiB units from a 2 MiB window that may grow
+/// to `max_stream_window`, with the path's round trip as the connection's RTT. Returns the
+/// seconds until the last byte was taken and the largest window the tensor had.
+fn send_over(path: &SimulatedPath, max_stream_window: u64) -> (f64, u64) {
+    let (mut session, mut credit) = window_session(max_stream_window);
+    send_one_over(path, &mut session, &mut credit, 7)
+}
+
+/// A session granting 1 MiB units from 2 MiB windows growing to `max_stream_window`, and
+/// a tracker that never pauses it.
+fn window_session(max_stream_window: u64) -> (Session, CreditTracker) {
+    let config = SessionConfig {
+        grant_unit: 1 << 20,
+        stream_window: 2 << 20,
+        max_stream_window,
+        ..SessionConfig::default()
+    };
+    let credit = CreditTracker::new(1 << 30, 1 << 30, 1 << 29).unwrap();
+    (Session::new(config, epoch()), credit)
+}
+
+/// As [`send_over`], on stream `id` of `session`, starting at simulated time 0.
+fn send_one_over(
+    path: &SimulatedPath,
+    session: &mut Session,
+    credit: &mut CreditTracker,
+    id: StreamId,
+) -> (f64, u64) {
+    const LEN: u64 = 64 << 20;
+    const CHUNK: u64 = 256 << 10;
+    let start = epoch();
+    session.open_stream(id).unwrap();
+    session
+        .handle_frame(id, meta("t", LEN as usize).into(), credit)
+        .unwrap();
+    session.accept(id).unwrap();
+    let path_rtt = Duration::from_secs_f64(2.0 * path.one_way_s);
+    let loaded_rtt = path
+        .rtt_under_load_s
+        .map_or(path_rtt, Duration::from_secs_f64);
+    // Both directions are FIFO with a fixed delay, so each is a queue in time order: CREDIT
+    // reaching the sender, and DATA taken by the receiver (its arrival, then its turn).
+    let mut credits: VecDeque<(f64, u64)> = VecDeque::new();
+    let mut data: VecDeque<(f64, u64)> = VecDeque::new();
+    let grant = |session: &mut Session,
+                 credit: &mut CreditTracker,
+                 t: f64,
+                 to: &mut VecDeque<(f64, u64)>| {
+        let now = start + Duration::from_secs_f64(t);
+        let rtt = if t == 0.0 { path_rtt } else { loaded_rtt };
+        while session.grant(id, credit, GrantClock { now, rtt }) > 0 {}
+        while let Some(frame) = session.poll_frame(id) {
+            if let Frame::Credit(c) = frame {
+                to.push_back((t + path.one_way_s, c.bytes));
+            }
+        }
+    };
+    grant(session, credit, 0.0, &mut credits);
+    let (mut allowance, mut sent, mut offset) = (0u64, 0u64, 0u64);
+    let (mut link_free, mut receiver_free) = (0.0f64, 0.0f64);
+    let mut largest_window = session.stream_window(id).unwrap();
+    loop {
+        let credit_first = match (credits.front(), data.front()) {
+            (Some(c), Some(d)) => c.0 <= d.0,
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (None, None) => panic!("nothing in flight with {sent} of {LEN} bytes sent"),
+        };
+        if credit_first {
+            let (t, bytes) = credits.pop_front().unwrap();
+            allowance += bytes;
+            while allowance > 0 && sent < LEN {
+                let n = CHUNK.min(allowance).min(LEN - sent);
+                link_free = link_free.max(t) + n as f64 / path.link_rate;
+                let arrives = link_free + path.one_way_s;
+                receiver_free = receiver_free.max(arrives) + n as f64 / path.receiver_rate;
+                data.push_back((receiver_free, n));
+                allowance -= n;
+                sent += n;
+            }
+        } else {
+            let (t, n) = data.pop_front().unwrap();
+            data_arrives_on(id, session, credit, &mut offset, n as usize);
+            // The sink took the bytes: durable at once.
+            let _ = credit.release(n).unwrap();
+            if offset == LEN {
+                let _ = session.close_stream(id, credit, start + Duration::from_secs_f64(t));
+                return (t, largest_window);
+            }
+            grant(session, credit, t, &mut credits);
+            largest_window = largest_window.max(session.stream_window(id).unwrap());
+        }
+    }
+}
+
+/// Spec §7.1: on a long path a fixed window, not the link, sets a tensor's rate (a window
+/// per round trip). The window doubles while bytes arrive faster than it lets them over two
+/// round trips, up to `max_stream_window`, and the tensor then fills the link.
+#[test]
+fn a_window_grows_on_a_long_path_up_to_its_maximum() {
+    let long = SimulatedPath {
+        one_way_s: 0.005,
+        link_rate: f64::from(1u32 << 30),
+        receiver_rate: f64::from(10u32 << 30),
+        rtt_under_load_s: None,
+    };
+    let (fixed_s, fixed_window) = send_over(&long, 2 << 20);
+    assert_eq!(
+        fixed_window,
+        2 << 20,
+        "a maximum at the initial size keeps it fixed"
+    );
+    // A window of 2 MiB per 10 ms round trip: 200 MiB/s, about 0.32 s for 64 MiB.
+    assert!(fixed_s > 0.3, "fixed window took {fixed_s} s");
+    let (grown_s, grown_window) = send_over(&long, 16 << 20);
+    assert_eq!(
+        grown_window,
+        16 << 20,
+        "grown to its maximum and no further"
+    );
+    // The link's rate (1 GiB/s) and a few round trips of growth: about a third of fixed.
+    assert!(
+        grown_s < fixed_s / 2.5,
+        "grown window took {grown_s} s, fixed {fixed_s} s"
+    );
+}
+
+/// Windows stay at their initial size where the window does not set the rate: a short
+/// path, where a window's bytes take longer than two round trips at the link's rate, and a
+/// receiver slower than the window allows (its sink, not credit, holds the sender back).
+#[test]
+fn a_window_stays_where_the_path_or_the_receiver_sets_the_rate() {
+    let short = SimulatedPath {
+        one_way_s: 10e-6,
+        link_rate: f64::from(1u32 << 30),
+        receiver_rate: f64::from(10u32 << 30),
+        rtt_under_load_s: None,
+    };
+    assert_eq!(send_over(&short, 16 << 20).1, 2 << 20);
+    let slow_receiver = SimulatedPath {
+        one_way_s: 0.005,
+        link_rate: f64::from(1u32 << 30),
+        receiver_rate: f64::from(50u32 << 20),
+        rtt_under_load_s: None,
+    };
+    assert_eq!(send_over(&slow_receiver, 16 << 20).1, 2 << 20);
+}
+
+/// A smoothed RTT lengthened by the queues the tensor builds (loopback under load reports
+/// milliseconds) is not the path's: windows are judged by the smallest round trip seen.
+#[test]
+fn queues_the_flow_builds_do_not_grow_its_window() {
+    let queued = SimulatedPath {
+        one_way_s: 10e-6,
+        link_rate: f64::from(1u32 << 30),
+        receiver_rate: f64::from(10u32 << 30),
+        rtt_under_load_s: Some(0.005),
+    };
+    assert_eq!(send_over(&queued, 16 << 20).1, 2 << 20);
+}
+
+/// The path is the connection's: a window grown by one tensor is where the peer's next
+/// tensor on that connection starts, and a new connection starts afresh.
+#[test]
+fn the_next_tensor_starts_at_the_window_its_connection_grew_to() {
+    let long = SimulatedPath {
+        one_way_s: 0.005,
+        link_rate: f64::from(1u32 << 30),
+        receiver_rate: f64::from(10u32 << 30),
+        rtt_under_load_s: None,
+    };
+    let (mut session, mut credit) = window_session(16 << 20);
+    let (first_s, _) = send_one_over(&long, &mut session, &mut credit, 7);
+    session.open_stream(9).unwrap();
+    assert_eq!(session.stream_window(9), Some(16 << 20));
+    let _ = session.close_stream(9, &mut credit, epoch());
+    let (second_s, _) = send_one_over(&long, &mut session, &mut credit, 11);
+    assert!(second_s < first_s, "second {second_s} s, first {first_s} s");
+    assert_eq!(credit.outstanding(), 0, "every credit back");
+    let (mut fresh, _) = window_session(16 << 20);
+    fresh.open_stream(7).unwrap();
+    assert_eq!(fresh.stream_window(7), Some(2 << 20));
+}
+
+/// A grant with no round trip measured (a receiver fed from memory) keeps the window, and
+/// a window only ever belongs to the peer's tensors.
+#[test]
+fn a_window_needs_a_round_trip_to_grow() {
+    let mut credit = CreditTracker::new(1 << 30, 1 << 30, 1 << 29).unwrap();
+    let config = SessionConfig {
+        grant_unit: 1 << 20,
+        stream_window: 2 << 20,
+        max_stream_window: 64 << 20,
+        ..SessionConfig::default()
+    };
+    let start = epoch();
+    let mut session = Session::new(config, start);
+    session.open_stream(7).unwrap();
+    assert_eq!(session.stream_window(7), Some(2 << 20));
+    assert_eq!(session.stream_window(8), None, "no such stream");
+    session
+        .handle_frame(7, meta("t", 64 << 20).into(), &mut credit)
+        .unwrap();
+    session.accept(7).unwrap();
+    let mut offset = 0;
+    for step in 0..32u32 {
+        // A unit arrives in a nanosecond: as fast as can be, but no round trip to judge by.
+        let now = start + Duration::from_nanos(u64::from(step));
+        while session.grant(7, &mut credit, GrantClock::without_path(now)) > 0 {}
+        data_arrives(&mut session, &mut credit, &mut offset, 1 << 20);
+    }
+    assert_eq!(session.stream_window(7), Some(2 << 20));
 }

@@ -13,6 +13,7 @@ pub(crate) struct Metrics {
     completed: AtomicU64,
     failed: AtomicU64,
     payload_bytes: AtomicU64,
+    largest_stream_window: AtomicU64,
     latency_us: Mutex<Histogram<u64>>,
 }
 
@@ -34,6 +35,9 @@ pub struct MetricsSnapshot {
     pub latency_p99_us: u64,
     /// Largest tensor latency, microseconds.
     pub latency_max_us: u64,
+    /// Largest credit window a received tensor had, in bytes (spec §7.1): more than the
+    /// configured `stream_window` where a long path made windows grow. 0 on a sender.
+    pub largest_stream_window: u64,
 }
 
 impl Default for Metrics {
@@ -43,6 +47,7 @@ impl Default for Metrics {
             completed: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             payload_bytes: AtomicU64::new(0),
+            largest_stream_window: AtomicU64::new(0),
             latency_us: Mutex::new(
                 Histogram::new_with_bounds(1, 3_600_000_000, 3)
                     .expect("constant bounds: 1 µs to 1 h at 3 significant digits"),
@@ -58,6 +63,12 @@ impl Metrics {
 
     pub(crate) fn add_bytes(&self, n: u64) {
         self.payload_bytes.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// A received tensor's credit window reached `bytes`.
+    pub(crate) fn stream_window(&self, bytes: u64) {
+        self.largest_stream_window
+            .fetch_max(bytes, Ordering::Relaxed);
     }
 
     pub(crate) fn finished(&self, ok: bool, latency: Duration) {
@@ -89,6 +100,7 @@ impl Metrics {
             latency_p50_us: h.value_at_quantile(0.5),
             latency_p99_us: h.value_at_quantile(0.99),
             latency_max_us: h.max(),
+            largest_stream_window: self.largest_stream_window.load(Ordering::Relaxed),
         }
     }
 }

@@ -54,6 +54,15 @@ async fn a_one_gib_tensor_arrives_intact() {
     );
     let m = tx.metrics();
     assert_eq!((m.tensors_completed, m.payload_bytes), (1, LEN as u64));
+    assert_eq!(m.largest_stream_window, 0, "a sender grants no credit");
+    // Spec §7.1: the tensor's window starts at `stream_window` and may have grown (whether
+    // it does on loopback depends on the machine's speed), never past its maximum.
+    let config = receiver_config();
+    let window = rx.metrics().largest_stream_window;
+    assert!(
+        (config.stream_window..=config.max_stream_window).contains(&window),
+        "largest window {window}"
+    );
     tx.close().await;
 }
 

@@ -48,6 +48,12 @@ struct Args {
     /// 6000 the received bytes wait long enough to be copied once more.
     #[arg(long = "stream-window-mib", default_value = "8", value_parser = mebibytes)]
     stream_window: u64,
+    /// Most a tensor's window grows to, in MiB: it doubles while the tensor's bytes arrive
+    /// faster than it lets them over two round trips (a long path). QUIC's stream window
+    /// (16 MiB) caps what one stream has in flight whatever credit allows. At or below
+    /// --stream-window-mib, windows stay fixed.
+    #[arg(long = "max-stream-window-mib", default_value = "16", value_parser = mebibytes)]
+    max_stream_window: u64,
     /// Most of the credit budget and of host memory one connection may hold, in percent
     /// (1-100), so one peer cannot starve the others.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=100))]
@@ -162,6 +168,7 @@ async fn main() -> anyhow::Result<()> {
     config.low_watermark = budget / 100 * args.low_percent;
     config.limits.max_tensor_len = args.max_tensor;
     config.stream_window = args.stream_window;
+    config.max_stream_window = args.max_stream_window;
     config.grant_unit = args.grant_unit;
     config.early_credit = args.early_credit_kib.saturating_mul(1024);
     if let Some(host_memory) = args.host_memory {
@@ -429,11 +436,12 @@ async fn main() -> anyhow::Result<()> {
     };
     println!(
         "{finished} tensors, {} in {elapsed:.2} s ({}), {failed} failed; peak credit held {} of \
-         the {} budget, peak host memory {} of {}{outside_pool}",
+         the {} budget (one tensor's window up to {}), peak host memory {} of {}{outside_pool}",
         size(bytes),
         rate(bytes, elapsed),
         size(credit.peak_outstanding),
         size(credit.budget),
+        size(receiver.metrics().largest_stream_window),
         size(host.peak),
         size(host.limit)
     );

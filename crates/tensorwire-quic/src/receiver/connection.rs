@@ -218,6 +218,7 @@ pub(super) async fn serve_streams(
         limits: config.limits.clone(),
         grant_unit: config.grant_unit,
         stream_window: config.stream_window,
+        max_stream_window: config.max_stream_window,
         connection_window: config.connection_window,
         max_failed_streams: config.max_failed_streams,
         failure_window: config.failure_window,

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use tensorwire_proto::frame::Data;
 use tensorwire_proto::{
-    CheckedFrame, ErrorCode, Frame, ProtocolError, SessionEvent, StreamClosed, StreamId,
+    CheckedFrame, ErrorCode, Frame, GrantClock, ProtocolError, SessionEvent, StreamClosed, StreamId,
 };
 use tensorwire_sink::{CreditPermit, Sink, SinkError};
 use tokio::sync::{mpsc, oneshot};
@@ -379,9 +379,14 @@ impl Accepted {
                 let mut session = self.connection.session();
                 let wants = session.wants_credit(self.id);
                 let granted = if wants {
+                    // Spec §7.1: the window grows by the arrival rate over the path's RTT.
+                    let clock = GrantClock {
+                        now: Instant::now(),
+                        rtt: self.connection.connection.rtt(),
+                    };
                     shared
                         .budget
-                        .with_tracker(|credit| session.grant(self.id, credit))
+                        .with_tracker(|credit| session.grant(self.id, credit, clock))
                 } else {
                     0
                 };
@@ -530,13 +535,14 @@ impl Accepted {
         self.early.clear();
         self.stream
             .close(error.map(|e| e.code().unwrap_or(ErrorCode::INTERNAL)));
-        let (closed, topped_up) = {
+        let (closed, topped_up, window) = {
             let mut session = self.connection.session();
+            let window = session.stream_window(self.id).unwrap_or(0);
             let closed = self
                 .shared
                 .budget
                 .with_tracker(|credit| session.close_stream(self.id, credit, Instant::now()));
-            (closed, session.has_control_frames())
+            (closed, session.has_control_frames(), window)
         };
         self.shared.budget.wake();
         if topped_up {
@@ -545,6 +551,8 @@ impl Accepted {
         }
         let ok = closed == StreamClosed::Completed;
         let elapsed = self.started.elapsed();
+        self.shared.metrics.stream_window(window);
+        self.connection.metrics.stream_window(window);
         self.shared.metrics.finished(ok, elapsed);
         self.connection.metrics.finished(ok, elapsed);
         if let StreamClosed::Flood(flood) = closed {
