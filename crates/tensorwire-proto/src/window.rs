@@ -28,23 +28,23 @@ impl GrantClock {
 /// The credit one incoming tensor may hold granted and not yet arrived.
 ///
 /// It starts at the session's `stream_window` and doubles, up to `max_stream_window`, when
-/// the bytes that arrived since the tensor's previous grant came faster than the window lets
-/// them over two round trips: the sender then waited for credit, and the window, not the
-/// receiver or the path, set the rate. It never shrinks: a tensor's life is short.
+/// a whole window's bytes arrived faster than the window lets them over two round trips:
+/// the sender then waited for credit, and the window, not the receiver or the path, set the
+/// rate. The rate is taken over a whole window, not one grant's bytes, because a receiver
+/// that fell behind takes a unit at once from its buffers, a burst far above the rate.
+/// It never shrinks: a tensor's life is short.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct StreamWindow {
     size: u64,
-    /// When the tensor was last granted credit, and how many of its bytes had arrived then.
-    last_grant: Option<(Instant, u64)>,
+    /// A grant the rate is measured from, and how many of the tensor's bytes had arrived
+    /// then; moved on each time a window's bytes have arrived since.
+    mark: Option<(Instant, u64)>,
 }
 
 impl StreamWindow {
     /// A window of `size` bytes, before any grant.
     pub(crate) fn new(size: u64) -> Self {
-        Self {
-            size,
-            last_grant: None,
-        }
+        Self { size, mark: None }
     }
 
     /// The window's size now.
@@ -52,27 +52,35 @@ impl StreamWindow {
         self.size
     }
 
-    /// Before a grant, with `received` bytes of the tensor arrived: doubles the window (up
-    /// to `max`) if they arrived since the previous grant faster than `size / (2 × rtt)`.
+    /// Before a grant, with `received` bytes of the tensor arrived: once a whole window's
+    /// bytes arrived since the mark, doubles the window (up to `max`) if they came faster
+    /// than `size / (2 × rtt)`, and moves the mark here.
     pub(crate) fn tune(&mut self, received: u64, clock: GrantClock, max: u64) {
-        let Some((granted_at, received_then)) = self.last_grant else {
+        let Some((marked_at, received_then)) = self.mark else {
             return;
         };
+        let arrived = received.saturating_sub(received_then);
+        if arrived < self.size {
+            return;
+        }
+        self.mark = Some((clock.now, received));
         if self.size >= max || clock.rtt.is_zero() {
             return;
         }
-        let arrived = u128::from(received.saturating_sub(received_then));
-        let elapsed = clock.now.saturating_duration_since(granted_at).as_nanos();
+        let elapsed = clock.now.saturating_duration_since(marked_at).as_nanos();
         // arrived / elapsed × 2 rtt > size, without dividing (and without overflow for any
         // rtt a caller passes).
-        let needed = arrived.saturating_mul(2 * clock.rtt.as_nanos());
+        let needed = u128::from(arrived).saturating_mul(2 * clock.rtt.as_nanos());
         if needed > u128::from(self.size).saturating_mul(elapsed) {
             self.size = self.size.saturating_mul(2).min(max);
         }
     }
 
-    /// The tensor was granted credit at `now`, with `received` of its bytes arrived.
+    /// The tensor was granted credit at `now`, with `received` of its bytes arrived: the
+    /// first grant sets the mark the rate is measured from.
     pub(crate) fn granted(&mut self, now: Instant, received: u64) {
-        self.last_grant = Some((now, received));
+        if self.mark.is_none() {
+            self.mark = Some((now, received));
+        }
     }
 }

@@ -835,6 +835,10 @@ fn the_control_stream_takes_only_valid_early_credit() {
     assert_eq!(session.early_allowance(), None);
 }
 
+/// Bytes per GiB and MiB, for rates.
+const GIB: f64 = (1u64 << 30) as f64;
+const MIB: f64 = (1u64 << 20) as f64;
+
 /// A path for the window tests: one-way delay, the link's rate and the receiver's (how fast
 /// its sink takes bytes), in seconds and bytes per second.
 struct SimulatedPath {
@@ -844,6 +848,9 @@ struct SimulatedPath {
     /// The round trip the receiver's QUIC stack reports once the tensor moves, where the
     /// flow's own queues lengthen it (the path's own before).
     rtt_under_load_s: Option<f64>,
+    /// How often the receiver gets to run, if not always: it then takes every byte that
+    /// arrived meanwhile at once, a burst (a thread descheduled, a busy event loop).
+    wakes_every_s: Option<f64>,
 }
 
 /// Sends one 64 MiB tensor over `path` in simulated time: the sender sends 256 KiB DATA as
@@ -922,7 +929,12 @@ fn send_one_over(
                 let n = CHUNK.min(allowance).min(LEN - sent);
                 link_free = link_free.max(t) + n as f64 / path.link_rate;
                 let arrives = link_free + path.one_way_s;
-                receiver_free = receiver_free.max(arrives) + n as f64 / path.receiver_rate;
+                // A busy receiver takes the next DATA at once; an idle one at its next turn.
+                let turn = match path.wakes_every_s {
+                    Some(period) if arrives > receiver_free => (arrives / period).ceil() * period,
+                    _ => receiver_free.max(arrives),
+                };
+                receiver_free = turn + n as f64 / path.receiver_rate;
                 data.push_back((receiver_free, n));
                 allowance -= n;
                 sent += n;
@@ -949,9 +961,10 @@ fn send_one_over(
 fn a_window_grows_on_a_long_path_up_to_its_maximum() {
     let long = SimulatedPath {
         one_way_s: 0.005,
-        link_rate: f64::from(1u32 << 30),
-        receiver_rate: f64::from(10u32 << 30),
+        link_rate: 1.0 * GIB,
+        receiver_rate: 10.0 * GIB,
         rtt_under_load_s: None,
+        wakes_every_s: None,
     };
     let (fixed_s, fixed_window) = send_over(&long, 2 << 20);
     assert_eq!(
@@ -981,16 +994,18 @@ fn a_window_grows_on_a_long_path_up_to_its_maximum() {
 fn a_window_stays_where_the_path_or_the_receiver_sets_the_rate() {
     let short = SimulatedPath {
         one_way_s: 10e-6,
-        link_rate: f64::from(1u32 << 30),
-        receiver_rate: f64::from(10u32 << 30),
+        link_rate: 1.0 * GIB,
+        receiver_rate: 10.0 * GIB,
         rtt_under_load_s: None,
+        wakes_every_s: None,
     };
     assert_eq!(send_over(&short, 16 << 20).1, 2 << 20);
     let slow_receiver = SimulatedPath {
         one_way_s: 0.005,
-        link_rate: f64::from(1u32 << 30),
-        receiver_rate: f64::from(50u32 << 20),
+        link_rate: 1.0 * GIB,
+        receiver_rate: 50.0 * MIB,
         rtt_under_load_s: None,
+        wakes_every_s: None,
     };
     assert_eq!(send_over(&slow_receiver, 16 << 20).1, 2 << 20);
 }
@@ -1001,11 +1016,28 @@ fn a_window_stays_where_the_path_or_the_receiver_sets_the_rate() {
 fn queues_the_flow_builds_do_not_grow_its_window() {
     let queued = SimulatedPath {
         one_way_s: 10e-6,
-        link_rate: f64::from(1u32 << 30),
-        receiver_rate: f64::from(10u32 << 30),
+        link_rate: 1.0 * GIB,
+        receiver_rate: 10.0 * GIB,
         rtt_under_load_s: Some(0.005),
+        wakes_every_s: None,
     };
     assert_eq!(send_over(&queued, 16 << 20).1, 2 << 20);
+}
+
+/// A receiver that runs in turns (every 3 ms here) takes a grant's bytes in a burst far
+/// above any rate the path carries. Judged over a whole window, the rate is what the
+/// receiver takes on average: its turns, not the 0.7 ms path, set the pace, and the window
+/// stays. Judged per grant, it would grow to its maximum.
+#[test]
+fn bursts_of_a_receiver_that_runs_in_turns_do_not_grow_its_window() {
+    let bursty = SimulatedPath {
+        one_way_s: 350e-6,
+        link_rate: 1.0 * GIB,
+        receiver_rate: 16.0 * GIB,
+        rtt_under_load_s: None,
+        wakes_every_s: Some(0.003),
+    };
+    assert_eq!(send_over(&bursty, 16 << 20).1, 2 << 20);
 }
 
 /// The path is the connection's: a window grown by one tensor is where the peer's next
@@ -1014,9 +1046,10 @@ fn queues_the_flow_builds_do_not_grow_its_window() {
 fn the_next_tensor_starts_at_the_window_its_connection_grew_to() {
     let long = SimulatedPath {
         one_way_s: 0.005,
-        link_rate: f64::from(1u32 << 30),
-        receiver_rate: f64::from(10u32 << 30),
+        link_rate: 1.0 * GIB,
+        receiver_rate: 10.0 * GIB,
         rtt_under_load_s: None,
+        wakes_every_s: None,
     };
     let (mut session, mut credit) = window_session(16 << 20);
     let (first_s, _) = send_one_over(&long, &mut session, &mut credit, 7);
