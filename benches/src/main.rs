@@ -411,6 +411,12 @@ struct Report {
     host: String,
     cores: usize,
     mtu: u16,
+    /// `--delay-ms`: what the relay in the QUIC throughput runs' path held each datagram
+    /// each way (0: no relay)
+    one_way_delay_ms: u64,
+    /// tensorwire's credit window per tensor at its start, and the most it may grow to
+    stream_window_mib: u64,
+    max_stream_window_mib: u64,
     throughput: Vec<Throughput>,
     /// (connections, tensorwire's rate / raw quinn's from `--source`)
     ratio_tensorwire_over_quinn: Vec<(usize, f64)>,
@@ -2357,6 +2363,9 @@ async fn main() -> anyhow::Result<()> {
             .map(|n| n.get())
             .unwrap_or(0),
         mtu: args.mtu,
+        one_way_delay_ms: args.delay_ms,
+        stream_window_mib: args.window_mib,
+        max_stream_window_mib: args.max_window_mib,
         throughput,
         ratio_tensorwire_over_quinn: ratios,
         median_round_ratio_tensorwire_over_quinn: summaries
