@@ -853,6 +853,20 @@ struct SimulatedPath {
     wakes_every_s: Option<f64>,
 }
 
+impl SimulatedPath {
+    /// A path with `one_way_s` of delay, a 1 GiB/s link and a receiver ten times as fast,
+    /// its QUIC stack reporting the path's round trip, always running.
+    fn new(one_way_s: f64) -> Self {
+        Self {
+            one_way_s,
+            link_rate: GIB,
+            receiver_rate: 10.0 * GIB,
+            rtt_under_load_s: None,
+            wakes_every_s: None,
+        }
+    }
+}
+
 /// Sends one 64 MiB tensor over `path` in simulated time: the sender sends 256 KiB DATA as
 /// soon as it has credit, the receiver grants 1 MiB units from a 2 MiB window that may grow
 /// to `max_stream_window`, with the path's round trip as the connection's RTT. Returns the
@@ -959,13 +973,7 @@ fn send_one_over(
 /// round trips, up to `max_stream_window`, and the tensor then fills the link.
 #[test]
 fn a_window_grows_on_a_long_path_up_to_its_maximum() {
-    let long = SimulatedPath {
-        one_way_s: 0.005,
-        link_rate: 1.0 * GIB,
-        receiver_rate: 10.0 * GIB,
-        rtt_under_load_s: None,
-        wakes_every_s: None,
-    };
+    let long = SimulatedPath::new(0.005);
     let (fixed_s, fixed_window) = send_over(&long, 2 << 20);
     assert_eq!(
         fixed_window,
@@ -992,20 +1000,11 @@ fn a_window_grows_on_a_long_path_up_to_its_maximum() {
 /// receiver slower than the window allows (its sink, not credit, holds the sender back).
 #[test]
 fn a_window_stays_where_the_path_or_the_receiver_sets_the_rate() {
-    let short = SimulatedPath {
-        one_way_s: 10e-6,
-        link_rate: 1.0 * GIB,
-        receiver_rate: 10.0 * GIB,
-        rtt_under_load_s: None,
-        wakes_every_s: None,
-    };
+    let short = SimulatedPath::new(10e-6);
     assert_eq!(send_over(&short, 16 << 20).1, 2 << 20);
     let slow_receiver = SimulatedPath {
-        one_way_s: 0.005,
-        link_rate: 1.0 * GIB,
         receiver_rate: 50.0 * MIB,
-        rtt_under_load_s: None,
-        wakes_every_s: None,
+        ..SimulatedPath::new(0.005)
     };
     assert_eq!(send_over(&slow_receiver, 16 << 20).1, 2 << 20);
 }
@@ -1015,11 +1014,8 @@ fn a_window_stays_where_the_path_or_the_receiver_sets_the_rate() {
 #[test]
 fn queues_the_flow_builds_do_not_grow_its_window() {
     let queued = SimulatedPath {
-        one_way_s: 10e-6,
-        link_rate: 1.0 * GIB,
-        receiver_rate: 10.0 * GIB,
         rtt_under_load_s: Some(0.005),
-        wakes_every_s: None,
+        ..SimulatedPath::new(10e-6)
     };
     assert_eq!(send_over(&queued, 16 << 20).1, 2 << 20);
 }
@@ -1031,11 +1027,9 @@ fn queues_the_flow_builds_do_not_grow_its_window() {
 #[test]
 fn bursts_of_a_receiver_that_runs_in_turns_do_not_grow_its_window() {
     let bursty = SimulatedPath {
-        one_way_s: 350e-6,
-        link_rate: 1.0 * GIB,
         receiver_rate: 16.0 * GIB,
-        rtt_under_load_s: None,
         wakes_every_s: Some(0.003),
+        ..SimulatedPath::new(350e-6)
     };
     assert_eq!(send_over(&bursty, 16 << 20).1, 2 << 20);
 }
@@ -1044,13 +1038,7 @@ fn bursts_of_a_receiver_that_runs_in_turns_do_not_grow_its_window() {
 /// tensor on that connection starts, and a new connection starts afresh.
 #[test]
 fn the_next_tensor_starts_at_the_window_its_connection_grew_to() {
-    let long = SimulatedPath {
-        one_way_s: 0.005,
-        link_rate: 1.0 * GIB,
-        receiver_rate: 10.0 * GIB,
-        rtt_under_load_s: None,
-        wakes_every_s: None,
-    };
+    let long = SimulatedPath::new(0.005);
     let (mut session, mut credit) = window_session(16 << 20);
     let (first_s, _) = send_one_over(&long, &mut session, &mut credit, 7);
     session.open_stream(9).unwrap();
