@@ -212,8 +212,8 @@ const SENT_TENSOR_LEN: u64 = 3000;
 /// Layout: `op_count: u8 | ops: [u8; op_count] | frame bytes`. Op `k`: stream `(k >> 4) % 4`
 /// (streams 0 and 1 receive, 2 and 3 send); `k % 8`: 0–2 feed it the next decoded frame,
 /// 3 accept (receiving) or send the next chunk (sending), 4 grant with a round trip of
-/// `k >> 5` ms (receiving) or finish (sending), 5 release held bytes, 6 cancel, 7 close and reopen it. Each op advances the
-/// clock by `k` milliseconds.
+/// `k >> 5` ms (receiving) or finish (sending), 5 release held bytes, 6 cancel, 7 close and
+/// reopen it. Each op advances the clock by `k` milliseconds.
 pub fn session_ops(data: &[u8]) {
     use std::time::{Duration, Instant};
 

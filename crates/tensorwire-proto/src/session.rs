@@ -38,9 +38,9 @@ pub struct SessionConfig {
     /// Most credit one tensor may hold granted and not yet arrived when it starts, so one
     /// tensor cannot take the whole budget.
     pub stream_window: u64,
-    /// Most a tensor's window grows to (spec §7.1): it doubles whenever the tensor's bytes
-    /// arrive faster than the window lets them over two round trips. At or below
-    /// `stream_window`, windows stay fixed.
+    /// Most a tensor's window grows to (spec §7.1): it doubles whenever a whole window of the
+    /// tensor's bytes arrives faster than the window lets them over two round trips. At or
+    /// below `stream_window`, windows stay fixed.
     pub max_stream_window: u64,
     /// Most credit the whole connection may hold granted and not yet arrived, so one peer
     /// cannot take the receiver-wide budget from the others (spec §7.1).
@@ -154,7 +154,7 @@ pub struct Session {
     /// The smallest round-trip time grants were given (zero before one): the path's own, as
     /// the smoothed RTT under load also counts the queues the tensors themselves build.
     min_rtt: Duration,
-    /// The largest window a tensor's grew to on this connection: the path's, so the peer's
+    /// The largest window a tensor grew to on this connection: the path's, so the peer's
     /// next tensors start there rather than growing again.
     grown_window: u64,
 }
@@ -514,10 +514,10 @@ impl Session {
     /// Returns the bytes granted: 0 while the tracker is paused or full (wait for a release)
     /// or when the tensor wants none.
     ///
-    /// First, the tensor's window grows if its bytes arrived since its previous grant faster
-    /// than the window lets them over two round trips (spec §7.1): the smallest round trip
-    /// any grant on the connection was given, so that the queues a fast sender builds (which
-    /// lengthen the smoothed RTT) do not count as path.
+    /// First, once a whole window's bytes arrived since the tensor's window was last judged,
+    /// the window doubles if they came faster than it lets them over two round trips (spec
+    /// §7.1): the smallest round trip any grant on the connection was given, so that the
+    /// queues a fast sender builds (which lengthen the smoothed RTT) do not count as path.
     #[must_use = "granted bytes are sent as CREDIT by flushing poll_frame"]
     pub fn grant(&mut self, id: StreamId, credit: &mut CreditTracker, clock: GrantClock) -> u64 {
         if !clock.rtt.is_zero() && (self.min_rtt.is_zero() || clock.rtt < self.min_rtt) {

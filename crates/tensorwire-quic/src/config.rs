@@ -509,12 +509,13 @@ pub struct ReceiverConfig {
     /// less (benches/README.md), likely because quinn copies a stream's waiting datagrams
     /// into one new buffer once more than 2,048 wait (about 2,800 at MTU 6000).
     pub stream_window: u64,
-    /// Most a tensor's window grows to (spec §7.1): it doubles while the tensor's bytes
-    /// arrive faster than the window lets them over two of the connection's round trips, so
-    /// a tensor alone on a long path is not held to `stream_window` per round trip. Default
-    /// 16 MiB, QUIC's stream window ([`TransportSettings::stream_receive_window`]), which
-    /// caps a stream's unread bytes whatever credit allows: raise both together. At or below
-    /// `stream_window`, windows stay fixed.
+    /// Most a tensor's window grows to (spec §7.1): it doubles while a whole window of the
+    /// tensor's bytes arrives faster than the window lets them over two of the connection's
+    /// round trips (the smallest its QUIC stack reported), so a tensor alone on a long path
+    /// is not held to `stream_window` per round trip. Default 16 MiB, QUIC's stream window
+    /// ([`TransportSettings::stream_receive_window`]), which caps a stream's unread bytes
+    /// whatever credit allows: raise both together. At or below `stream_window`, windows
+    /// stay fixed.
     pub max_stream_window: u64,
     /// Most credit one connection may hold granted and not yet arrived, so one peer cannot
     /// take the whole budget from the others (spec §7.1). Default: half the budget.
