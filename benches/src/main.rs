@@ -481,12 +481,15 @@ fn print_path_stats(who: &str, stats: &quinn::ConnectionStats) {
 /// `--delay-ms`: how long the relay in each QUIC throughput run's path holds datagrams.
 static ONE_WAY_DELAY: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
 
-/// Where a throughput run's client sends to reach `server`: through a delaying relay with
-/// `--delay-ms`, straight otherwise.
-async fn path_to(server: SocketAddr) -> anyhow::Result<SocketAddr> {
+/// How a throughput run's client reaches `server`: through a delaying relay with
+/// `--delay-ms` (which runs while the caller keeps it), straight otherwise.
+async fn path_to(server: SocketAddr) -> anyhow::Result<(SocketAddr, Option<relay::Relay>)> {
     match ONE_WAY_DELAY.get() {
-        Some(&one_way) if !one_way.is_zero() => relay::delayed_path(server, one_way).await,
-        _ => Ok(server),
+        Some(&one_way) if !one_way.is_zero() => {
+            let relay = relay::delayed_path(server, one_way).await?;
+            Ok((relay.addr(), Some(relay)))
+        }
+        _ => Ok((server, None)),
     }
 }
 
@@ -724,9 +727,11 @@ async fn raw_quinn(
 ) -> anyhow::Result<f64> {
     let mut servers = Vec::new();
     let mut clients = Vec::new();
+    let mut relays = Vec::new();
     for _ in 0..connections {
         let (server, server_runtime, cert) = quinn_server(mtu)?;
-        let addr = path_to(server.local_addr()?).await?;
+        let (addr, relay) = path_to(server.local_addr()?).await?;
+        relays.extend(relay);
         let (client, client_runtime, config) = quinn_client(mtu, &cert)?;
         let server_task = server_runtime
             .spawn(async move { raw_quinn_serve(first_connection(server).await?).await });
@@ -860,6 +865,7 @@ async fn tensorwire_run(
     let mut receivers = Vec::new();
     let mut senders = Vec::new();
     let mut stand_ins = Vec::new();
+    let mut relays = Vec::new();
     for _ in 0..connections {
         // One receiving endpoint (socket) per connection: quinn's receive path is one task
         // per endpoint.
@@ -902,7 +908,8 @@ async fn tensorwire_run(
             chunk_size: chunk,
             ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
         };
-        let path = path_to(addr).await?;
+        let (path, relay) = path_to(addr).await?;
+        relays.extend(relay);
         if path != addr {
             // Development trust finds a receiver's certificate by the port connected to: the
             // relay stands in for the receiver there.
