@@ -477,7 +477,6 @@ fn print_path_stats(who: &str, stats: &quinn::ConnectionStats) {
     }
 }
 
-/// `--store-offload`, set once at start.
 /// `--delay-ms`: how long the relay in each QUIC throughput run's path holds datagrams.
 static ONE_WAY_DELAY: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
 
@@ -485,7 +484,7 @@ static ONE_WAY_DELAY: std::sync::OnceLock<Duration> = std::sync::OnceLock::new()
 /// `--delay-ms` (which runs while the caller keeps it), straight otherwise.
 async fn path_to(server: SocketAddr) -> anyhow::Result<(SocketAddr, Option<relay::Relay>)> {
     match ONE_WAY_DELAY.get() {
-        Some(&one_way) if !one_way.is_zero() => {
+        Some(&one_way) => {
             let relay = relay::delayed_path(server, one_way).await?;
             Ok((relay.addr(), Some(relay)))
         }
@@ -493,6 +492,7 @@ async fn path_to(server: SocketAddr) -> anyhow::Result<(SocketAddr, Option<relay
     }
 }
 
+/// `--store-offload`, set once at start.
 static STORE_OFFLOAD: std::sync::OnceLock<tensorwire::quic::StoreOffload> =
     std::sync::OnceLock::new();
 
@@ -864,7 +864,6 @@ async fn tensorwire_run(
     let data = payload(tensor_bytes as usize);
     let mut receivers = Vec::new();
     let mut senders = Vec::new();
-    let mut stand_ins = Vec::new();
     let mut relays = Vec::new();
     for _ in 0..connections {
         // One receiving endpoint (socket) per connection: quinn's receive path is one task
@@ -903,20 +902,19 @@ async fn tensorwire_run(
             }
             anyhow::Ok(receiver)
         }));
+        let (path, relay) = path_to(addr).await?;
+        relays.extend(relay);
+        // Development trust finds a receiver's certificate by the port connected to, which a
+        // relay changes: the certificate it left is trusted by its path instead.
+        let tls = tensorwire::quic::ClientTls::Pem {
+            ca: tensorwire::quic::dev_cert_path(addr.port()),
+            identity: None,
+        };
         let config = SenderConfig {
             transport: transport(mtu),
             chunk_size: chunk,
-            ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
+            ..SenderConfig::new(tls)
         };
-        let (path, relay) = path_to(addr).await?;
-        relays.extend(relay);
-        if path != addr {
-            // Development trust finds a receiver's certificate by the port connected to: the
-            // relay stands in for the receiver there.
-            let stand_in = tensorwire::quic::dev_cert_path(path.port());
-            std::fs::copy(tensorwire::quic::dev_cert_path(addr.port()), &stand_in)?;
-            stand_ins.push(stand_in);
-        }
         senders.push(Sender::connect(path, config).await?);
     }
     let meta = TensorMeta::new([tensor_bytes], DType::U8)?.with_name("bench");
@@ -954,9 +952,6 @@ async fn tensorwire_run(
         let s = Arc::into_inner(s).ok_or_else(|| anyhow::anyhow!("sender still shared"))?;
         print_path_stats("tensorwire", &s.connection_stats());
         s.close().await;
-    }
-    for stand_in in stand_ins {
-        let _ = std::fs::remove_file(stand_in);
     }
     let mut largest_window = 0;
     for r in receivers {

@@ -66,7 +66,7 @@ impl Metrics {
     }
 
     /// A received tensor's credit window reached `bytes`.
-    pub(crate) fn stream_window(&self, bytes: u64) {
+    pub(crate) fn window_reached(&self, bytes: u64) {
         self.largest_stream_window
             .fetch_max(bytes, Ordering::Relaxed);
     }

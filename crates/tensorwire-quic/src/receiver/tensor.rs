@@ -551,8 +551,8 @@ impl Accepted {
         }
         let ok = closed == StreamClosed::Completed;
         let elapsed = self.started.elapsed();
-        self.shared.metrics.stream_window(window);
-        self.connection.metrics.stream_window(window);
+        self.shared.metrics.window_reached(window);
+        self.connection.metrics.window_reached(window);
         self.shared.metrics.finished(ok, elapsed);
         self.connection.metrics.finished(ok, elapsed);
         if let StreamClosed::Flood(flood) = closed {
