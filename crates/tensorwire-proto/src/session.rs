@@ -13,7 +13,7 @@ use crate::limits::Limits;
 use crate::meta::TensorMeta;
 use crate::receiver::{CheckedFrame, ReceiverEvent, ReceiverState, TensorReceiver};
 use crate::sender::{CheckedChunk, SenderEvent, SenderState, TensorSender};
-use crate::window::{GrantClock, StreamWindow};
+use crate::window::{GrantClock, SendPace, StreamWindow};
 
 /// One tensor of the connection, in the direction its stream runs.
 #[derive(Debug)]
@@ -21,7 +21,7 @@ enum Tensor {
     /// The peer opened the stream and sends the tensor to us, within its window.
     Incoming(TensorReceiver, StreamWindow),
     /// We opened the stream and send the tensor to the peer.
-    Outgoing(TensorSender),
+    Outgoing(TensorSender, SendPace),
 }
 
 /// A tensor's stream on its connection: the QUIC stream ID, or any number unique among the
@@ -213,7 +213,7 @@ impl Session {
                 early.allowance -= len;
             }
         }
-        self.open(id, Tensor::Outgoing(tensor))
+        self.open(id, Tensor::Outgoing(tensor, SendPace::default()))
     }
 
     /// Feeds one frame from the peer's control stream (spec §4.1). An error is the
@@ -308,7 +308,7 @@ impl Session {
     fn incoming(&mut self, id: StreamId) -> Result<&mut TensorReceiver, ProtocolError> {
         match self.tensors.get_mut(&id) {
             Some(Tensor::Incoming(tensor, _)) => Ok(tensor),
-            Some(Tensor::Outgoing(_)) => Err(ProtocolError::Misuse(
+            Some(Tensor::Outgoing(..)) => Err(ProtocolError::Misuse(
                 "a receiving call on a tensor we send",
             )),
             None => Err(ProtocolError::Misuse("no such stream in the session")),
@@ -317,7 +317,7 @@ impl Session {
 
     fn outgoing(&mut self, id: StreamId) -> Result<&mut TensorSender, ProtocolError> {
         match self.tensors.get_mut(&id) {
-            Some(Tensor::Outgoing(tensor)) => Ok(tensor),
+            Some(Tensor::Outgoing(tensor, _)) => Ok(tensor),
             Some(Tensor::Incoming(..)) => Err(ProtocolError::Misuse(
                 "a sending call on a tensor we receive",
             )),
@@ -350,7 +350,7 @@ impl Session {
     ) -> Result<SessionEvent, ProtocolError> {
         let tensor = match self.tensors.get_mut(&id) {
             Some(Tensor::Incoming(tensor, _)) => tensor,
-            Some(Tensor::Outgoing(_)) => return self.handle_reply(id, frame.into_frame()),
+            Some(Tensor::Outgoing(..)) => return self.handle_reply(id, frame.into_frame()),
             None => return Err(ProtocolError::Misuse("no such stream in the session")),
         };
         match tensor.handle_checked(frame)? {
@@ -453,7 +453,7 @@ impl Session {
             Some(Tensor::Incoming(tensor, _)) => {
                 let _ = tensor.cancel(code, reason);
             }
-            Some(Tensor::Outgoing(tensor)) => {
+            Some(Tensor::Outgoing(tensor, _)) => {
                 let _ = tensor.cancel(code, reason);
             }
             None => {}
@@ -560,7 +560,7 @@ impl Session {
     /// ACCEPT or credit, or once it ended.
     pub fn next_chunk_len(&self, id: StreamId) -> u64 {
         match self.tensors.get(&id) {
-            Some(Tensor::Outgoing(tensor)) => tensor.next_chunk_len(),
+            Some(Tensor::Outgoing(tensor, _)) => tensor.next_chunk_len(),
             _ => 0,
         }
     }
@@ -584,14 +584,14 @@ impl Session {
     /// Whether our tensor on `id` may send DATA (accepted, or sent early) and has not
     /// finished.
     pub fn is_sending(&self, id: StreamId) -> bool {
-        matches!(self.tensors.get(&id), Some(Tensor::Outgoing(t)) if t.may_send())
+        matches!(self.tensors.get(&id), Some(Tensor::Outgoing(t, _)) if t.may_send())
     }
 
     /// The next frame to send on stream `id`.
     pub fn poll_frame(&mut self, id: StreamId) -> Option<Frame> {
         match self.tensors.get_mut(&id)? {
             Tensor::Incoming(tensor, _) => tensor.poll_frame(),
-            Tensor::Outgoing(tensor) => tensor.poll_frame(),
+            Tensor::Outgoing(tensor, _) => tensor.poll_frame(),
         }
     }
 
@@ -599,7 +599,7 @@ impl Session {
     pub fn meta(&self, id: StreamId) -> Option<&TensorMeta> {
         match self.tensors.get(&id)? {
             Tensor::Incoming(tensor, _) => tensor.meta(),
-            Tensor::Outgoing(tensor) => Some(tensor.meta()),
+            Tensor::Outgoing(tensor, _) => Some(tensor.meta()),
         }
     }
 
@@ -607,7 +607,7 @@ impl Session {
     pub fn ending(&self, id: StreamId) -> Option<&ProtocolError> {
         match self.tensors.get(&id)? {
             Tensor::Incoming(tensor, _) => tensor.ending(),
-            Tensor::Outgoing(tensor) => tensor.ending(),
+            Tensor::Outgoing(tensor, _) => tensor.ending(),
         }
     }
 
@@ -619,10 +619,27 @@ impl Session {
         }
     }
 
+    /// Whether our tensor on `id` is done with the connection's turn to send large tensors'
+    /// DATA (spec §7.4), so the next may send its METADATA: its credit covers every byte it
+    /// has left, or those bytes leave within two round trips (`rtt`, the connection's, as
+    /// the QUIC stack reports it) at the rate the peer granted credit since its first grant.
+    /// The next tensor's admission round trip then overlaps this one's last bytes rather
+    /// than follows them. An `rtt` of zero (none measured) leaves only the first.
+    pub fn turn_done(&mut self, id: StreamId, now: Instant, rtt: Duration) -> bool {
+        match self.tensors.get_mut(&id) {
+            Some(Tensor::Outgoing(tensor, pace)) => {
+                let total = tensor.meta().byte_len();
+                let granted = tensor.sent() + tensor.credit();
+                pace.turn_done(tensor.sent(), granted, total, now, rtt)
+            }
+            _ => true,
+        }
+    }
+
     /// Payload bytes sent on `id` so far (our tensor).
     pub fn sent(&self, id: StreamId) -> u64 {
         match self.tensors.get(&id) {
-            Some(Tensor::Outgoing(tensor)) => tensor.sent(),
+            Some(Tensor::Outgoing(tensor, _)) => tensor.sent(),
             _ => 0,
         }
     }
@@ -652,7 +669,7 @@ impl Session {
     ) -> StreamClosed {
         let tensor = match self.remove(id, now) {
             Some(Tensor::Incoming(tensor, _)) => tensor,
-            Some(Tensor::Outgoing(tensor)) => return outcome_of_sending(&tensor),
+            Some(Tensor::Outgoing(tensor, _)) => return outcome_of_sending(&tensor),
             None => return StreamClosed::Failed,
         };
         let unarrived = tensor.revocable_credit();
@@ -674,11 +691,11 @@ impl Session {
     /// Our stream `id` is done (closing it needs no credit tracker): whether the peer
     /// completed the tensor. Frames still queued for it are dropped.
     pub fn close_outgoing(&mut self, id: StreamId, now: Instant) -> StreamClosed {
-        if !matches!(self.tensors.get(&id), Some(Tensor::Outgoing(_))) {
+        if !matches!(self.tensors.get(&id), Some(Tensor::Outgoing(..))) {
             return StreamClosed::Failed;
         }
         match self.remove(id, now) {
-            Some(Tensor::Outgoing(tensor)) => outcome_of_sending(&tensor),
+            Some(Tensor::Outgoing(tensor, _)) => outcome_of_sending(&tensor),
             _ => StreamClosed::Failed,
         }
     }

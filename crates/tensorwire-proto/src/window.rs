@@ -84,3 +84,50 @@ impl StreamWindow {
         }
     }
 }
+
+/// When one of our large tensors lets the connection's next one start (spec §7.4): the
+/// rate the receiver has taken its bytes at, read from the credit it granted since its
+/// first grant (a receiver grants as bytes arrive, so grants follow the path's rate; the
+/// sender's own hand-offs to QUIC come in bursts as credit does).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct SendPace {
+    /// When the tensor was first granted credit, and how much.
+    since: Option<(Instant, u64)>,
+}
+
+impl SendPace {
+    /// Whether a tensor that has sent `sent` of its `total` bytes, and was granted `granted`,
+    /// is done with the connection's turn: its credit covers the rest (it needs nothing more
+    /// from the connection's window), or the rest leaves within two round trips at the rate
+    /// credit came since the first grant. The next tensor's first DATA reaches the receiver
+    /// a round trip and a half after its METADATA leaves (METADATA, then ACCEPT and CREDIT
+    /// back, then DATA); the other half leaves room for the receiver's admission.
+    pub(crate) fn turn_done(
+        &mut self,
+        sent: u64,
+        granted: u64,
+        total: u64,
+        now: Instant,
+        rtt: Duration,
+    ) -> bool {
+        let left = total.saturating_sub(sent);
+        if left <= granted.saturating_sub(sent) {
+            return true;
+        }
+        let Some((since, granted_then)) = self.since else {
+            if granted > 0 {
+                self.since = Some((now, granted));
+            }
+            return false;
+        };
+        let elapsed = now.saturating_duration_since(since).as_nanos();
+        let moved = u128::from(granted.saturating_sub(granted_then));
+        if rtt.is_zero() || elapsed < rtt.as_nanos() {
+            // No path to judge by, or a rate over less than a round trip: the initial
+            // window's grants come together.
+            return false;
+        }
+        // left / rate ≤ 2 rtt, with rate = moved / elapsed, without dividing.
+        u128::from(left).saturating_mul(elapsed) <= moved.saturating_mul(2 * rtt.as_nanos())
+    }
+}

@@ -1081,3 +1081,97 @@ fn a_window_needs_a_round_trip_to_grow() {
     }
     assert_eq!(session.stream_window(7), Some(2 << 20));
 }
+
+/// A session sending one tensor of `len` bytes on stream 0, accepted, no credit yet.
+fn sending_session(len: u64) -> Session {
+    let mut session = Session::new(SessionConfig::default(), epoch());
+    let sender = TensorSender::new(meta("t", len as usize)).unwrap();
+    session.start_sending(0, sender).unwrap();
+    let accept = tensorwire_proto::frame::Accept {
+        max_data_payload: 1 << 20,
+    };
+    session.handle_reply(0, accept.into()).unwrap();
+    session
+}
+
+/// The receiver grants `bytes` more on stream 0.
+fn credit_arrives(session: &mut Session, bytes: u64) {
+    let credit = tensorwire_proto::frame::Credit { bytes };
+    session.handle_reply(0, credit.into()).unwrap();
+}
+
+/// Sends every byte credit allows on stream 0.
+fn send_all_allowed(session: &mut Session) {
+    loop {
+        let n = session.next_chunk_len(0);
+        if n == 0 {
+            return;
+        }
+        session.send_data(0, pattern(n as usize, 1).into()).unwrap();
+    }
+}
+
+/// Spec §7.4: a 64 MiB tensor on a 20 ms path, credit arriving at 500 MiB/s (1 MiB every
+/// 2 ms after an initial 8 MiB), its bytes sent as it comes. Its turn ends once what is
+/// left would leave within two round trips at that rate, 20 MiB, and not a MiB before:
+/// the next tensor's admission round trip overlaps those bytes.
+#[test]
+fn on_a_long_path_the_turn_passes_two_round_trips_before_the_last_byte() {
+    const MIB: u64 = 1 << 20;
+    let start = epoch();
+    let rtt = Duration::from_millis(20);
+    let mut session = sending_session(64 * MIB);
+    credit_arrives(&mut session, 8 * MIB);
+    assert!(!session.turn_done(0, start, rtt), "no rate measured yet");
+    send_all_allowed(&mut session);
+    for granted in 9..=64 {
+        let now = start + Duration::from_millis(2 * (granted - 8));
+        credit_arrives(&mut session, MIB);
+        send_all_allowed(&mut session);
+        let left = 64 - granted;
+        assert_eq!(
+            session.turn_done(0, now, rtt),
+            left <= 20,
+            "{left} MiB left, {granted} MiB granted"
+        );
+    }
+}
+
+/// Spec §7.4: with no round trip measured, a tensor keeps the turn until its credit covers
+/// every byte it has left, however fast credit comes; once it does, it needs nothing more
+/// from the connection's window, whatever it has sent.
+#[test]
+fn without_a_round_trip_the_turn_passes_once_credit_covers_the_rest() {
+    const MIB: u64 = 1 << 20;
+    let start = epoch();
+    let mut session = sending_session(16 * MIB);
+    credit_arrives(&mut session, 4 * MIB);
+    for granted in 5..16 {
+        credit_arrives(&mut session, MIB);
+        send_all_allowed(&mut session);
+        let now = start + Duration::from_millis(granted);
+        assert!(!session.turn_done(0, now, Duration::ZERO), "{granted} MiB");
+    }
+    // The last MiB granted, none of it sent yet.
+    credit_arrives(&mut session, MIB);
+    assert!(session.turn_done(0, start, Duration::ZERO));
+    assert!(session.turn_done(0, start, Duration::from_millis(20)));
+}
+
+/// A receiver's first grants come together (ACCEPT's window in units): a rate over less
+/// than a round trip would be a burst's, and would end the turn at once.
+#[test]
+fn the_first_grants_together_do_not_end_the_turn() {
+    const MIB: u64 = 1 << 20;
+    let start = epoch();
+    let rtt = Duration::from_millis(20);
+    let mut session = sending_session(64 * MIB);
+    credit_arrives(&mut session, 4 * MIB);
+    assert!(!session.turn_done(0, start, rtt));
+    credit_arrives(&mut session, 4 * MIB);
+    send_all_allowed(&mut session);
+    let soon = start + Duration::from_micros(30);
+    assert!(!session.turn_done(0, soon, rtt), "4 MiB in 30 µs");
+    // Not ours: no turn to hold.
+    assert!(session.turn_done(2, soon, rtt));
+}

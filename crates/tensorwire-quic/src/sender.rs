@@ -723,8 +723,8 @@ impl OutgoingTensor {
     }
 
     /// Sends METADATA, then DATA as credit allows, then END; returns on COMPLETE. Gives up
-    /// the connection's turn (if held) once all its DATA is QUIC's. Adds what it waited for
-    /// to `waited`.
+    /// the connection's turn (if held) once the session says it is done with it (spec §7.4),
+    /// or once all its DATA is QUIC's. Adds what it waited for to `waited`.
     ///
     /// The progress timeout counts time without progress, not silence: while the receiver has
     /// nothing to say (all credit granted, bytes still crossing a slow path), our data being
@@ -747,10 +747,19 @@ impl OutgoingTensor {
         let id = self.id;
         loop {
             loop {
-                let (allowed, done) = {
-                    let session = self.session.lock();
-                    (session.next_chunk_len(id), session.sent(id))
+                // Read before the session's lock: quinn takes the connection's.
+                let rtt = self.turn.as_ref().map(|_| connection.rtt());
+                let (allowed, done, turn_done) = {
+                    let mut session = self.session.lock();
+                    let turn_done =
+                        rtt.is_some_and(|rtt| session.turn_done(id, Instant::now(), rtt));
+                    (session.next_chunk_len(id), session.sent(id), turn_done)
                 };
+                if turn_done {
+                    // Spec §7.4: the next large tensor's METADATA and admission round trip
+                    // overlap our last bytes, rather than follow them.
+                    self.turn = None;
+                }
                 if allowed == 0 || done >= total {
                     break;
                 }

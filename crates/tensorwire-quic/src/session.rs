@@ -43,8 +43,11 @@ impl ConnectionSession {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Waits, first come first served, until no other large tensor of this connection is
-    /// handing its DATA to QUIC, and holds the turn until the permit is dropped.
+    /// Waits, first come first served, until the large tensors before it on this connection
+    /// are done with the turn, and holds it until the permit is dropped. A tensor is done
+    /// once its last bytes need no more credit or leave within two round trips
+    /// ([`Session::turn_done`](tensorwire_proto::Session::turn_done), spec §7.4), so the
+    /// next one's admission overlaps them.
     ///
     /// Tensors sent at once on one connection otherwise all open their streams, and QUIC
     /// interleaves their DATA: the receiver then admits every one of them (destination
