@@ -211,7 +211,8 @@ const SENT_TENSOR_LEN: u64 = 3000;
 ///
 /// Layout: `op_count: u8 | ops: [u8; op_count] | frame bytes`. Op `k`: stream `(k >> 4) % 4`
 /// (streams 0 and 1 receive, 2 and 3 send); `k % 8`: 0–2 feed it the next decoded frame,
-/// 3 accept (receiving) or send the next chunk (sending), 4 grant with a round trip of
+/// 3 accept (receiving) or send the next chunk and ask whether the tensor is done with the
+/// connection's turn, with a round trip of `k >> 5` ms (sending), 4 grant with a round trip of
 /// `k >> 5` ms (receiving) or finish (sending), 5 release held bytes, 6 cancel, 7 close and
 /// reopen it. Each op advances the clock by `k` milliseconds.
 pub fn session_ops(data: &[u8]) {
@@ -297,6 +298,10 @@ pub fn session_ops(data: &[u8]) {
                     let chunk = filler.slice(start..start + len as usize);
                     let _ = session.send_data(id, chunk);
                 }
+                // Spec §7.4: a tensor with every byte sent holds no turn.
+                let rtt = Duration::from_millis(u64::from(k >> 5));
+                let turn_done = session.turn_done(id, now, rtt);
+                assert!(turn_done || session.sent(id) < SENT_TENSOR_LEN);
             }
             (4, true) => {
                 // A round trip of 0–7 ms: windows grow when bytes arrive fast.

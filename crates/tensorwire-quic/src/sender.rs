@@ -108,7 +108,7 @@ pub struct ConnectionSender {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Sharing {
     /// A tensor of more than one DATA frame waits for the large tensors before it on the
-    /// connection to hand all their DATA to QUIC; a smaller one goes at once.
+    /// connection to be done with the turn (spec §7.4); a smaller one goes at once.
     InTurn,
     /// At once, beside the others: the parts of a split tensor (spec §15). A part waiting
     /// behind a whole tensor that waits for memory at the receiver, memory held by the
@@ -139,7 +139,7 @@ pub struct SendReport {
 /// summed over its parts, which wait at once.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SendWaits {
-    /// For the large tensors before it on its connection to hand over their DATA (its turn).
+    /// For the large tensors before it on its connection to be done with the turn (spec §7.4).
     pub turn: Duration,
     /// For the receiver: a stream it allows (QUIC's stream limit), its ACCEPT, CREDIT once
     /// the bytes granted were sent, and COMPLETE once every byte was. A slow or full
@@ -335,7 +335,8 @@ impl ConnectionSender {
     ///
     /// Tensors of more than one DATA frame ([`SenderConfig::chunk_size`]) sent at once on
     /// the connection take turns, in the order they were sent: each opens its stream once
-    /// the one before has handed all its DATA to QUIC. Smaller tensors go at once. So a
+    /// the one before needs no more credit or has at most two round trips' worth of bytes
+    /// left (spec §7.4), so its admission overlaps them. Smaller tensors go at once. So a
     /// receiving application that leaves a large tensor undecided until a later one from the
     /// same connection arrives waits until the first fails (its progress timeout): decide
     /// each tensor as it comes.
