@@ -151,8 +151,9 @@ pub struct Session {
     control: VecDeque<Frame>,
     /// What the peer's EARLY_CREDIT allows our tensors, once one arrived.
     peer_early: Option<PeerEarly>,
-    /// The smallest round-trip time grants were given (zero before one): the path's own, as
-    /// the smoothed RTT under load also counts the queues the tensors themselves build.
+    /// The smallest round-trip time the session was given, by grants or turns (zero before
+    /// one): the path's own, as the smoothed RTT under load also counts the queues the
+    /// tensors themselves build.
     min_rtt: Duration,
     /// The largest window a tensor grew to on this connection: the path's, so the peer's
     /// next tensors start there rather than growing again.
@@ -520,12 +521,9 @@ impl Session {
     /// queues a fast sender builds (which lengthen the smoothed RTT) do not count as path.
     #[must_use = "granted bytes are sent as CREDIT by flushing poll_frame"]
     pub fn grant(&mut self, id: StreamId, credit: &mut CreditTracker, clock: GrantClock) -> u64 {
-        if !clock.rtt.is_zero() && (self.min_rtt.is_zero() || clock.rtt < self.min_rtt) {
-            self.min_rtt = clock.rtt;
-        }
         let path = GrantClock {
             now: clock.now,
-            rtt: self.min_rtt,
+            rtt: self.path_rtt(clock.rtt),
         };
         let max_window = self.config.max_stream_window;
         if let Some(Tensor::Incoming(tensor, window)) = self.tensors.get_mut(&id) {
@@ -619,13 +617,25 @@ impl Session {
         }
     }
 
+    /// Records `rtt`, the connection's as the QUIC stack reports it now (zero: none), and
+    /// returns the path's: the smallest given on this connection.
+    fn path_rtt(&mut self, rtt: Duration) -> Duration {
+        if !rtt.is_zero() && (self.min_rtt.is_zero() || rtt < self.min_rtt) {
+            self.min_rtt = rtt;
+        }
+        self.min_rtt
+    }
+
     /// Whether our tensor on `id` is done with the connection's turn to send large tensors'
-    /// DATA (spec §7.4), so the next may send its METADATA: its credit covers every byte it
-    /// has left, or those bytes leave within two round trips (`rtt`, the connection's, as
-    /// the QUIC stack reports it) at the rate the peer granted credit since its first grant.
-    /// The next tensor's admission round trip then overlaps this one's last bytes rather
-    /// than follows them. An `rtt` of zero (none measured) leaves only the first.
+    /// DATA (spec §7.4), so the next may send its METADATA: every byte is sent, or those it
+    /// has left leave within two of the path's round trips at the rate the peer granted
+    /// credit since its first grant. The next tensor's admission round trip
+    /// then overlaps this one's last bytes rather than follows them. `rtt` is the
+    /// connection's as the QUIC stack reports it now; the path's is the smallest the session
+    /// was given, as for window growth, so that loopback's queues do not pass turns early.
+    /// With none measured (zero), only the first applies.
     pub fn turn_done(&mut self, id: StreamId, now: Instant, rtt: Duration) -> bool {
+        let rtt = self.path_rtt(rtt);
         match self.tensors.get_mut(&id) {
             Some(Tensor::Outgoing(tensor, pace)) => {
                 let total = tensor.meta().byte_len();

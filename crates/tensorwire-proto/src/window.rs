@@ -97,11 +97,11 @@ pub(crate) struct SendPace {
 
 impl SendPace {
     /// Whether a tensor that has sent `sent` of its `total` bytes, and was granted `granted`,
-    /// is done with the connection's turn: its credit covers the rest (it needs nothing more
-    /// from the connection's window), or the rest leaves within two round trips at the rate
-    /// credit came since the first grant. The next tensor's first DATA reaches the receiver
-    /// a round trip and a half after its METADATA leaves (METADATA, then ACCEPT and CREDIT
-    /// back, then DATA); the other half leaves room for the receiver's admission.
+    /// is done with the connection's turn: every byte is sent, or the rest leaves within two
+    /// round trips at the rate credit came since the first grant. The next tensor's first
+    /// DATA reaches the receiver a round trip and a half after its METADATA leaves
+    /// (METADATA, then ACCEPT and CREDIT back, then DATA); the other half leaves room for
+    /// the receiver's admission.
     pub(crate) fn turn_done(
         &mut self,
         sent: u64,
@@ -111,7 +111,7 @@ impl SendPace {
         rtt: Duration,
     ) -> bool {
         let left = total.saturating_sub(sent);
-        if left <= granted.saturating_sub(sent) {
+        if left == 0 {
             return true;
         }
         let Some((since, granted_then)) = self.since else {

@@ -1137,25 +1137,28 @@ fn on_a_long_path_the_turn_passes_two_round_trips_before_the_last_byte() {
     }
 }
 
-/// Spec §7.4: with no round trip measured, a tensor keeps the turn until its credit covers
-/// every byte it has left, however fast credit comes; once it does, it needs nothing more
-/// from the connection's window, whatever it has sent.
+/// Spec §7.4: with no round trip measured, a tensor keeps the turn until it has sent every
+/// byte, however fast credit comes, even once its credit covers them all.
 #[test]
-fn without_a_round_trip_the_turn_passes_once_credit_covers_the_rest() {
+fn without_a_round_trip_the_turn_passes_once_every_byte_is_sent() {
     const MIB: u64 = 1 << 20;
     let start = epoch();
     let mut session = sending_session(16 * MIB);
     credit_arrives(&mut session, 4 * MIB);
-    for granted in 5..16 {
+    for granted in 5..=15 {
         credit_arrives(&mut session, MIB);
         send_all_allowed(&mut session);
         let now = start + Duration::from_millis(granted);
         assert!(!session.turn_done(0, now, Duration::ZERO), "{granted} MiB");
     }
-    // The last MiB granted, none of it sent yet.
     credit_arrives(&mut session, MIB);
+    assert!(
+        !session.turn_done(0, start, Duration::ZERO),
+        "all granted, 1 MiB unsent"
+    );
+    send_all_allowed(&mut session);
+    assert_eq!(session.sent(0), 16 * MIB);
     assert!(session.turn_done(0, start, Duration::ZERO));
-    assert!(session.turn_done(0, start, Duration::from_millis(20)));
 }
 
 /// A receiver's first grants come together (ACCEPT's window in units): a rate over less
@@ -1174,4 +1177,28 @@ fn the_first_grants_together_do_not_end_the_turn() {
     assert!(!session.turn_done(0, soon, rtt), "4 MiB in 30 µs");
     // Not ours: no turn to hold.
     assert!(session.turn_done(2, soon, rtt));
+}
+
+/// A smoothed RTT lengthened by the queues a loaded connection builds (loopback under load
+/// reports milliseconds) is not the path's: turns are judged by the smallest round trip
+/// given, here 1 ms, so the tensor keeps its turn until 1 MiB is left, not 20.
+#[test]
+fn queues_on_the_connection_do_not_pass_the_turn_early() {
+    const MIB: u64 = 1 << 20;
+    let start = epoch();
+    let mut session = sending_session(64 * MIB);
+    credit_arrives(&mut session, 8 * MIB);
+    assert!(!session.turn_done(0, start, Duration::from_millis(1)));
+    send_all_allowed(&mut session);
+    for granted in 9..=64 {
+        let now = start + Duration::from_millis(2 * (granted - 8));
+        credit_arrives(&mut session, MIB);
+        send_all_allowed(&mut session);
+        let left = 64 - granted;
+        assert_eq!(
+            session.turn_done(0, now, Duration::from_millis(20)),
+            left <= 1,
+            "{left} MiB left"
+        );
+    }
 }

@@ -335,8 +335,8 @@ impl ConnectionSender {
     ///
     /// Tensors of more than one DATA frame ([`SenderConfig::chunk_size`]) sent at once on
     /// the connection take turns, in the order they were sent: each opens its stream once
-    /// the one before needs no more credit or has at most two round trips' worth of bytes
-    /// left (spec §7.4), so its admission overlaps them. Smaller tensors go at once. So a
+    /// the one before has at most two round trips' worth of bytes left to hand to QUIC (spec
+    /// §7.4), so its admission overlaps them. Smaller tensors go at once. So a
     /// receiving application that leaves a large tensor undecided until a later one from the
     /// same connection arrives waits until the first fails (its progress timeout): decide
     /// each tensor as it comes.
@@ -746,14 +746,15 @@ impl OutgoingTensor {
             chunk_size,
         } = options;
         let id = self.id;
+        // Read once: quinn locks the connection's state for it, which its driver holds while
+        // it builds packets, and the session judges turns by the smallest round trip given.
+        let rtt_at_start = connection.rtt();
         loop {
             loop {
-                // Read before the session's lock: quinn takes the connection's.
-                let rtt = self.turn.as_ref().map(|_| connection.rtt());
                 let (allowed, done, turn_done) = {
                     let mut session = self.session.lock();
                     let turn_done =
-                        rtt.is_some_and(|rtt| session.turn_done(id, Instant::now(), rtt));
+                        self.turn.is_some() && session.turn_done(id, Instant::now(), rtt_at_start);
                     (session.next_chunk_len(id), session.sent(id), turn_done)
                 };
                 if turn_done {

@@ -45,7 +45,7 @@ impl ConnectionSession {
 
     /// Waits, first come first served, until the large tensors before it on this connection
     /// are done with the turn, and holds it until the permit is dropped. A tensor is done
-    /// once its last bytes need no more credit or leave within two round trips
+    /// once the bytes it has left leave within two round trips
     /// ([`Session::turn_done`](tensorwire_proto::Session::turn_done), spec §7.4), so the
     /// next one's admission overlaps them.
     ///
