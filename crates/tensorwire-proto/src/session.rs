@@ -629,11 +629,11 @@ impl Session {
     /// Whether our tensor on `id` is done with the connection's turn to send large tensors'
     /// DATA (spec §7.4), so the next may send its METADATA: every byte is sent, or those it
     /// has left leave within two of the path's round trips at the rate the peer granted
-    /// credit since its first grant. The next tensor's admission round trip
-    /// then overlaps this one's last bytes rather than follows them. `rtt` is the
-    /// connection's as the QUIC stack reports it now; the path's is the smallest the session
-    /// was given, as for window growth, so that loopback's queues do not pass turns early.
-    /// With none measured (zero), only the first applies.
+    /// credit since its first grant. The next tensor's admission round trip then overlaps
+    /// this one's last bytes rather than follows them. `rtt` is the connection's as the QUIC
+    /// stack reports it now; the path's is the smallest the session was given, as for window
+    /// growth, so that queues on a loaded connection do not pass turns early. With none
+    /// measured (zero), only the first applies. `true` for a stream that is not ours.
     pub fn turn_done(&mut self, id: StreamId, now: Instant, rtt: Duration) -> bool {
         let rtt = self.path_rtt(rtt);
         match self.tensors.get_mut(&id) {
