@@ -1111,29 +1111,38 @@ fn send_all_allowed(session: &mut Session) {
     }
 }
 
-/// Spec §7.4: a 64 MiB tensor on a 20 ms path, credit arriving at 500 MiB/s (1 MiB every
-/// 2 ms after an initial 8 MiB), its bytes sent as it comes. Its turn ends once what is
-/// left would leave within two round trips at that rate, 20 MiB, and not a MiB before:
-/// the next tensor's admission round trip overlaps those bytes.
-#[test]
-fn on_a_long_path_the_turn_passes_two_round_trips_before_the_last_byte() {
+/// A 64 MiB tensor whose credit arrives at 500 MiB/s (1 MiB every 2 ms after an initial
+/// 8 MiB), its bytes sent as it comes: after each MiB granted, the MiB it has left and
+/// whether the session said its turn was done. The connection reported `first_rtt` at the
+/// first grant, `rtt` at the others.
+fn turn_as_credit_comes(first_rtt: Duration, rtt: Duration) -> Vec<(u64, bool)> {
     const MIB: u64 = 1 << 20;
     let start = epoch();
-    let rtt = Duration::from_millis(20);
     let mut session = sending_session(64 * MIB);
     credit_arrives(&mut session, 8 * MIB);
-    assert!(!session.turn_done(0, start, rtt), "no rate measured yet");
+    assert!(
+        !session.turn_done(0, start, first_rtt),
+        "no rate measured yet"
+    );
     send_all_allowed(&mut session);
-    for granted in 9..=64 {
-        let now = start + Duration::from_millis(2 * (granted - 8));
-        credit_arrives(&mut session, MIB);
-        send_all_allowed(&mut session);
-        let left = 64 - granted;
-        assert_eq!(
-            session.turn_done(0, now, rtt),
-            left <= 20,
-            "{left} MiB left, {granted} MiB granted"
-        );
+    (9..=64)
+        .map(|granted| {
+            let now = start + Duration::from_millis(2 * (granted - 8));
+            credit_arrives(&mut session, MIB);
+            send_all_allowed(&mut session);
+            (64 - granted, session.turn_done(0, now, rtt))
+        })
+        .collect()
+}
+
+/// Spec §7.4: on a 20 ms path, the turn ends once what is left would leave within two
+/// round trips at the rate credit comes, 20 MiB, and not a MiB before: the next tensor's
+/// admission round trip overlaps those bytes.
+#[test]
+fn on_a_long_path_the_turn_passes_two_round_trips_before_the_last_byte() {
+    let rtt = Duration::from_millis(20);
+    for (left, done) in turn_as_credit_comes(rtt, rtt) {
+        assert_eq!(done, left <= 20, "{left} MiB left");
     }
 }
 
@@ -1184,21 +1193,8 @@ fn the_first_grants_together_do_not_end_the_turn() {
 /// given, here 1 ms, so the tensor keeps its turn until 1 MiB is left, not 20.
 #[test]
 fn queues_on_the_connection_do_not_pass_the_turn_early() {
-    const MIB: u64 = 1 << 20;
-    let start = epoch();
-    let mut session = sending_session(64 * MIB);
-    credit_arrives(&mut session, 8 * MIB);
-    assert!(!session.turn_done(0, start, Duration::from_millis(1)));
-    send_all_allowed(&mut session);
-    for granted in 9..=64 {
-        let now = start + Duration::from_millis(2 * (granted - 8));
-        credit_arrives(&mut session, MIB);
-        send_all_allowed(&mut session);
-        let left = 64 - granted;
-        assert_eq!(
-            session.turn_done(0, now, Duration::from_millis(20)),
-            left <= 1,
-            "{left} MiB left"
-        );
+    let turns = turn_as_credit_comes(Duration::from_millis(1), Duration::from_millis(20));
+    for (left, done) in turns {
+        assert_eq!(done, left <= 1, "{left} MiB left");
     }
 }
