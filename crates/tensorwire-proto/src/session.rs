@@ -637,11 +637,7 @@ impl Session {
     pub fn turn_done(&mut self, id: StreamId, now: Instant, rtt: Duration) -> bool {
         let rtt = self.path_rtt(rtt);
         match self.tensors.get_mut(&id) {
-            Some(Tensor::Outgoing(tensor, pace)) => {
-                let total = tensor.meta().byte_len();
-                let granted = tensor.sent() + tensor.credit();
-                pace.turn_done(tensor.sent(), granted, total, now, rtt)
-            }
+            Some(Tensor::Outgoing(tensor, pace)) => pace.turn_done(tensor, now, rtt),
             _ => true,
         }
     }

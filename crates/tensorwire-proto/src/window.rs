@@ -1,6 +1,9 @@
-//! A tensor's stream window, grown to the path's bandwidth-delay product (spec §7.1).
+//! Pacing by the path: a tensor's stream window, grown to the path's bandwidth-delay product
+//! (spec §7.1), and when a tensor we send lets the connection's next one start (spec §7.4).
 
 use std::time::{Duration, Instant};
+
+use crate::sender::TensorSender;
 
 /// When a grant is asked for, and the connection's smoothed round-trip time then: what a
 /// stream window's growth judges a tensor's arrival rate by (spec §7.1).
@@ -96,24 +99,18 @@ pub(crate) struct SendPace {
 }
 
 impl SendPace {
-    /// Whether a tensor that has sent `sent` of its `total` bytes, and was granted `granted`,
-    /// is done with the connection's turn: every byte is sent, or the rest leaves within two
-    /// round trips at the rate credit came since the first grant. The next tensor's first
-    /// DATA reaches the receiver a round trip and a half after its METADATA leaves
-    /// (METADATA, then ACCEPT and CREDIT back, then DATA); the other half leaves room for
-    /// the receiver's admission.
-    pub(crate) fn turn_done(
-        &mut self,
-        sent: u64,
-        granted: u64,
-        total: u64,
-        now: Instant,
-        rtt: Duration,
-    ) -> bool {
-        let left = total.saturating_sub(sent);
+    /// Whether `tensor` is done with the connection's turn: every byte is sent, or the rest
+    /// leaves within two round trips at the rate credit came since the first grant. The
+    /// next tensor's first DATA reaches the receiver a round trip and a half after its
+    /// METADATA leaves (METADATA, then ACCEPT and CREDIT back, then DATA); the other half
+    /// leaves room for the receiver's admission.
+    pub(crate) fn turn_done(&mut self, tensor: &TensorSender, now: Instant, rtt: Duration) -> bool {
+        let sent = tensor.sent();
+        let left = tensor.meta().byte_len().saturating_sub(sent);
         if left == 0 {
             return true;
         }
+        let granted = sent + tensor.credit();
         let Some((since, granted_then)) = self.since else {
             if granted > 0 {
                 self.since = Some((now, granted));

@@ -838,6 +838,8 @@ fn the_control_stream_takes_only_valid_early_credit() {
 /// Bytes per GiB and MiB, for rates.
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: f64 = (1u64 << 20) as f64;
+/// Bytes per MiB, for tensor lengths and credit.
+const MIB_BYTES: u64 = 1 << 20;
 
 /// A path for the window tests: one-way delay, the link's rate and the receiver's (how fast
 /// its sink takes bytes), in seconds and bytes per second.
@@ -1116,10 +1118,9 @@ fn send_all_allowed(session: &mut Session) {
 /// whether the session said its turn was done. The connection reported `first_rtt` at the
 /// first grant, `rtt` at the others.
 fn turn_as_credit_comes(first_rtt: Duration, rtt: Duration) -> Vec<(u64, bool)> {
-    const MIB: u64 = 1 << 20;
     let start = epoch();
-    let mut session = sending_session(64 * MIB);
-    credit_arrives(&mut session, 8 * MIB);
+    let mut session = sending_session(64 * MIB_BYTES);
+    credit_arrives(&mut session, 8 * MIB_BYTES);
     assert!(
         !session.turn_done(0, start, first_rtt),
         "no rate measured yet"
@@ -1128,7 +1129,7 @@ fn turn_as_credit_comes(first_rtt: Duration, rtt: Duration) -> Vec<(u64, bool)> 
     (9..=64)
         .map(|granted| {
             let now = start + Duration::from_millis(2 * (granted - 8));
-            credit_arrives(&mut session, MIB);
+            credit_arrives(&mut session, MIB_BYTES);
             send_all_allowed(&mut session);
             (64 - granted, session.turn_done(0, now, rtt))
         })
@@ -1150,23 +1151,22 @@ fn on_a_long_path_the_turn_passes_two_round_trips_before_the_last_byte() {
 /// byte, however fast credit comes, even once its credit covers them all.
 #[test]
 fn without_a_round_trip_the_turn_passes_once_every_byte_is_sent() {
-    const MIB: u64 = 1 << 20;
     let start = epoch();
-    let mut session = sending_session(16 * MIB);
-    credit_arrives(&mut session, 4 * MIB);
+    let mut session = sending_session(16 * MIB_BYTES);
+    credit_arrives(&mut session, 4 * MIB_BYTES);
     for granted in 5..=15 {
-        credit_arrives(&mut session, MIB);
+        credit_arrives(&mut session, MIB_BYTES);
         send_all_allowed(&mut session);
         let now = start + Duration::from_millis(granted);
         assert!(!session.turn_done(0, now, Duration::ZERO), "{granted} MiB");
     }
-    credit_arrives(&mut session, MIB);
+    credit_arrives(&mut session, MIB_BYTES);
     assert!(
         !session.turn_done(0, start, Duration::ZERO),
         "all granted, 1 MiB unsent"
     );
     send_all_allowed(&mut session);
-    assert_eq!(session.sent(0), 16 * MIB);
+    assert_eq!(session.sent(0), 16 * MIB_BYTES);
     assert!(session.turn_done(0, start, Duration::ZERO));
 }
 
@@ -1174,13 +1174,12 @@ fn without_a_round_trip_the_turn_passes_once_every_byte_is_sent() {
 /// than a round trip would be a burst's, and would end the turn at once.
 #[test]
 fn the_first_grants_together_do_not_end_the_turn() {
-    const MIB: u64 = 1 << 20;
     let start = epoch();
     let rtt = Duration::from_millis(20);
-    let mut session = sending_session(64 * MIB);
-    credit_arrives(&mut session, 4 * MIB);
+    let mut session = sending_session(64 * MIB_BYTES);
+    credit_arrives(&mut session, 4 * MIB_BYTES);
     assert!(!session.turn_done(0, start, rtt));
-    credit_arrives(&mut session, 4 * MIB);
+    credit_arrives(&mut session, 4 * MIB_BYTES);
     send_all_allowed(&mut session);
     let soon = start + Duration::from_micros(30);
     assert!(!session.turn_done(0, soon, rtt), "4 MiB in 30 µs");
