@@ -24,4 +24,14 @@ mkdir -p corpus/exec_message
 for f in ../spec/vectors/exec/*.bin; do
   cp "$f" "corpus/exec_message/seed-$(basename "${f%.bin}")"
 done
+mkdir -p corpus/version_negotiation
+# A server's minor version byte, then a case's client offers (spec/vectors/versions.txt).
+n=0
+while IFS=';' read -r client _; do
+  case "$client" in '#'*|'') continue ;; esac
+  for minor in 4 5; do
+    printf "\\x0$minor%s" "$(echo "$client" | tr -d ' ')" > "corpus/version_negotiation/seed-$n-$minor"
+  done
+  n=$((n + 1))
+done < ../spec/vectors/versions.txt
 echo "seeded $(ls corpus/exec_message | wc -l) exec messages; $(ls corpus/frame_decoder | wc -l) + $(ls corpus/receiver_state | wc -l) + $(ls corpus/session_ops | wc -l) inputs"

@@ -13,7 +13,7 @@ use tensorwire_proto::exec::{
     ArgSpec, ExecLimits, ExecReply, ExecRequest, ExecRole, LaunchShape, ModuleFormat, RequestBody,
     RunRequest, Timings,
 };
-use tensorwire_proto::{DType, ErrorCode, TensorMeta};
+use tensorwire_proto::{DType, ErrorCode, Feature, TensorMeta};
 use tensorwire_quic::{
     IncomingTensor, Receiver, ReceiverConfig, SendHandle, Sender, SenderConfig, ServerTls,
 };
@@ -251,6 +251,13 @@ impl ExecClient {
 
     /// Uses an open connection: its replies are received on it (spec §3).
     pub fn over(sender: Sender) -> Result<Self, ExecError> {
+        let version = sender.peer_version();
+        if !version.has(Feature::RemoteExecution) {
+            return Err(ExecError::Unsupported {
+                peer: sender.peer_address(),
+                version,
+            });
+        }
         // Only budgets, limits and timeouts of this config apply on a connection's own
         // receiving side; the address and TLS are placeholders.
         let config = ReceiverConfig::new(

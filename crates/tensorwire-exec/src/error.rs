@@ -32,6 +32,18 @@ pub enum ExecError {
         .0.as_secs()
     )]
     NoReply(Duration),
+    /// The server's protocol version predates remote execution, or cannot say it has it
+    /// (spec §3.1): nothing was sent.
+    #[error(
+        "{peer} negotiated protocol version {version}, which has no remote execution (spec \
+         §3.1, §14): it needs a receiver of version 1.4 or later"
+    )]
+    Unsupported {
+        /// The server's address.
+        peer: std::net::SocketAddr,
+        /// The version the connection negotiated.
+        version: tensorwire_proto::Version,
+    },
     /// The configuration cannot work; nothing was started.
     #[error("configuration: {0}")]
     Config(String),
@@ -53,7 +65,7 @@ impl ExecError {
             ExecError::Transport(e) => e.code(),
             ExecError::Protocol(e) => Some(e.code()),
             ExecError::NoReply(_) => Some(ErrorCode::PROGRESS_TIMEOUT),
-            ExecError::Config(_) | ExecError::File { .. } => None,
+            ExecError::Config(_) | ExecError::File { .. } | ExecError::Unsupported { .. } => None,
         }
     }
 

@@ -374,3 +374,41 @@ pub fn exec_round_trip(data: &[u8]) {
         );
     }
 }
+
+/// Version negotiation (spec §3.1): a server of the minor version the first byte names (at
+/// least 1.4) against a client offering the comma-separated identifiers that follow. The
+/// server's choice (the first of its own offers the client offers too) must parse, be no
+/// newer than the server, and be the newest version both offered; every identifier that
+/// parses must print back as itself.
+pub fn negotiate_versions(data: &[u8]) {
+    use crate::Version;
+    let Some((&minor, rest)) = data.split_first() else {
+        return;
+    };
+    let server = Version {
+        minor: minor.max(Version::V1_4.minor),
+        ..Version::CURRENT
+    };
+    let client: Vec<&[u8]> = rest.split(|&b| b == b',').collect();
+    let offers = server.alpn_offers();
+    let chosen = offers
+        .iter()
+        .find(|id| client.contains(&id.as_slice()))
+        .map(|id| Version::from_alpn(id).expect("a server offers only identifiers it parses"));
+    for id in &client {
+        let Some(offered) = Version::from_alpn(id) else {
+            continue;
+        };
+        assert_eq!(Version::from_alpn(&offered.alpn()), Some(offered));
+        if offered <= server {
+            let chosen = chosen.expect("a version both offer was not chosen");
+            assert!(
+                offered <= chosen,
+                "{offered} offered by both, {chosen} chosen"
+            );
+        }
+    }
+    if let Some(chosen) = chosen {
+        assert!(chosen <= server, "{chosen} chosen by a {server} server");
+    }
+}

@@ -44,6 +44,7 @@ mod receiver;
 mod sender;
 mod session;
 pub mod split;
+mod version;
 mod window;
 
 #[doc(hidden)]
@@ -67,9 +68,11 @@ pub use receiver::{
 };
 pub use sender::{CheckedChunk, SenderEvent, SenderInput, SenderState, TensorSender};
 pub use session::{Session, SessionConfig, SessionEvent, StreamClosed, StreamId};
+pub use version::{Feature, Version};
 pub use window::GrantClock;
 
-/// The ALPN protocol identifier of this version (spec §3).
+/// The ALPN identifier every version 1 peer offers, the only one before 1.4 (spec §3.1);
+/// [`Version::alpn_offers`] lists what this version offers.
 pub const ALPN: &[u8] = b"tensorwire/1";
 
 /// The longest CANCEL or REJECT reason any peer sends, in bytes (spec §6.4).

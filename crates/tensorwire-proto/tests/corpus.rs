@@ -74,3 +74,12 @@ fn the_exec_message_corpus_replays_cleanly() {
     );
     assert!(n >= 19, "only {n} corpus inputs: run fuzz/seed.sh");
 }
+
+#[test]
+fn the_version_negotiation_corpus_replays_cleanly() {
+    let n = replay(
+        &root().join("fuzz/corpus/version_negotiation"),
+        tensorwire_proto::fuzzing::negotiate_versions,
+    );
+    assert!(n >= 8, "only {n} corpus inputs: run fuzz/seed.sh");
+}

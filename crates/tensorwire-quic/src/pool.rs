@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tensorwire_proto::split::{MAX_PARTS, SplitId, plan_split};
-use tensorwire_proto::{ProtocolError, TensorMeta};
+use tensorwire_proto::{Feature, ProtocolError, TensorMeta, Version};
 
 use crate::config::SenderConfig;
 use crate::error::TransportError;
@@ -92,8 +92,9 @@ impl SenderPool {
     /// with the first part's error (the other parts are then cancelled).
     ///
     /// Fails at once for a scalar, for `parts` outside 2 to 256 or above the tensor's rows,
-    /// and for a [`Source::Stream`], which can only be read in order. A receiver older than
-    /// protocol version 1.3 lands the parts as tensors of their own.
+    /// and for a [`Source::Stream`], which can only be read in order. A receiver whose
+    /// version has no split tensors ([`peer_version`](Self::peer_version), spec §3.1) gets
+    /// the tensor whole, on one connection.
     pub fn send_split(
         &self,
         meta: TensorMeta,
@@ -119,6 +120,10 @@ impl SenderPool {
         mut part_source: impl FnMut(u64, u64) -> Result<Source, TransportError>,
     ) -> Result<SendHandle, TransportError> {
         let total = meta.byte_len();
+        if !self.peer_version().has(Feature::SplitTensors) {
+            let source = part_source(0, total)?;
+            return Ok(self.send(meta, source));
+        }
         let planned = plan_split(&meta, parts as u64, random_split_id()?)?;
         let sources = planned
             .iter()
@@ -138,8 +143,12 @@ impl SenderPool {
     /// How many parts to send `meta` as when it is one of tensors of `total_bytes` in all:
     /// one per fair share of the bytes (`total_bytes` over the connections, at least
     /// [`MIN_PART`]), at most one per connection and per row; 1 (whole) for a tensor within
-    /// its share, a scalar or a single row. For [`send_split`](Self::send_split) when above 1.
+    /// its share, a scalar or a single row, or for a receiver without split tensors. For
+    /// [`send_split`](Self::send_split) when above 1.
     pub fn parts_for(&self, meta: &TensorMeta, total_bytes: u64) -> usize {
+        if !self.peer_version().has(Feature::SplitTensors) {
+            return 1;
+        }
         let connections = self.senders.len() as u64;
         let share = (total_bytes / connections.max(1)).max(MIN_PART);
         let rows = meta.shape().first().copied().unwrap_or(1);
@@ -150,6 +159,16 @@ impl SenderPool {
             .min(connections)
             .min(MAX_PARTS);
         usize::try_from(parts).unwrap_or(1).max(1)
+    }
+
+    /// The protocol version the receiver has (spec §3.1): the oldest its connections
+    /// negotiated.
+    pub fn peer_version(&self) -> Version {
+        self.senders
+            .iter()
+            .map(Sender::peer_version)
+            .min()
+            .unwrap_or(Version::V1_0)
     }
 
     /// How many connections it has.

@@ -13,7 +13,7 @@ use futures_core::Stream;
 use quinn::VarInt;
 use quinn::crypto::rustls::QuicClientConfig;
 use tensorwire_proto::{
-    ErrorCode, Limits, SessionConfig, SessionEvent, StreamId, TensorMeta, TensorSender,
+    ErrorCode, Limits, SessionConfig, SessionEvent, StreamId, TensorMeta, TensorSender, Version,
 };
 use tokio::runtime::Handle;
 use tokio::sync::OwnedSemaphorePermit;
@@ -261,6 +261,19 @@ impl Sender {
     /// Tensor and byte counters of this connection's sends.
     pub fn metrics(&self) -> MetricsSnapshot {
         self.sender.metrics()
+    }
+
+    /// The protocol version the connection negotiated (spec §3.1): what the receiver has.
+    /// A receiver that predates 1.4 reads as 1.0, since it cannot say which it is.
+    pub fn peer_version(&self) -> Version {
+        // The handshake completed before `connect` returned, so an ALPN was selected; a
+        // server that selected none of ours is treated as the oldest.
+        crate::tls::negotiated_version(&self.sender.connection).unwrap_or(Version::V1_0)
+    }
+
+    /// The receiver's address.
+    pub fn peer_address(&self) -> SocketAddr {
+        self.sender.connection.remote_address()
     }
 
     /// Bytes of tensors the receiver's early credit still lets go in one round trip (spec

@@ -1,5 +1,5 @@
-//! TLS 1.3 configurations: one crypto provider (ring), AES-128-GCM first, ALPN
-//! `tensorwire/1`, 0-RTT off, development and PEM certificates, optional mutual TLS.
+//! TLS 1.3 configurations: one crypto provider (ring), AES-128-GCM first, the version's ALPN
+//! offers (spec §3.1), 0-RTT off, development and PEM certificates, optional mutual TLS.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
-use tensorwire_proto::ALPN;
+use tensorwire_proto::Version;
 
 use crate::config::{ClientTls, ServerTls};
 use crate::dev_trust::dev_cert_path;
@@ -165,7 +165,7 @@ pub fn server_crypto(
             (config, None)
         }
     };
-    config.alpn_protocols = vec![ALPN.to_vec()];
+    config.alpn_protocols = Version::CURRENT.alpn_offers();
     config.max_early_data_size = 0; // 0-RTT off: replayed frames would be acted on twice.
     let quic = QuicServerConfig::try_from(config)
         .map_err(|e| TransportError::Tls(format!("QUIC server crypto: {e}")))?;
@@ -210,9 +210,19 @@ pub fn client_crypto(tls: &ClientTls, port: u16) -> Result<Arc<QuicClientConfig>
             }
         }
     };
-    config.alpn_protocols = vec![ALPN.to_vec()];
+    config.alpn_protocols = Version::CURRENT.alpn_offers();
     config.enable_early_data = false;
     let quic = QuicClientConfig::try_from(config)
         .map_err(|e| TransportError::Tls(format!("QUIC client crypto: {e}")))?;
     Ok(Arc::new(quic))
+}
+
+/// The protocol version `connection` negotiated through ALPN (spec §3.1); `None` if its
+/// peer selected no tensorwire identifier.
+pub fn negotiated_version(connection: &quinn::Connection) -> Option<Version> {
+    connection
+        .handshake_data()
+        .and_then(|data| data.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+        .and_then(|data| data.protocol)
+        .and_then(|id| Version::from_alpn(&id))
 }

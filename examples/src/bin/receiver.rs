@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use clap::Parser;
 use tensorwire::exec::{ExecAccess, ExecConfig, ExecServer, WorkerCommand, refuse_exec};
 use tensorwire::gpu::{ChecksumOn, DeviceRequest, GpuRequirement, Placement, TensorBuffer};
@@ -20,7 +21,7 @@ use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tensorwire_examples::cli::{
     ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, size,
 };
-use tensorwire_examples::save::{SaveDir, Spooled, SpoolingSink};
+use tensorwire_examples::save::{OnCollision, SaveDir, SaveJob, Spooled, SpoolingSink};
 use tokio::sync::mpsc;
 
 /// Receive tensors over QUIC.
@@ -34,6 +35,11 @@ struct Args {
     /// .safetensors file are written back as that file).
     #[arg(long)]
     save: Option<PathBuf>,
+    /// With --save, what a file whose name is already in the directory does: keep-both (the
+    /// new one is saved as NAME.N.safetensors), overwrite, or refuse (the new one is not
+    /// written; its bytes stay in DIR/.incoming, named in the error).
+    #[arg(long, default_value = "keep-both", requires = "save")]
+    on_collision: OnCollision,
     /// Receiver-wide byte budget in MiB: bytes granted but not yet stored never exceed it.
     #[arg(long = "budget-mib", default_value = "256", value_parser = mebibytes)]
     budget: u64,
@@ -219,6 +225,29 @@ async fn main() -> anyhow::Result<()> {
         }
         None => None,
     };
+    // Every path is checked, and what a receiver before this one left is recovered, before
+    // anything binds: a receiver that says it listens can save and share.
+    let (mut save, recovered) = match &args.save {
+        Some(dir) => {
+            let (save, recovery) = SaveDir::open(dir, args.on_collision)
+                .with_context(|| format!("--save {}", dir.display()))?;
+            (Some(save), Some(recovery))
+        }
+        None => (None, None),
+    };
+    let share = match &args.share {
+        Some(path) => {
+            let config = ShareConfig {
+                on_existing: args.on_existing,
+                ..ShareConfig::default()
+            };
+            let service = ShareService::start(path, config)
+                .with_context(|| format!("--share {}", path.display()))?;
+            Some(std::sync::Arc::new(service))
+        }
+        None => None,
+    };
+
     let mut receiver = Receiver::bind(config).await?;
     println!("listening on {}", receiver.local_addr()?);
     println!(
@@ -226,6 +255,13 @@ async fn main() -> anyhow::Result<()> {
         receiver.endpoint_count()
     );
     println!("tensors land in {}", placement.describe());
+    if let Some(path) = &args.share {
+        println!(
+            "sharing tensors on {} (a name shared again: {:?})",
+            path.display(),
+            args.on_existing
+        );
+    }
     if let Some(exec) = &exec {
         match exec.unavailable() {
             None => println!(
@@ -235,26 +271,25 @@ async fn main() -> anyhow::Result<()> {
             Some(why) => println!("remote execution: on, but runs are refused: no GPU ({why})"),
         }
     }
-    let mut save = args.save.as_deref().map(SaveDir::new).transpose()?;
-    let share = match &args.share {
-        Some(path) => {
-            let config = ShareConfig {
-                on_existing: args.on_existing,
-                ..ShareConfig::default()
-            };
-            let service = ShareService::start(path, config)?;
-            println!(
-                "sharing tensors on {} (a name shared again: {:?})",
-                path.display(),
-                args.on_existing
-            );
-            Some(std::sync::Arc::new(service))
-        }
-        None => None,
-    };
-
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let mut saves: tokio::task::JoinSet<Saved> = tokio::task::JoinSet::new();
+    if let Some(recovery) = recovered {
+        if recovery.unconfirmed_removed > 0 {
+            println!(
+                "removed {} spooled tensor(s) a previous receiver never confirmed (their senders \
+                 were told they failed)",
+                recovery.unconfirmed_removed
+            );
+        }
+        for job in recovery.jobs {
+            println!(
+                "recovering {} confirmed tensor(s) a previous receiver left as {}",
+                job.tensor_count(),
+                job.file()
+            );
+            spawn_save(&mut saves, job);
+        }
+    }
     // Parts of split tensors (spec §15) must all arrive within twice the admission timeout
     // (the whole's admission may itself wait that long).
     let splits = SplitTensors::new(2 * args.admission_timeout);
@@ -310,6 +345,7 @@ async fn main() -> anyhow::Result<()> {
                     let meta = incoming.meta().clone();
                     let peer = incoming.peer();
                     let origin = peer.to_string();
+                    let record_origin = origin.clone();
                     // An update the sharing policy refuses is refused before any byte is
                     // sent; with --save, the bytes are on disk before the sender is told
                     // COMPLETE.
@@ -325,7 +361,7 @@ async fn main() -> anyhow::Result<()> {
                         let sink = placement
                             .admit(&meta, &shares, &host, wait)
                             .await?;
-                        SpoolingSink::new(sink, spool.as_ref(), meta.byte_len())
+                        SpoolingSink::new(sink, spool.as_ref(), &meta, &record_origin)
                     };
                     // A tensor sent whole gets a sink of its own; a part, its share of the
                     // whole's, which the whole's first part admits (spec §15).
@@ -396,8 +432,7 @@ async fn main() -> anyhow::Result<()> {
                         if let (Some(save), Some(spooled)) = (save.as_mut(), spooled)
                             && let Some(job) = save.add(&origin, meta, spooled)
                         {
-                            let file = job.file().to_owned();
-                            saves.spawn_blocking(move || job.write().map_err(|e| (file, e)));
+                            spawn_save(&mut saves, job);
                         }
                     }
                     Err((split, e)) => {
@@ -452,8 +487,7 @@ async fn main() -> anyhow::Result<()> {
             );
         }
         for job in save.drain_partial() {
-            let file = job.file().to_owned();
-            saves.spawn_blocking(move || job.write().map_err(|e| (file, e)));
+            spawn_save(&mut saves, job);
         }
     }
     while let Some(saved) = saves.join_next().await {
@@ -464,6 +498,12 @@ async fn main() -> anyhow::Result<()> {
 }
 
 type Saved = Result<std::path::PathBuf, (String, anyhow::Error)>;
+
+/// Writes `job`'s file off the async path.
+fn spawn_save(saves: &mut tokio::task::JoinSet<Saved>, job: SaveJob) {
+    let file = job.file().to_owned();
+    saves.spawn_blocking(move || job.write().map_err(|e| (file, e)));
+}
 
 /// What a tensor's stream brought: a whole tensor, or a part of a split one that did not
 /// complete its whole.

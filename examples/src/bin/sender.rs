@@ -126,6 +126,14 @@ async fn send(
     let sender = SenderPool::connect(args.connect, config, connections)
         .await
         .with_context(|| format!("connecting to {}", args.connect))?;
+    let version = sender.peer_version();
+    if !version.has(tensorwire::proto::Feature::SplitTensors) {
+        eprintln!(
+            "the receiver at {} negotiated protocol version {version} (it predates 1.4): every \
+             tensor goes whole, none split",
+            args.connect
+        );
+    }
     // Largest first: each goes to the connection with the fewest bytes so far, so the
     // connections finish together and the last tensor to finish is small.
     outgoing.sort_by_key(|item| std::cmp::Reverse(item.meta.byte_len()));

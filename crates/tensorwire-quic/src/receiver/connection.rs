@@ -188,15 +188,11 @@ async fn serve_connection(
             return;
         }
     };
-    let alpn = connection
-        .handshake_data()
-        .and_then(|data| data.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
-        .and_then(|data| data.protocol);
-    if alpn.as_deref() != Some(tensorwire_proto::ALPN) {
-        warn!("refusing a connection that did not negotiate ALPN tensorwire/1");
+    if crate::tls::negotiated_version(&connection).is_none() {
+        warn!(peer = %connection.remote_address(), "refusing a connection that selected no tensorwire ALPN identifier");
         connection.close(
             VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0),
-            b"ALPN tensorwire/1 required",
+            b"ALPN tensorwire/1 or later required",
         );
         return;
     }

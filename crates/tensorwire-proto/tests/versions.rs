@@ -1,0 +1,66 @@
+//! Version negotiation (spec §3.1) against the cases of `spec/vectors/versions.txt`: the
+//! server's choice rule applied to each pair of offer lists selects the stored identifier,
+//! which means the stored version; this version's own offers are those the spec lists.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::path::Path;
+
+use tensorwire_proto::{Feature, Version};
+
+fn offers(list: &str) -> Vec<Vec<u8>> {
+    list.split(',')
+        .map(|id| id.trim().as_bytes().to_vec())
+        .collect()
+}
+
+#[test]
+fn every_stored_case_selects_its_version() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../spec/vectors/versions.txt");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut cases = 0;
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+    {
+        let fields: Vec<&str> = line.split(';').map(str::trim).collect();
+        let [client, server, selected, version] = fields[..] else {
+            panic!("not four fields: {line}");
+        };
+        let (client, server) = (offers(client), offers(server));
+        let chosen = server.iter().find(|id| client.contains(id));
+        match selected {
+            "-" => assert_eq!(chosen, None, "{line}"),
+            id => assert_eq!(chosen.map(Vec::as_slice), Some(id.as_bytes()), "{line}"),
+        }
+        let parsed = chosen.and_then(|id| Version::from_alpn(id));
+        assert_eq!(
+            parsed.map(|v| v.to_string()).as_deref(),
+            match version {
+                "-" => None,
+                v => Some(v),
+            },
+            "{line}"
+        );
+        cases += 1;
+    }
+    assert!(cases >= 8, "only {cases} cases");
+}
+
+#[test]
+fn this_version_offers_the_named_identifier_then_the_old_one() {
+    assert_eq!(Version::CURRENT.to_string(), "1.4");
+    assert_eq!(
+        Version::CURRENT.alpn_offers(),
+        offers("tensorwire/1.4,tensorwire/1")
+    );
+}
+
+/// A connection through the pre-1.4 identifier is 1.0: nothing added since may be used.
+#[test]
+fn an_unnamed_peer_gets_no_feature() {
+    let old = Version::from_alpn(tensorwire_proto::ALPN).unwrap();
+    for feature in Feature::ALL {
+        assert!(!old.has(feature), "{}", feature.name());
+        assert!(Version::CURRENT.has(feature), "{}", feature.name());
+    }
+}
