@@ -19,8 +19,9 @@ pub struct TransportArgs {
     /// Congestion control: cubic, or bbr for long paths with loss (far faster there).
     #[arg(long, default_value = "cubic")]
     pub congestion: Congestion,
-    /// Seconds without any packet from the peer before the connection is declared dead.
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(2..=3600))]
+    /// Seconds without any packet from the peer before the connection is declared dead
+    /// (keep-alives go every sixth of it). Raise it for paths that can go silent longer.
+    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u64).range(2..=3600))]
     pub idle_timeout_s: u64,
     /// Threads of each endpoint (UDP socket) of its own, which run its connections' packets
     /// and tensor streams together; `caller` spreads them over the program's runtime.
@@ -36,7 +37,7 @@ impl TransportArgs {
         TransportSettings {
             congestion: self.congestion,
             idle_timeout,
-            keep_alive: (idle_timeout / 6).max(Duration::from_millis(500)),
+            keep_alive: (idle_timeout / 6).max(Duration::from_millis(250)),
             endpoint_threads: self.endpoint_threads,
             ..TransportSettings::default()
         }
@@ -150,5 +151,23 @@ pub fn size(bytes: u64) -> String {
         b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
         b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
         b => format!("{b} B"),
+    }
+}
+
+/// Resolves on Ctrl-C (SIGINT) or SIGTERM. The handlers are installed by the call itself,
+/// not when the future is first polled, so a signal that comes right after is not lost.
+/// Call it inside the runtime; where signals cannot be watched it never resolves.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
+    use tokio::signal::unix::{SignalKind, signal};
+    let interrupt = signal(SignalKind::interrupt()).ok();
+    let terminate = signal(SignalKind::terminate()).ok();
+    async move {
+        match (interrupt, terminate) {
+            (Some(mut interrupt), Some(mut terminate)) => tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            },
+            _ => std::future::pending().await,
+        }
     }
 }

@@ -912,7 +912,7 @@ mod tests {
         spool.sort();
         assert_eq!(
             spool,
-            [live.path.clone()],
+            std::slice::from_ref(&live.path),
             "only the live receiver's bytes remain"
         );
         drop(live);

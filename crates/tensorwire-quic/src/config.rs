@@ -64,7 +64,8 @@ pub struct TransportSettings {
     pub send_window: u64,
     /// Concurrent tensors (bidirectional streams) the peer may open.
     pub max_concurrent_streams: u32,
-    /// A connection silent this long is closed.
+    /// A connection silent this long is closed: how soon a dead peer is noticed. Both sides
+    /// use the smaller of their two values.
     pub idle_timeout: Duration,
     /// Keep-alive interval, under the idle timeout.
     pub keep_alive: Duration,
@@ -117,8 +118,10 @@ impl Default for TransportSettings {
             connection_receive_window: 64 << 20,
             send_window: 64 << 20,
             max_concurrent_streams: 1024,
-            idle_timeout: Duration::from_secs(30),
-            keep_alive: Duration::from_secs(5),
+            // A dead peer noticed within seconds on a LAN; a live one sends keep-alives six
+            // times per timeout, so only a path silent that long ends a connection.
+            idle_timeout: Duration::from_secs(6),
+            keep_alive: Duration::from_secs(1),
             socket_buffer: 8 << 20,
             congestion: Congestion::Cubic,
             endpoint_threads: EndpointThreads::default(),

@@ -19,7 +19,7 @@ use tensorwire::proto::split::SplitPart;
 use tensorwire::quic::{IncomingTensor, Receiver, ReceiverConfig, Steering, StoreOffload};
 use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tensorwire_examples::cli::{
-    ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, size,
+    ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, shutdown_signal, size,
 };
 use tensorwire_examples::save::{OnCollision, SaveDir, SaveJob, Spooled, SpoolingSink};
 use tokio::sync::mpsc;
@@ -248,6 +248,9 @@ async fn main() -> anyhow::Result<()> {
         None => None,
     };
 
+    // Watched from before "listening on", so that a stop asked for at once still saves.
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
     let mut receiver = Receiver::bind(config).await?;
     println!("listening on {}", receiver.local_addr()?);
     println!(
@@ -296,8 +299,6 @@ async fn main() -> anyhow::Result<()> {
     let mut failed_wholes = HashSet::new();
     // Parts still to come of split tensors whose first part arrived.
     let mut arriving = HashMap::new();
-    let shutdown = shutdown_signal();
-    tokio::pin!(shutdown);
     let started = Instant::now();
     let (mut accepted, mut finished, mut failed, mut bytes) = (0u64, 0u64, 0u64, 0u64);
     loop {
@@ -524,17 +525,5 @@ fn report_save(saved: Result<Saved, tokio::task::JoinError>) {
         Ok(Ok(path)) => println!("saved {}", path.display()),
         Ok(Err((file, e))) => eprintln!("not saved: {file}: {e:#}"),
         Err(e) => eprintln!("not saved: the writer failed: {e}"),
-    }
-}
-
-/// Ctrl-C or SIGTERM: stop taking tensors, save what arrived, and exit.
-async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(term) => term,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
     }
 }

@@ -4,6 +4,8 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -11,8 +13,11 @@ use clap::Parser;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tensorwire::proto::{DType, Device};
 use tensorwire::quic::{EndpointThreads, SenderConfig, SenderPool, TransportError};
-use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, rate, seconds, size};
+use tensorwire_examples::cli::{
+    ClientTlsArgs, TransportArgs, init_logging, rate, seconds, shutdown_signal, size,
+};
 use tensorwire_examples::files::{Outgoing, SENDER_ATTR, load, parse_shape};
+use tokio_util::sync::CancellationToken;
 
 /// Send tensors over QUIC.
 #[derive(Parser, Debug)]
@@ -165,51 +170,99 @@ async fn send(
         sends.push((name, bar, send));
     }
     let tensors = sends.len();
+    // Ctrl-C or SIGTERM cancels what is not yet delivered (the receiver gets CANCEL and
+    // frees it at once); what was delivered is still reported.
+    let cancels: Vec<_> = sends
+        .iter()
+        .map(|(_, _, send)| send.cancel_token())
+        .collect();
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let on_signal = {
+        let (interrupted, signal) = (interrupted.clone(), shutdown_signal());
+        tokio::spawn(async move {
+            signal.await;
+            interrupted.store(true, Ordering::SeqCst);
+            eprintln!("interrupted: cancelling the tensors not yet delivered");
+            cancels.iter().for_each(CancellationToken::cancel);
+        })
+    };
     let tasks: Vec<_> = sends
         .into_iter()
         .map(|(name, bar, send)| {
-            tokio::spawn(async move { (name, send_with_progress(send, &bar).await, bar) })
+            let len = send.total_bytes();
+            tokio::spawn(async move { (name, len, send_with_progress(send, &bar).await, bar) })
         })
         .collect();
-    let mut failed = 0;
+    let (mut failed, mut delivered_bytes) = (Vec::new(), 0u64);
     let mut waited = tensorwire::quic::SendWaits::default();
+    let peer = Peer {
+        addr: args.connect,
+        idle_timeout_s: args.transport.idle_timeout_s,
+    };
     for task in tasks {
-        let (name, result, bar) = task.await?;
+        let (name, len, result, bar) = task.await?;
         match result {
             Ok(report) => {
                 waited += report.waited;
+                delivered_bytes += len;
                 bar.finish();
             }
             Err(e) => {
-                failed += 1;
                 bar.abandon_with_message(format!("{name}: {e}"));
                 // Also without progress bars (--quiet, no terminal): name, code, and why.
-                bars.suspend(|| eprintln!("failed: {name}: {}", explain(&e)));
+                bars.suspend(|| eprintln!("failed: {name}: {}", explain(&e, &peer)));
+                failed.push(name);
             }
         }
     }
+    on_signal.abort();
     let elapsed = started.elapsed().as_secs_f64();
     let metrics = sender.metrics();
     println!(
-        "sent {} tensors ({} streams), {} in {elapsed:.2} s over {} connections: {}; packets of \
-         {} bytes; latency p50 {} µs, p99 {} µs; {failed} failed",
-        tensors - failed,
+        "sent {} of {tensors} tensors ({} streams), {} of {} in {elapsed:.2} s over {} \
+         connections: {}; packets of {} bytes; latency p50 {}, p99 {}; {} failed",
+        tensors - failed.len(),
         metrics.tensors_completed,
+        size(delivered_bytes),
         size(total),
         sender.connections(),
-        rate(total, elapsed),
+        rate(delivered_bytes, elapsed),
         sender.path_mtu(),
-        metrics.latency_p50_us,
-        metrics.latency_p99_us,
+        micros(metrics.latency_p50_us),
+        micros(metrics.latency_p99_us),
+        failed.len(),
     );
     // Which side held the tensors up: the receiver (credit, its decisions), the files, or
     // the network (QUIC's send buffer full).
     println!("waited, summed over the tensors sent: {waited}");
     sender.close().await;
-    if failed > 0 {
+    if interrupted.load(Ordering::SeqCst) {
+        eprintln!(
+            "interrupted: {} of {tensors} tensors delivered; not delivered: {}",
+            tensors - failed.len(),
+            failed.join(", ")
+        );
+        std::process::exit(130);
+    }
+    if !failed.is_empty() {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// The receiver, as failures name it.
+struct Peer {
+    addr: SocketAddr,
+    idle_timeout_s: u64,
+}
+
+/// Microseconds in the unit that reads best: `840 µs`, `12.3 ms`, `1.45 s`.
+fn micros(us: u64) -> String {
+    match us {
+        0..1_000 => format!("{us} µs"),
+        1_000..1_000_000 => format!("{:.1} ms", us as f64 / 1e3),
+        _ => format!("{:.2} s", us as f64 / 1e6),
+    }
 }
 
 /// A safetensors dtype name in any case; an unknown one is answered with the known ones.
@@ -232,11 +285,19 @@ fn parse_device(s: &str) -> Result<Device, String> {
     }
 }
 
-/// A failure for people: the wire code (named, or hex) and who is to blame, then the message.
-fn explain(e: &anyhow::Error) -> String {
+/// A failure for people: the wire code (named, or hex) and who is to blame, then the message;
+/// a connection that timed out names the receiver and how long it was silent.
+fn explain(e: &anyhow::Error, peer: &Peer) -> String {
     let Some(t) = e.downcast_ref::<TransportError>() else {
         return format!("{e:#}");
     };
+    if let TransportError::Connection(quinn::ConnectionError::TimedOut) = t {
+        return format!(
+            "no answer from {} for {} s: the receiver stopped, or the path is down \
+             (--idle-timeout-s sets how long to wait)",
+            peer.addr, peer.idle_timeout_s
+        );
+    }
     let message = t.to_string();
     let coded = match t.code() {
         Some(code) if !message.contains(&code.to_string()) => format!("{code}: {message}"),
