@@ -171,3 +171,8 @@ pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
         }
     }
 }
+
+/// An address from the command line: `IP:PORT`, or `HOST:PORT` resolved now.
+pub fn address(s: &str) -> Result<SocketAddr, String> {
+    tensorwire::quic::resolve(s).map_err(|e| e.to_string())
+}

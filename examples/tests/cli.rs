@@ -163,7 +163,7 @@ fn a_safetensors_file_round_trips_through_sender_and_receiver_bit_for_bit() {
     ]);
     // Over three connections: the receiver puts the file back together across them.
     let summary = send_file(&["--connect", &addr, "--connections", "3"], &model);
-    assert!(summary.contains("sent 3 tensors"), "{summary}");
+    assert!(summary.contains("sent 3 of 3 tensors"), "{summary}");
     assert!(summary.contains("over 3 connections"), "{summary}");
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
     assert!(receiver.wait().unwrap().success());
@@ -195,7 +195,7 @@ fn a_receiver_on_every_address_takes_loopback_senders_largest_packets() {
     );
     let port = addr.rsplit_once(':').unwrap_or_else(|| panic!("{addr}")).1;
     let summary = send_file(&["--connect", &format!("127.0.0.1:{port}")], &model);
-    assert!(summary.contains("sent 3 tensors"), "{summary}");
+    assert!(summary.contains("sent 3 of 3 tensors"), "{summary}");
     let largest = format!("packets of {} bytes", tensorwire::quic::MAX_MTU);
     assert!(summary.contains(&largest), "{summary}");
     // And what held its tensors up.
@@ -252,7 +252,10 @@ fn a_large_tensor_split_over_connections_is_saved_whole() {
     ]);
     let summary = send_file(&["--connect", &addr, "--connections", "4"], &model);
     // 40 MiB over 4 connections: parts of at least 16 MiB, so 3 of them, and the bias.
-    assert!(summary.contains("sent 2 tensors (4 streams)"), "{summary}");
+    assert!(
+        summary.contains("sent 2 of 2 tensors (4 streams)"),
+        "{summary}"
+    );
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
     assert!(receiver.wait().unwrap().success());
     let parts = rest.iter().filter(|l| l.contains(" rows of embed")).count();
@@ -592,6 +595,67 @@ fn refused_with(receiver_args: &[&str], sender_args: &[&str], code: &str) {
     );
     let _ = receiver.kill();
     let _ = receiver.wait();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A host name is taken wherever an address is: `--connect localhost:PORT` reaches a
+/// receiver on 127.0.0.1.
+#[test]
+fn the_sender_connects_to_a_host_name() {
+    let dir = temp_dir("host-name");
+    let small = dir.join("small.bin");
+    std::fs::write(&small, vec![2u8; 1000]).unwrap();
+    let (mut receiver, _lines, addr) = spawn_receiver(&[
+        "--count".as_ref(),
+        "1".as_ref(),
+        "--device".as_ref(),
+        "host".as_ref(),
+    ]);
+    let port = addr.rsplit_once(':').unwrap().1;
+    let sent = send_raw(&format!("localhost:{port}"), 1000, &small, &[]);
+    assert!(
+        sent.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    assert!(receiver.wait().unwrap().success());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Tensors the receiver refuses before they reach the program (here: over
+/// --max-tensor-mib) are failures in its summary, not "0 failed".
+#[test]
+fn refused_tensors_count_as_failures_in_the_receivers_summary() {
+    let dir = temp_dir("refused-summary");
+    let big = dir.join("big.bin");
+    std::fs::write(&big, vec![1u8; 3 << 20]).unwrap();
+    let (mut receiver, lines, addr) = spawn_receiver(&[
+        "--max-tensor-mib".as_ref(),
+        "1".as_ref(),
+        "--device".as_ref(),
+        "host".as_ref(),
+    ]);
+    for _ in 0..2 {
+        assert!(
+            !send_raw(&addr, 3 << 20, &big, &["--no-split"])
+                .status
+                .success()
+        );
+    }
+    Command::new("kill")
+        .args(["-TERM", &receiver.id().to_string()])
+        .status()
+        .unwrap();
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    receiver.wait().unwrap();
+    let summary = rest
+        .iter()
+        .find(|l| l.contains(" failed ("))
+        .unwrap_or_else(|| panic!("{rest:?}"));
+    assert!(
+        summary.contains("(2 tensor streams refused or failed in all"),
+        "{summary}"
+    );
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -2,6 +2,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::ErrorCode;
+
 /// A token bucket of failed streams: `burst` may fail at once, and the budget refills at
 /// `burst` per `window`. A peer that cancels, resets or gets refused faster than that runs
 /// it dry, deterministically, however its failures fall across windows (spec §10).
@@ -14,13 +16,17 @@ pub struct FloodBudget {
     last: Option<Instant>,
 }
 
-/// The budget ran dry: close the connection with CANCEL_FLOOD.
+/// The budget ran dry: close the connection with [`code`](Self::code).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FloodExceeded {
     /// The budget's burst, for the message.
     pub burst: u32,
     /// Its window, for the message.
     pub window: Duration,
+    /// The code to close the connection with: CANCEL_FLOOD, or PROGRESS_TIMEOUT where the
+    /// stream that ran the budget dry was one the peer let time out (spec §10): a slow or
+    /// silent peer is not flooding, and its operator should read why.
+    pub code: ErrorCode,
 }
 
 const UNIT: u64 = 1_000_000;
@@ -44,6 +50,7 @@ impl FloodBudget {
             return Err(FloodExceeded {
                 burst: self.burst,
                 window: self.window,
+                code: ErrorCode::CANCEL_FLOOD,
             });
         }
         self.available -= UNIT;

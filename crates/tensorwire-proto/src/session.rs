@@ -106,7 +106,7 @@ pub enum StreamClosed {
     /// It failed, was cancelled or refused; the connection's budget still allows more.
     Failed,
     /// It failed and the connection's failure budget is spent: close the connection with
-    /// CANCEL_FLOOD (spec §10).
+    /// the code it carries, CANCEL_FLOOD or PROGRESS_TIMEOUT (spec §10).
     Flood(FloodExceeded),
 }
 
@@ -688,8 +688,16 @@ impl Session {
         if tensor.state() == ReceiverState::Complete {
             return StreamClosed::Completed;
         }
+        let timed_out = tensor
+            .ending()
+            .is_some_and(|e| e.code() == ErrorCode::PROGRESS_TIMEOUT);
         match self.failures.record_failure(now) {
             Ok(()) => StreamClosed::Failed,
+            // Spec §10: streams that time out end the connection for that reason.
+            Err(flood) if timed_out => StreamClosed::Flood(FloodExceeded {
+                code: ErrorCode::PROGRESS_TIMEOUT,
+                ..flood
+            }),
             Err(flood) => StreamClosed::Flood(flood),
         }
     }

@@ -423,6 +423,39 @@ fn the_failure_budget_runs_dry_under_a_cancel_flood() {
     ));
 }
 
+/// Spec §10: streams that time out also spend the failure budget, but the connection
+/// they end closes with PROGRESS_TIMEOUT, the reason an operator should read, while a
+/// cancelling peer's still gets CANCEL_FLOOD.
+#[test]
+fn a_budget_run_dry_by_timeouts_closes_with_progress_timeout() {
+    let config = SessionConfig {
+        max_failed_streams: 2,
+        failure_window: Duration::from_secs(60),
+        ..SessionConfig::default()
+    };
+    let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
+    let now = epoch();
+    let mut session = Session::new(config, now);
+    let mut end_one = |session: &mut Session, id: StreamId, code: ErrorCode| {
+        session.open_stream(id).unwrap();
+        let _ = session.handle_frame(id, meta("m", 10).into(), &mut credit);
+        session.cancel(id, code, "no frame within 30 s");
+        session.close_stream(id, &mut credit, now)
+    };
+    for id in 0..2 {
+        let closed = end_one(&mut session, id, ErrorCode::PROGRESS_TIMEOUT);
+        assert_eq!(closed, StreamClosed::Failed);
+    }
+    match end_one(&mut session, 2, ErrorCode::PROGRESS_TIMEOUT) {
+        StreamClosed::Flood(flood) => assert_eq!(flood.code, ErrorCode::PROGRESS_TIMEOUT),
+        other => panic!("{other:?}"),
+    }
+    match end_one(&mut session, 3, ErrorCode::CANCELLED) {
+        StreamClosed::Flood(flood) => assert_eq!(flood.code, ErrorCode::CANCEL_FLOOD),
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn idle_time_counts_only_while_no_stream_is_open() {
     let start = epoch();

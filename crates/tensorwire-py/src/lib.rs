@@ -309,14 +309,8 @@ fn send(
     mtu: Option<u16>,
     device: Option<String>,
 ) -> PyResult<Vec<SentTensor>> {
-    let addr: SocketAddr = addr.parse().map_err(|e| {
-        error(
-            py,
-            format!("address {addr:?}: {e} (expected host:port, e.g. 127.0.0.1:7000)"),
-            None,
-            None,
-        )
-    })?;
+    let addr: SocketAddr =
+        tensorwire::quic::resolve(addr).map_err(|e| error(py, e.to_string(), None, None))?;
     let hint = match device.as_deref() {
         None | Some("any") => Device::Any,
         Some("host" | "cpu") => Device::Host,

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use quinn::{IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
 use tensorwire_proto::{Limits, SessionConfig};
+use tensorwire_sink::MemoryLimit;
 use tokio::runtime::Handle;
 
 use crate::error::TransportError;
@@ -535,7 +536,8 @@ pub struct ReceiverConfig {
     /// Host memory that tensors accepted with [`IncomingTensor::accept_host`] may hold at
     /// once, landed and not yet dropped by the application (spec §7.5). A tensor that does
     /// not fit waits up to [`Self::admission_timeout`], then is rejected with
-    /// RESOURCE_EXHAUSTED.
+    /// RESOURCE_EXHAUSTED. Default: a quarter of what the process may use, its control
+    /// group's limit where that is below physical memory ([`MemoryLimit`]).
     ///
     /// [`IncomingTensor::accept_host`]: crate::IncomingTensor::accept_host
     pub host_memory_budget: u64,
@@ -631,16 +633,10 @@ fn default_endpoints() -> usize {
         .clamp(1, MAX_DEFAULT_ENDPOINTS)
 }
 
-/// A quarter of physical memory (4 GiB where it cannot be read).
+/// A quarter of the memory this process may use: its control group's limit where one is
+/// tighter than physical memory ([`MemoryLimit`]).
 fn default_host_memory_budget() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|info| {
-            let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
-            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-            Some(kib * 1024 / 4)
-        })
-        .unwrap_or(4 << 30)
+    MemoryLimit::of_this_process().bytes / 4
 }
 
 /// Everything a [`Sender`](crate::Sender) needs.

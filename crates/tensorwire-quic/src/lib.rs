@@ -19,6 +19,7 @@ mod error;
 mod metrics;
 mod pool;
 mod receiver;
+mod resolve;
 mod runtime;
 mod sender;
 mod session;
@@ -40,6 +41,7 @@ pub use pool::{MIN_PART, SenderPool};
 pub use receiver::{
     CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, StoreOffload, TensorHandle,
 };
+pub use resolve::resolve;
 pub use runtime::EndpointThreads;
 pub use sender::{
     ConnectionSender, SendHandle, SendProgress, SendReport, SendWaits, Sender, Source,
@@ -47,6 +49,6 @@ pub use sender::{
 pub use steering::{ConnectionSlot, ServerEndpoint, Steering};
 pub use tensorwire_proto as proto;
 pub use tensorwire_sink::{
-    CreditPermit, HostSink, MemoryBudget, MemoryReservation, MemoryShares, MemorySnapshot, Sink,
-    SinkError,
+    CreditPermit, HostSink, LimitSource, MemoryBudget, MemoryLimit, MemoryReservation,
+    MemoryShares, MemorySnapshot, Sink, SinkError,
 };

@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 mod host;
+mod limit;
 mod memory;
 mod permit;
 mod split;
@@ -19,6 +20,7 @@ use std::future::Future;
 use tensorwire_proto::{ErrorCode, Payload};
 
 pub use host::HostSink;
+pub use limit::{LimitSource, MemoryLimit};
 pub use memory::{MemoryBudget, MemoryReservation, MemoryShares, MemorySnapshot};
 pub use permit::{CreditPermit, CreditRelease};
 pub use split::{

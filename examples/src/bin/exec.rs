@@ -29,7 +29,7 @@ use tensorwire_examples::files::{parse_shape, read_npy, write_npy};
 #[command(version)]
 struct Args {
     /// The receiver (started with --allow-exec).
-    #[arg(long, default_value = "127.0.0.1:7000")]
+    #[arg(long, default_value = "127.0.0.1:7000", value_parser = tensorwire_examples::cli::address)]
     connect: SocketAddr,
     #[command(flatten)]
     tls: ClientTlsArgs,

@@ -22,7 +22,7 @@ use tensorwire_examples::cli::init_logging;
 #[command(version)]
 struct Args {
     /// Receiver address.
-    #[arg(long)]
+    #[arg(long, value_parser = tensorwire_examples::cli::address)]
     connect: SocketAddr,
     /// What to do.
     #[arg(long, value_enum)]

@@ -29,7 +29,7 @@ use tokio::sync::mpsc;
 #[command(version)]
 struct Args {
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:7000")]
+    #[arg(long, default_value = "127.0.0.1:7000", value_parser = tensorwire_examples::cli::address)]
     listen: SocketAddr,
     /// Save every received tensor as .safetensors in this directory (tensors sent from one
     /// .safetensors file are written back as that file).
@@ -177,9 +177,16 @@ async fn main() -> anyhow::Result<()> {
     config.max_stream_window = args.max_stream_window;
     config.grant_unit = args.grant_unit;
     config.early_credit = args.early_credit_kib.saturating_mul(1024);
-    if let Some(host_memory) = args.host_memory {
-        config.host_memory_budget = host_memory;
-    }
+    let host_memory_from = match args.host_memory {
+        Some(host_memory) => {
+            config.host_memory_budget = host_memory;
+            "--host-memory-mib".to_owned()
+        }
+        None => {
+            let limit = tensorwire::quic::MemoryLimit::of_this_process();
+            format!("a quarter of {}, from {}", size(limit.bytes), limit.source)
+        }
+    };
     config.kept_host_memory = args.kept_host_mib.saturating_mul(1 << 20);
     let share = args.connection_share_percent;
     config.connection_window = budget / 100 * share;
@@ -258,6 +265,10 @@ async fn main() -> anyhow::Result<()> {
         receiver.endpoint_count()
     );
     println!("tensors land in {}", placement.describe());
+    println!(
+        "host memory for landed tensors: {} ({host_memory_from})",
+        size(receiver.host_memory().limit)
+    );
     if let Some(path) = &args.share {
         println!(
             "sharing tensors on {} (a name shared again: {:?})",
@@ -470,8 +481,12 @@ async fn main() -> anyhow::Result<()> {
         }
         Placement::Host { .. } => String::new(),
     };
+    // Streams the receiver refused or lost before they reached this program (a limit, a
+    // budget, a protocol error) count as failures too.
+    let streams_failed = receiver.metrics().tensors_failed;
     println!(
-        "{finished} tensors, {} in {elapsed:.2} s ({}), {failed} failed; peak credit held {} of \
+        "{finished} tensors, {} in {elapsed:.2} s ({}), {failed} failed ({streams_failed} tensor \
+         streams refused or failed in all, each logged with its code); peak credit held {} of \
          the {} budget (one tensor's window up to {}), peak host memory {} of {}{outside_pool}",
         size(bytes),
         rate(bytes, elapsed),

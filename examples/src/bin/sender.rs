@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 #[command(version)]
 struct Args {
     /// Receiver address.
-    #[arg(long)]
+    #[arg(long, value_parser = tensorwire_examples::cli::address)]
     connect: SocketAddr,
     /// Files to send.
     #[arg(required = true)]

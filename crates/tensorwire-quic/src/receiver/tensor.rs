@@ -556,15 +556,19 @@ impl Accepted {
         self.shared.metrics.finished(ok, elapsed);
         self.connection.metrics.finished(ok, elapsed);
         if let StreamClosed::Flood(flood) = closed {
+            let reason: &[u8] = if flood.code == ErrorCode::PROGRESS_TIMEOUT {
+                b"too many streams made no progress"
+            } else {
+                b"too many failed, cancelled or refused streams"
+            };
             warn!(
                 burst = flood.burst,
                 window = ?flood.window,
-                "closing connection: too many failed streams"
+                code = %flood.code,
+                "closing connection: {}",
+                String::from_utf8_lossy(reason)
             );
-            self.connection.close(
-                ErrorCode::CANCEL_FLOOD,
-                b"too many failed, cancelled or refused streams",
-            );
+            self.connection.close(flood.code, reason);
         }
     }
 
