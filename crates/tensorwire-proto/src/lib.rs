@@ -39,6 +39,7 @@ mod limits;
 mod memory;
 mod meta;
 mod payload;
+mod peers;
 mod ranges;
 mod receiver;
 mod sender;
@@ -62,6 +63,7 @@ pub use limits::Limits;
 pub use memory::{Admission, MemoryLedger};
 pub use meta::TensorMeta;
 pub use payload::Payload;
+pub use peers::{CapExceeded, PeerCaps};
 pub use ranges::ReceivedRanges;
 pub use receiver::{
     CheckedFrame, MAX_CHECKSUMS_OWED, ReceiverEvent, ReceiverInput, ReceiverState, TensorReceiver,

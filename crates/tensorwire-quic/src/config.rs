@@ -559,6 +559,13 @@ pub struct ReceiverConfig {
     /// A connection with no tensor stream open for this long is closed with
     /// PROGRESS_TIMEOUT, even if its peer keeps it alive (spec §10).
     pub connection_idle_timeout: Duration,
+    /// Connections served at once from all peers; more are refused before their handshake
+    /// (each costs about half a MiB of state). Default: 512.
+    pub max_connections: usize,
+    /// Connections served at once from one peer (one IP address), so one peer cannot take
+    /// every connection slot (spec §10). Default: 64, room for several senders of 8
+    /// connections on one host.
+    pub max_connections_per_peer: usize,
     /// Early credit offered to each connection (spec §7.6): a tensor up to this size goes
     /// in one round trip (EARLY, METADATA, DATA and END at once; ACCEPT and COMPLETE back).
     /// It comes out of [`Self::budget`], only while outstanding bytes stay at or below the
@@ -601,6 +608,8 @@ impl ReceiverConfig {
             memory_share_percent: 50,
             max_pending_per_connection: 64,
             connection_idle_timeout: Duration::from_secs(60),
+            max_connections: 512,
+            max_connections_per_peer: 64,
             early_credit: policy.early_credit,
             store_offload: StoreOffload::Auto,
         }

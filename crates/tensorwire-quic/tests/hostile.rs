@@ -411,3 +411,37 @@ async fn a_peer_idling_in_accepted_tensors_holds_only_its_share() {
     hog.close(VarInt::from_u32(0), b"done");
     app.abort();
 }
+
+/// Spec §10: connections are capped per peer (IP address) and in all, judged before the
+/// handshake; a refused peer gets an error at once, and a closed connection is counted back.
+#[tokio::test]
+async fn connections_are_capped_per_peer_and_in_all() {
+    let mut config = receiver_config();
+    config.max_connections_per_peer = 2;
+    config.max_connections = 3;
+    let (_rx, addr) = receiver(config).await;
+    let from = |last: u8| std::net::IpAddr::from([127, 0, 0, last]);
+    let connect = |last: u8| common::raw_connection_from(addr, b"tensorwire/1.4", from(last));
+    let (_e1, first) = connect(1).await.unwrap();
+    let _second = connect(1).await.unwrap();
+    let third = connect(1).await.map(|_| ());
+    assert!(
+        third.unwrap_err().contains("refused"),
+        "a third from one peer"
+    );
+    let _other = connect(2).await.unwrap();
+    let fourth = connect(3).await.map(|_| ());
+    assert!(fourth.unwrap_err().contains("refused"), "a fourth in all");
+    first.close(VarInt::from_u32(0), b"done");
+    // Counted back once the receiver has seen the close: bounded wait.
+    for attempt in 0.. {
+        match connect(3).await {
+            Ok(_) => break,
+            Err(e) if attempt < 50 => {
+                assert!(e.contains("refused"), "{e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("the closed connection was never counted back: {e}"),
+        }
+    }
+}

@@ -24,7 +24,8 @@ pub use limit::{LimitSource, MemoryLimit};
 pub use memory::{MemoryBudget, MemoryReservation, MemoryShares, MemorySnapshot};
 pub use permit::{CreditPermit, CreditRelease};
 pub use split::{
-    Assembled, Assembling, Divisible, Landing, MAX_ASSEMBLING, PartSink, SplitTensors,
+    Assembled, Assembling, Divisible, Landing, MAX_ASSEMBLING, MAX_ASSEMBLING_PER_PEER, PartSink,
+    SplitTensors,
 };
 
 /// Bytes checksummed at a time by [`checksum_then_copy`]: small enough to stay in a core's

@@ -26,6 +26,11 @@ pub trait Divisible: Sink {
 /// Wholes being assembled at once, at most; parts of another are refused (RESOURCE_EXHAUSTED).
 pub const MAX_ASSEMBLING: usize = 1024;
 
+/// Wholes one peer (IP address) may have assembled at once: a sender splits at most one
+/// tensor per connection it opens, so this leaves room for many senders on one host while
+/// one peer cannot fill [`MAX_ASSEMBLING`] and refuse every other.
+pub const MAX_ASSEMBLING_PER_PEER: usize = 64;
+
 type Key = (IpAddr, SplitId);
 type Entry<S> = Arc<OnceCell<Result<Arc<Whole<S>>, SinkError>>>;
 type Open<S> = Mutex<HashMap<Key, Entry<S>>>;
@@ -96,6 +101,14 @@ impl<S: Divisible> SplitTensors<S> {
                     if open.len() >= MAX_ASSEMBLING {
                         return Err(SinkError::exhausted(format!(
                             "{MAX_ASSEMBLING} split tensors are being assembled already"
+                        )));
+                    }
+                    // One peer may not take every slot (spec §10).
+                    let of_peer = open.keys().filter(|(ip, _)| *ip == peer).count();
+                    if of_peer >= MAX_ASSEMBLING_PER_PEER {
+                        return Err(SinkError::exhausted(format!(
+                            "{peer} has {of_peer} split tensors being assembled already (at \
+                             most {MAX_ASSEMBLING_PER_PEER} per peer)"
                         )));
                     }
                     let entry = Entry::<S>::default();

@@ -10,7 +10,8 @@ use bytes::Bytes;
 use tensorwire_proto::split::{SplitId, SplitPart, plan_split};
 use tensorwire_proto::{DType, ErrorCode, Payload, TensorMeta};
 use tensorwire_sink::{
-    CreditPermit, HostSink, MAX_ASSEMBLING, MemoryBudget, PartSink, Sink, SinkError, SplitTensors,
+    CreditPermit, HostSink, MAX_ASSEMBLING, MAX_ASSEMBLING_PER_PEER, MemoryBudget, PartSink, Sink,
+    SinkError, SplitTensors,
 };
 
 const PEER: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
@@ -41,8 +42,19 @@ async fn join(
     memory: &MemoryBudget,
     admitted: &AtomicUsize,
 ) -> Result<PartSink<HostSink>, SinkError> {
+    join_from(PEER, splits, part, memory, admitted).await
+}
+
+/// As [`join`], the part coming from `peer`.
+async fn join_from(
+    peer: std::net::IpAddr,
+    splits: &SplitTensors<HostSink>,
+    part: &SplitPart,
+    memory: &MemoryBudget,
+    admitted: &AtomicUsize,
+) -> Result<PartSink<HostSink>, SinkError> {
     splits
-        .join(PEER, part, |meta| async move {
+        .join(peer, part, |meta| async move {
             admitted.fetch_add(1, Ordering::SeqCst);
             HostSink::reserved(memory.try_reserve(meta.byte_len())?)
         })
@@ -205,23 +217,54 @@ async fn a_part_that_does_not_fit_spoils_the_whole() {
     assert_eq!(memory.snapshot().reserved, 0);
 }
 
+/// Spec §15.2: wholes being assembled are capped per peer, so one peer at its cap leaves
+/// room for others, and in all.
 #[tokio::test]
-async fn wholes_being_assembled_are_capped() {
+async fn wholes_being_assembled_are_capped_per_peer_and_in_all() {
     let meta = whole(2);
     let memory = MemoryBudget::new("host", u64::MAX);
     let admitted = AtomicUsize::new(0);
     let splits = SplitTensors::new(WITHIN);
     let mut held = Vec::new();
-    for id in 0..MAX_ASSEMBLING as u128 {
+    let peer = |n: usize| std::net::IpAddr::from([10, 0, (n >> 8) as u8, n as u8]);
+    for id in 0..MAX_ASSEMBLING_PER_PEER as u128 {
         let part = &parts(&meta, 2, id)[0];
-        held.push(join(&splits, part, &memory, &admitted).await.unwrap());
+        held.push(
+            join_from(peer(0), &splits, part, &memory, &admitted)
+                .await
+                .unwrap(),
+        );
     }
-    let one_more = &parts(&meta, 2, u128::MAX)[0];
-    let e = join(&splits, one_more, &memory, &admitted)
+    let greedy = &parts(&meta, 2, u128::MAX)[0];
+    let e = join_from(peer(0), &splits, greedy, &memory, &admitted)
         .await
         .err()
         .unwrap();
     assert_eq!(e.code, ErrorCode::RESOURCE_EXHAUSTED);
+    assert!(e.message.contains("per peer"), "{}", e.message);
+    // Other peers fill the rest, up to the cap in all.
+    let mut id = MAX_ASSEMBLING_PER_PEER as u128;
+    for n in 1.. {
+        if held.len() == MAX_ASSEMBLING {
+            break;
+        }
+        for _ in 0..MAX_ASSEMBLING_PER_PEER.min(MAX_ASSEMBLING - held.len()) {
+            let part = &parts(&meta, 2, id)[0];
+            held.push(
+                join_from(peer(n), &splits, part, &memory, &admitted)
+                    .await
+                    .unwrap(),
+            );
+            id += 1;
+        }
+    }
+    let one_more = &parts(&meta, 2, u128::MAX - 1)[0];
+    let e = join_from(peer(999), &splits, one_more, &memory, &admitted)
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.code, ErrorCode::RESOURCE_EXHAUSTED);
+    assert!(e.message.contains("assembled already"), "{}", e.message);
     drop(held);
 }
 

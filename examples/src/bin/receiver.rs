@@ -88,6 +88,12 @@ struct Args {
     /// Seconds a tensor may wait for memory and admission before it is rejected.
     #[arg(long = "admission-timeout-s", default_value = "30", value_parser = seconds)]
     admission_timeout: Duration,
+    /// Connections served at once from all peers; more are refused before their handshake.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
+    max_connections: u64,
+    /// Connections served at once from one peer (IP address).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    max_connections_per_peer: u64,
     /// Seconds a connection may stay open with no tensor stream before it is closed.
     #[arg(long = "connection-idle-timeout-s", default_value = "60", value_parser = seconds)]
     connection_idle_timeout: Duration,
@@ -194,6 +200,9 @@ async fn main() -> anyhow::Result<()> {
     config.progress_timeout = args.progress_timeout;
     config.admission_timeout = args.admission_timeout;
     config.connection_idle_timeout = args.connection_idle_timeout;
+    config.max_connections = usize::try_from(args.max_connections).unwrap_or(usize::MAX);
+    config.max_connections_per_peer =
+        usize::try_from(args.max_connections_per_peer).unwrap_or(usize::MAX);
     if args.endpoints > 0 {
         config.endpoints = args.endpoints;
     }

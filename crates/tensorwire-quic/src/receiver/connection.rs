@@ -16,7 +16,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use super::incoming::IncomingTensor;
 use super::offload::ConnectionLoad;
 use super::tensor::serve_stream;
-use super::{CLOSE_GRACE, Shared};
+use super::{CLOSE_GRACE, PeerSlot, Shared};
 use crate::control::{ControlEnd, read_control_stream, write_control_stream};
 use crate::metrics::Metrics;
 use crate::session::ConnectionSession;
@@ -164,19 +164,37 @@ pub(super) async fn accept_connections(
 ) {
     let index = endpoint.index();
     while let Some((incoming, slot)) = endpoint.accept().await {
-        let span = info_span!("connection", remote = %incoming.remote_address(), endpoint = index);
+        let remote = incoming.remote_address();
+        // Judged before the handshake, which is the costly part (spec §10).
+        let peer_slot = match shared.admit_connection(remote.ip()) {
+            Ok(peer_slot) => peer_slot,
+            Err(cap) => {
+                warn!(peer = %remote, %cap, "refusing a connection");
+                incoming.refuse();
+                continue;
+            }
+        };
+        let span = info_span!("connection", %remote, endpoint = index);
         tokio::spawn(
-            serve_connection(index, shared.clone(), incoming, slot, tx.clone()).instrument(span),
+            serve_connection(
+                index,
+                shared.clone(),
+                incoming,
+                (slot, peer_slot),
+                tx.clone(),
+            )
+            .instrument(span),
         );
     }
 }
 
-/// Serves one connection on endpoint `endpoint`; `_slot` counts it there until it ends.
+/// Serves one connection on endpoint `endpoint`; `_slots` count it there and against its
+/// peer's caps until it ends.
 async fn serve_connection(
     endpoint: usize,
     shared: Arc<Shared>,
     incoming: quinn::Incoming,
-    _slot: ConnectionSlot,
+    _slots: (ConnectionSlot, PeerSlot),
     tx: mpsc::Sender<IncomingTensor>,
 ) {
     // The handshake (client certificate included, for mTLS) completes before any stream is

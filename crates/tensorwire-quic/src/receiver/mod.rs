@@ -15,14 +15,14 @@ mod incoming;
 mod offload;
 mod tensor;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use dashmap::DashMap;
 use quinn::VarInt;
-use tensorwire_proto::ErrorCode;
+use tensorwire_proto::{CapExceeded, ErrorCode, PeerCaps};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -58,7 +58,34 @@ pub struct Receiver {
     dev_cert: Option<PathBuf>,
 }
 
+/// A connection counted against its peer's and the receiver's caps; counted back when
+/// dropped (its connection ended).
+struct PeerSlot {
+    shared: Arc<Shared>,
+    peer: IpAddr,
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        self.shared.peers().release(&self.peer);
+    }
+}
+
 impl Shared {
+    fn peers(&self) -> std::sync::MutexGuard<'_, PeerCaps<IpAddr>> {
+        // Counting only: nothing a panic could leave half done.
+        self.peers.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts a new connection from `peer`, or says which cap it would break (spec §10).
+    fn admit_connection(self: &Arc<Self>, peer: IpAddr) -> Result<PeerSlot, CapExceeded> {
+        self.peers().admit(&peer)?;
+        Ok(PeerSlot {
+            shared: self.clone(),
+            peer,
+        })
+    }
+
     fn new(config: ReceiverConfig) -> Result<Arc<Self>, TransportError> {
         if config.grant_unit == 0 || config.stream_window == 0 {
             return Err(TransportError::Config(
@@ -81,6 +108,10 @@ impl Shared {
                 config.store_offload,
                 config.transport.endpoint_threads,
             )),
+            peers: Mutex::new(PeerCaps::new(
+                config.max_connections_per_peer,
+                config.max_connections,
+            )),
             config,
         }))
     }
@@ -98,6 +129,8 @@ struct Shared {
     admission: OnceLock<AdmissionPolicy>,
     /// Where large payloads are stored: on their stream's thread or beside it.
     offload: Arc<Offloader>,
+    /// Connections served now, by peer address, against their caps (spec §10).
+    peers: Mutex<PeerCaps<IpAddr>>,
 }
 
 /// An application's decision on incoming tensors, called on each tensor's own task.

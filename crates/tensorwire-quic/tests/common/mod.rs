@@ -119,6 +119,16 @@ pub async fn raw_endpoint_connection(
     addr: std::net::SocketAddr,
     alpn: &[u8],
 ) -> Result<(quinn::Endpoint, quinn::Connection), String> {
+    raw_connection_from(addr, alpn, "127.0.0.1".parse().unwrap()).await
+}
+
+/// As [`raw_endpoint_connection`], from the local address `from` (any of 127.0.0.0/8 is
+/// this host's): a peer of its own, as the receiver counts peers.
+pub async fn raw_connection_from(
+    addr: std::net::SocketAddr,
+    alpn: &[u8],
+    from: std::net::IpAddr,
+) -> Result<(quinn::Endpoint, quinn::Connection), String> {
     let cert = std::fs::read(tensorwire_quic::dev_cert_path(addr.port())).unwrap();
     let mut roots = rustls::RootCertStore::empty();
     use rustls::pki_types::pem::PemObject;
@@ -133,7 +143,7 @@ pub async fn raw_endpoint_connection(
             .with_no_client_auth();
     tls.alpn_protocols = vec![alpn.to_vec()];
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
-    let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    let endpoint = quinn::Endpoint::client(std::net::SocketAddr::new(from, 0)).unwrap();
     let connecting = endpoint
         .connect_with(
             quinn::ClientConfig::new(Arc::new(crypto)),
