@@ -445,3 +445,74 @@ async fn connections_are_capped_per_peer_and_in_all() {
         }
     }
 }
+
+/// Spec §10: METADATA of tensors waiting for a decision is held against a budget; legal but
+/// large METADATA beyond it is refused at once (RESOURCE_EXHAUSTED), and the budget comes
+/// back once the waiting tensors are decided.
+#[tokio::test]
+async fn undecided_metadata_is_held_within_its_budget() {
+    let mut config = receiver_config();
+    config.metadata_budget = 100_000;
+    config.memory_share_percent = 100;
+    config.admission_timeout = Duration::from_millis(500);
+    let (mut rx, addr) = receiver(config).await;
+    let conn = raw_connection(addr, b"tensorwire/1.4").await.unwrap();
+    // About 32.5 KB each: three fit, a fourth does not.
+    let large = |i: usize| {
+        (0..8).fold(u8_meta(&format!("m{i}"), 4), |meta, a| {
+            meta.with_attribute(format!("attribute.{a}"), "x".repeat(4000))
+        })
+    };
+    let mut streams = tokio::task::JoinSet::new();
+    for i in 0..4 {
+        let (conn, meta) = (conn.clone(), large(i));
+        streams.spawn(async move { metadata_answer(&conn, meta).await });
+    }
+    let mut codes = Vec::new();
+    while let Some(answers) = streams.join_next().await {
+        let answer = answers.unwrap();
+        let refused_for_metadata = matches!(&answer, Frame::Reject(r)
+            if r.code == ErrorCode::RESOURCE_EXHAUSTED && r.reason.contains("METADATA"));
+        codes.push((
+            common::cancel_code(std::slice::from_ref(&answer)),
+            refused_for_metadata,
+        ));
+    }
+    let refused = codes.iter().filter(|(_, metadata)| *metadata).count();
+    assert_eq!(refused, 1, "{codes:?}");
+    // The three that waited were refused when their admission timed out; the budget is
+    // back, so a fourth is taken now.
+    let conn2 = conn.clone();
+    let last = tokio::spawn(async move { metadata_answer(&conn2, large(9)).await });
+    let incoming = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let incoming = rx.next().await.unwrap();
+            if incoming.meta().name() == "m9" {
+                break incoming;
+            }
+        }
+    })
+    .await
+    .expect("the fifth METADATA reaches the application");
+    incoming.reject(ErrorCode::CANCELLED, "enough");
+    let _ = last.await;
+}
+
+/// Sends `meta` on a new stream, leaving the stream open (no END, no FIN); returns the
+/// receiver's first answer.
+async fn metadata_answer(
+    conn: &quinn::Connection,
+    meta: tensorwire_quic::proto::TensorMeta,
+) -> Frame {
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    send.write_all(&Frame::from(meta).to_bytes()).await.unwrap();
+    let mut decoder =
+        tensorwire_quic::proto::FrameDecoder::new(tensorwire_quic::proto::Limits::default());
+    loop {
+        if let Some(frame) = decoder.next_frame().unwrap() {
+            return frame;
+        }
+        let chunk = recv.read_chunk(usize::MAX, true).await.unwrap().unwrap();
+        decoder.push(chunk.bytes);
+    }
+}

@@ -88,6 +88,10 @@ struct Args {
     /// Seconds a tensor may wait for memory and admission before it is rejected.
     #[arg(long = "admission-timeout-s", default_value = "30", value_parser = seconds)]
     admission_timeout: Duration,
+    /// METADATA that tensors waiting for a decision may hold, in MiB; more is refused at
+    /// once (RESOURCE_EXHAUSTED).
+    #[arg(long = "metadata-budget-mib", default_value = "64", value_parser = mebibytes)]
+    metadata_budget: u64,
     /// Connections served at once from all peers; more are refused before their handshake.
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
     max_connections: u64,
@@ -200,6 +204,7 @@ async fn main() -> anyhow::Result<()> {
     config.progress_timeout = args.progress_timeout;
     config.admission_timeout = args.admission_timeout;
     config.connection_idle_timeout = args.connection_idle_timeout;
+    config.metadata_budget = args.metadata_budget;
     config.max_connections = usize::try_from(args.max_connections).unwrap_or(usize::MAX);
     config.max_connections_per_peer =
         usize::try_from(args.max_connections_per_peer).unwrap_or(usize::MAX);

@@ -108,6 +108,7 @@ impl Shared {
                 config.store_offload,
                 config.transport.endpoint_threads,
             )),
+            metadata: MemoryBudget::new("METADATA", config.metadata_budget),
             peers: Mutex::new(PeerCaps::new(
                 config.max_connections_per_peer,
                 config.max_connections,
@@ -131,6 +132,8 @@ struct Shared {
     offload: Arc<Offloader>,
     /// Connections served now, by peer address, against their caps (spec §10).
     peers: Mutex<PeerCaps<IpAddr>>,
+    /// METADATA bytes of tensors waiting for a decision (spec §10).
+    metadata: MemoryBudget,
 }
 
 /// An application's decision on incoming tensors, called on each tensor's own task.

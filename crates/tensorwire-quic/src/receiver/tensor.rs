@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use tensorwire_proto::frame::Data;
 use tensorwire_proto::{
-    CheckedFrame, ErrorCode, Frame, GrantClock, ProtocolError, SessionEvent, StreamClosed, StreamId,
+    CheckedFrame, ErrorCode, Frame, GrantClock, ProtocolError, SessionEvent, StreamClosed,
+    StreamId, TensorMeta,
 };
 use tensorwire_sink::{CreditPermit, Sink, SinkError};
 use tokio::sync::{mpsc, oneshot};
@@ -183,6 +184,16 @@ impl Accepted {
         };
         debug!(name = meta.name(), bytes = meta.byte_len(), dtype = %meta.dtype(), "metadata");
         let connection = self.connection.clone();
+        // Held until the tensor is decided: undecided METADATA on many streams is memory a
+        // peer makes the receiver hold (spec §10).
+        let _metadata = connection
+            .memory_shares
+            .of(&shared.metadata)
+            .try_reserve(metadata_bytes(&meta))
+            .map_err(|e| ProtocolError::Local {
+                code: ErrorCode::RESOURCE_EXHAUSTED,
+                reason: format!("METADATA waiting for a decision: {}", e.message),
+            })?;
         let deadline = tokio::time::Instant::now() + config.admission_timeout;
         // Kept here, not in the wait, so it outlives the recording of why the wait ended.
         let (decision, mut decided) = oneshot::channel();
@@ -587,4 +598,15 @@ impl Accepted {
             stream.delivered_and_finished(CLOSE_GRACE).await;
         }
     }
+}
+
+/// About what a tensor's METADATA holds in memory: its name, shape and attributes, and a
+/// little for the rest.
+fn metadata_bytes(meta: &TensorMeta) -> u64 {
+    let attributes: usize = meta
+        .attributes()
+        .iter()
+        .map(|(key, value)| 48 + key.len() + value.len())
+        .sum();
+    (64 + meta.name().len() + 8 * meta.shape().len() + attributes) as u64
 }
