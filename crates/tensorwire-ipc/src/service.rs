@@ -81,7 +81,8 @@ pub struct ShareConfig {
     /// Most consumer connections served at once (each has a thread); more are refused with
     /// `too_many_connections`.
     pub max_connections: usize,
-    /// Most connections one consumer process may have open at once.
+    /// Most connections one consumer process may have open at once: low enough that many
+    /// processes at their cap leave room for one more (256 / 8 = 32 processes).
     pub max_connections_per_process: usize,
     /// What publishing a name that is already shared does.
     pub on_existing: OnExisting,
@@ -93,7 +94,7 @@ impl Default for ShareConfig {
             allowed_uids: vec![rustix::process::geteuid().as_raw()],
             max_leases_per_process: 1024,
             max_connections: 256,
-            max_connections_per_process: 16,
+            max_connections_per_process: 8,
             on_existing: OnExisting::Replace,
         }
     }
@@ -153,11 +154,77 @@ impl Shared {
     }
 }
 
+/// Refused connections waiting to be told why; past this many, one is closed with no reason
+/// rather than waited for.
+const REFUSALS_QUEUED: usize = 64;
+
+/// How long a refused peer's first request is waited for: a consumer sends it as soon as it
+/// connects, so only a silent peer waits this long.
+const REFUSAL_WAIT: Duration = Duration::from_millis(250);
+
+/// A refused connection, its code and why.
+type Refusal = (Packets, ErrorCode, String);
+
+/// Tells refused peers why, off the accept loop and all at once: each is answered as soon
+/// as its first request comes, and one that stays silent is closed after [`REFUSAL_WAIT`],
+/// so silent peers never delay another's answer.
+fn refusal_loop(refusals: std::sync::mpsc::Receiver<Refusal>) {
+    use rustix::event::{PollFd, PollFlags, poll};
+    let mut waiting: Vec<(Refusal, Instant)> = Vec::new();
+    loop {
+        // Block for the next refusal only when none is waiting.
+        if waiting.is_empty() {
+            match refusals.recv() {
+                Ok(refusal) => waiting.push((refusal, Instant::now() + REFUSAL_WAIT)),
+                Err(_) => return, // The service stopped.
+            }
+        }
+        while waiting.len() < REFUSALS_QUEUED {
+            match refusals.try_recv() {
+                Ok(refusal) => waiting.push((refusal, Instant::now() + REFUSAL_WAIT)),
+                Err(_) => break,
+            }
+        }
+        let now = Instant::now();
+        let wait = waiting
+            .iter()
+            .map(|(_, deadline)| deadline.saturating_duration_since(now))
+            .min()
+            .unwrap_or_default()
+            // Short, so refusals that came meanwhile join the wait.
+            .min(Duration::from_millis(20));
+        let timeout = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: i64::from(wait.subsec_nanos()),
+        };
+        let ready: Vec<bool> = {
+            let mut fds: Vec<PollFd<'_>> = waiting
+                .iter()
+                .map(|((packets, _, _), _)| {
+                    PollFd::from_borrowed_fd(packets.as_fd(), PollFlags::IN)
+                })
+                .collect();
+            let _ = poll(&mut fds, Some(&timeout));
+            fds.iter().map(|fd| !fd.revents().is_empty()).collect()
+        };
+        let now = Instant::now();
+        let mut ready = ready.into_iter();
+        waiting.retain(|((packets, code, why), deadline)| {
+            let answered = ready.next().unwrap_or(false);
+            if answered {
+                let _ = packets.recv();
+                let _ = send(packets, &Reply::error(code.clone(), why.clone()), None);
+            }
+            !answered && *deadline > now
+        });
+    }
+}
+
 /// Answers a refused peer's first request with `code` and `why`, then disconnects. Its first
 /// request is read first: closing with unread data would reset the connection and the peer
-/// would never see why. A silent peer waits at most 2 s.
+/// would never see why. A silent peer waits at most [`REFUSAL_WAIT`].
 fn refuse_connection(packets: &Packets, code: ErrorCode, why: String) {
-    let timeout = Some(std::time::Duration::from_secs(2));
+    let timeout = Some(REFUSAL_WAIT);
     let _ = rustix::net::sockopt::set_socket_timeout(
         packets.as_fd(),
         rustix::net::sockopt::Timeout::Recv,
@@ -223,9 +290,13 @@ impl ShareService {
             stopping: AtomicBool::new(false),
         });
         let (accept_shared, accept_listener) = (shared.clone(), listener.clone());
+        let (refuse, refusals) = std::sync::mpsc::sync_channel(REFUSALS_QUEUED);
+        std::thread::Builder::new()
+            .name("tensorwire-share-refuse".into())
+            .spawn(move || refusal_loop(refusals))?;
         std::thread::Builder::new()
             .name("tensorwire-share-accept".into())
-            .spawn(move || accept_loop(&accept_shared, &accept_listener))?;
+            .spawn(move || accept_loop(&accept_shared, &accept_listener, &refuse))?;
         tracing::info!(path = %path.display(), "sharing tensors");
         Ok(Self {
             shared,
@@ -454,7 +525,11 @@ fn refused(body: ErrorBody) -> IpcError {
     }
 }
 
-fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
+fn accept_loop(
+    shared: &Arc<Shared>,
+    listener: &OwnedFd,
+    refuse: &std::sync::mpsc::SyncSender<Refusal>,
+) {
     loop {
         let accepted = rustix::net::accept_with(listener, rustix::net::SocketFlags::CLOEXEC);
         if shared.stopping.load(Ordering::SeqCst) {
@@ -466,7 +541,8 @@ fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
             .map_or(0, |cred| cred.pid.as_raw_nonzero().get() as u32);
         if let Err(why) = shared.admit_connection(process) {
             tracing::warn!(process, %why, "refusing a consumer connection");
-            refuse_connection(&packets, ErrorCode::too_many_connections(), why);
+            // Full: this one is closed with no reason rather than delay the next.
+            let _ = refuse.try_send((packets, ErrorCode::too_many_connections(), why));
             continue;
         }
         let client = shared.next_client.fetch_add(1, Ordering::Relaxed);

@@ -388,6 +388,37 @@ fn consumer_connections_are_bounded() {
     });
 }
 
+/// Refused connections that never speak (idle processes at the cap) do not hold up the
+/// service: a consumer that comes after many of them is answered at once, with the reason,
+/// not after each silent one was waited for in turn.
+#[test]
+fn silent_refused_connections_do_not_delay_the_next_consumer() {
+    let path = socket_path("silent-refused");
+    let config = ShareConfig {
+        max_connections: 2,
+        ..ShareConfig::default()
+    };
+    let service = ShareService::start(&path, config).unwrap();
+    let _ = publish(&service, "weights", 10);
+    let held: Vec<_> = (0..2).map(|_| Raw::connect(&path)).collect();
+    wait_for("both connections to be served", || {
+        ShareClient::connect(&path).is_err()
+    });
+    // Forty silent peers, each refused; with each waited for in turn on the accept loop
+    // (as before), the next consumer waited tens of seconds.
+    let silent: Vec<_> = (0..40).map(|_| Raw::connect(&path)).collect();
+    let started = std::time::Instant::now();
+    let err = ShareClient::connect(&path).err().expect("still at the cap");
+    let waited = started.elapsed();
+    assert!(err.to_string().contains("too_many_connections"), "{err}");
+    assert!(
+        waited < Duration::from_secs(8),
+        "answered after {waited:?}, behind the silent peers"
+    );
+    drop((held, silent));
+    wait_for("room again", || ShareClient::connect(&path).is_ok());
+}
+
 /// `--share PATH` never deletes what is at PATH unless it is a dead socket.
 #[test]
 fn a_share_path_that_is_a_file_or_a_live_socket_is_refused() {
