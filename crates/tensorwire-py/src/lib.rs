@@ -701,7 +701,11 @@ impl Receiver {
                     };
                     // A part of a split tensor (spec §15) lands in its whole's sink; only the
                     // part that lands last yields the whole.
-                    let landed = match splits.admit(peer.ip(), &meta, max_tensor_len, admit).await {
+                    let carrier = incoming.carrier().clone();
+                    let landed = match splits
+                        .admit(peer.ip(), &carrier, &meta, max_tensor_len, admit)
+                        .await
+                    {
                         Ok(sink) => incoming
                             .accept(sink)
                             .finished()

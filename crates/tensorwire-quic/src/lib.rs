@@ -49,6 +49,6 @@ pub use sender::{
 pub use steering::{ConnectionSlot, ServerEndpoint, Steering};
 pub use tensorwire_proto as proto;
 pub use tensorwire_sink::{
-    CreditPermit, HostSink, LimitSource, MemoryBudget, MemoryLimit, MemoryReservation,
+    Carrier, CreditPermit, HostSink, LimitSource, MemoryBudget, MemoryLimit, MemoryReservation,
     MemoryShares, MemorySnapshot, Sink, SinkError,
 };

@@ -47,9 +47,12 @@ async fn land(
     };
     let host = incoming.host_memory().clone();
     let joined = splits
-        .join(incoming.peer().ip(), &part, |whole| async move {
-            HostSink::reserved(host.reserve(whole.byte_len()).await?)
-        })
+        .join(
+            incoming.peer().ip(),
+            incoming.carrier(),
+            &part,
+            |whole| async move { HostSink::reserved(host.reserve(whole.byte_len()).await?) },
+        )
         .await;
     match joined {
         Ok(sink) => incoming

@@ -9,6 +9,7 @@
 //! (`tensorwire-gpu`, `tensorwire-ipc`) compile none.
 #![forbid(unsafe_code)]
 
+mod carrier;
 mod host;
 mod limit;
 mod memory;
@@ -19,6 +20,7 @@ use std::future::Future;
 
 use tensorwire_proto::{ErrorCode, Payload};
 
+pub use carrier::Carrier;
 pub use host::HostSink;
 pub use limit::{LimitSource, MemoryLimit};
 pub use memory::{MemoryBudget, MemoryReservation, MemoryShares, MemorySnapshot};

@@ -11,7 +11,7 @@ use tensorwire_proto::split::{SplitAssembly, SplitId, SplitPart};
 use tensorwire_proto::{ErrorCode, Payload, ProtocolError, TensorMeta};
 use tokio::sync::OnceCell;
 
-use crate::{CreditPermit, Sink, SinkError};
+use crate::{Carrier, CreditPermit, Sink, SinkError};
 
 /// A sink whose destination several parts can fill at once, each through a writer of its
 /// own; parts of a sink that has none write through it one at a time.
@@ -78,13 +78,16 @@ impl<S: Divisible> SplitTensors<S> {
         lock(&self.open).len()
     }
 
-    /// The sink for `part`, from a peer at `peer`. The first part of a whole to arrive
+    /// The sink for `part`, from a peer at `peer` over `carrier` (its connection: once every
+    /// connection that carried a whole's parts has closed, the whole fails at once). The
+    /// first part of a whole to arrive
     /// admits the whole's sink with `admit` (once, however many parts wait for it); the
     /// others share its outcome. Fails with the admission's error, or SPLIT_MISMATCH (and
     /// fails the whole) if the part does not fit the parts before it.
     pub async fn join<F, Fut>(
         &self,
         peer: IpAddr,
+        carrier: &Carrier,
         part: &SplitPart,
         admit: F,
     ) -> Result<PartSink<S>, SinkError>
@@ -128,15 +131,18 @@ impl<S: Divisible> SplitTensors<S> {
                         state: Mutex::new(State {
                             assembly: SplitAssembly::new(part),
                             failed: None,
+                            carriers: Vec::new(),
                         }),
                         open: Arc::downgrade(&self.open),
                         key,
+                        gone: Carrier::new(),
                     })
                 })
             })
             .await
             .clone()?;
         whole.join(part).await?;
+        Whole::carried_by(&whole, carrier);
         let direct = match whole.sink.lock().await.as_mut() {
             Some(sink) => sink.part(),
             None => return Err(whole.failure()),
@@ -189,11 +195,21 @@ struct Whole<S: Divisible> {
     state: Mutex<State>,
     open: Weak<Open<S>>,
     key: Key,
+    /// Closed when the whole is dropped, so its carriers' watchers end.
+    gone: Carrier,
+}
+
+impl<S: Divisible> Drop for Whole<S> {
+    fn drop(&mut self) {
+        self.gone.close();
+    }
 }
 
 struct State {
     assembly: SplitAssembly,
     failed: Option<SinkError>,
+    /// The connections its parts came over; once all have closed, no more can come.
+    carriers: Vec<Carrier>,
 }
 
 fn split_error(e: ProtocolError) -> SinkError {
@@ -234,6 +250,48 @@ impl<S: Divisible> Whole<S> {
             self.fail(e.clone()).await;
         }
         joined
+    }
+
+    /// Counts `carrier` among the whole's; the first time, watches it: once every carrier
+    /// has closed, parts still missing can no longer come, and the whole fails at once
+    /// rather than hold its destination until the parts' deadline.
+    fn carried_by(whole: &Arc<Self>, carrier: &Carrier) {
+        {
+            let mut state = lock(&whole.state);
+            if state.carriers.iter().any(|c| c.same_as(carrier)) {
+                return;
+            }
+            state.carriers.push(carrier.clone());
+        }
+        let (gone, whole, carrier) = (whole.gone.clone(), Arc::downgrade(whole), carrier.clone());
+        // Ends with the whole, so that a connection carrying many wholes keeps no watchers.
+        tokio::spawn(async move {
+            tokio::select! {
+                () = carrier.closed() => {}
+                () = gone.closed() => return,
+            }
+            if let Some(whole) = whole.upgrade() {
+                whole.carrier_closed().await;
+            }
+        });
+    }
+
+    /// Fails the whole if every carrier has closed and it is still waiting for parts.
+    async fn carrier_closed(&self) {
+        let why = {
+            let state = lock(&self.state);
+            if !state.carriers.iter().all(Carrier::is_closed) || state.failed.is_some() {
+                return;
+            }
+            format!(
+                "every connection that carried parts of {:?} closed before its last part came",
+                self.meta.name()
+            )
+        };
+        // Finished wholes have handed their sink over: nothing to fail.
+        if self.sink.lock().await.is_some() {
+            self.fail(SinkError::failed(why)).await;
+        }
     }
 
     /// Marks the whole failed (the first cause is kept) and frees its destination.
@@ -388,7 +446,8 @@ pub enum Assembling<S: Divisible> {
 }
 
 impl<S: Divisible> SplitTensors<S> {
-    /// The sink for a tensor described by `meta` from a peer at `peer`: for a tensor sent
+    /// The sink for a tensor described by `meta` from a peer at `peer` over `carrier`: for
+    /// a tensor sent
     /// whole, `admit(meta)`; for a part of a split tensor (spec §15), its share of the whole,
     /// which the first of its parts admits with `admit(whole)` ([`join`](Self::join)).
     /// `max_whole_len` is the receiver's largest tensor, which applies to the whole. Fails
@@ -397,6 +456,7 @@ impl<S: Divisible> SplitTensors<S> {
     pub async fn admit<F, Fut>(
         &self,
         peer: IpAddr,
+        carrier: &Carrier,
         meta: &TensorMeta,
         max_whole_len: u64,
         admit: F,
@@ -407,7 +467,10 @@ impl<S: Divisible> SplitTensors<S> {
     {
         match SplitPart::of(meta, max_whole_len).map_err(split_error)? {
             None => Ok(Assembling::Whole(meta.clone(), admit(meta.clone()).await?)),
-            Some(part) => self.join(peer, &part, admit).await.map(Assembling::Part),
+            Some(part) => self
+                .join(peer, carrier, &part, admit)
+                .await
+                .map(Assembling::Part),
         }
     }
 }

@@ -10,8 +10,8 @@ use bytes::Bytes;
 use tensorwire_proto::split::{SplitId, SplitPart, plan_split};
 use tensorwire_proto::{DType, ErrorCode, Payload, TensorMeta};
 use tensorwire_sink::{
-    CreditPermit, HostSink, MAX_ASSEMBLING, MAX_ASSEMBLING_PER_PEER, MemoryBudget, PartSink, Sink,
-    SinkError, SplitTensors,
+    Carrier, CreditPermit, HostSink, MAX_ASSEMBLING, MAX_ASSEMBLING_PER_PEER, MemoryBudget,
+    PartSink, Sink, SinkError, SplitTensors,
 };
 
 const PEER: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
@@ -42,7 +42,7 @@ async fn join(
     memory: &MemoryBudget,
     admitted: &AtomicUsize,
 ) -> Result<PartSink<HostSink>, SinkError> {
-    join_from(PEER, splits, part, memory, admitted).await
+    join_over(PEER, &Carrier::new(), splits, part, memory, admitted).await
 }
 
 /// As [`join`], the part coming from `peer`.
@@ -53,8 +53,20 @@ async fn join_from(
     memory: &MemoryBudget,
     admitted: &AtomicUsize,
 ) -> Result<PartSink<HostSink>, SinkError> {
+    join_over(peer, &Carrier::new(), splits, part, memory, admitted).await
+}
+
+/// As [`join`], the part coming from `peer` over `carrier`.
+async fn join_over(
+    peer: std::net::IpAddr,
+    carrier: &Carrier,
+    splits: &SplitTensors<HostSink>,
+    part: &SplitPart,
+    memory: &MemoryBudget,
+    admitted: &AtomicUsize,
+) -> Result<PartSink<HostSink>, SinkError> {
     splits
-        .join(peer, part, |meta| async move {
+        .join(peer, carrier, part, |meta| async move {
             admitted.fetch_add(1, Ordering::SeqCst);
             HostSink::reserved(memory.try_reserve(meta.byte_len())?)
         })
@@ -217,6 +229,55 @@ async fn a_part_that_does_not_fit_spoils_the_whole() {
     assert_eq!(memory.snapshot().reserved, 0);
 }
 
+/// A whole whose parts came over connections that have all closed can get no more parts:
+/// it fails at once and frees its destination, not at the parts' deadline; while one of
+/// its connections is open, it waits.
+#[tokio::test]
+async fn a_whole_fails_once_every_connection_that_carried_its_parts_closed() {
+    let meta = whole(4);
+    let memory = MemoryBudget::new("host", u64::MAX);
+    let admitted = AtomicUsize::new(0);
+    let splits = SplitTensors::new(Duration::from_secs(3600));
+    let planned = parts(&meta, 4, 7);
+    let bytes = vec![5u8; meta.byte_len() as usize];
+    let (first, second) = (Carrier::new(), Carrier::new());
+    for (part, carrier) in planned[..2].iter().zip([&first, &second]) {
+        let mut sink = join_over(PEER, carrier, &splits, part, &memory, &admitted)
+            .await
+            .unwrap();
+        fill(&mut sink, part, &bytes).await;
+        assert!(sink.finish().await.unwrap().is_none(), "two of four parts");
+    }
+    assert_eq!(memory.snapshot().reserved, meta.byte_len());
+    first.close();
+    tokio::task::yield_now().await;
+    assert_eq!(
+        memory.snapshot().reserved,
+        meta.byte_len(),
+        "one connection still open"
+    );
+    second.close();
+    for _ in 0..100 {
+        if memory.snapshot().reserved == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(memory.snapshot().reserved, 0, "freed once both closed");
+    let late = join_over(
+        PEER,
+        &Carrier::new(),
+        &splits,
+        &planned[2],
+        &memory,
+        &admitted,
+    )
+    .await
+    .err()
+    .expect("a late part is refused");
+    assert!(late.message.contains("closed"), "{}", late.message);
+}
+
 /// Spec §15.2: wholes being assembled are capped per peer, so one peer at its cap leaves
 /// room for others, and in all.
 #[tokio::test]
@@ -281,7 +342,10 @@ async fn admit_serves_tensors_sent_whole_and_parts_alike() {
     let alone = TensorMeta::new(vec![4], DType::U8)
         .unwrap()
         .with_name("alone");
-    let mut sink = splits.admit(PEER, &alone, u64::MAX, host).await.unwrap();
+    let mut sink = splits
+        .admit(PEER, &Carrier::new(), &alone, u64::MAX, host)
+        .await
+        .unwrap();
     let payload = Payload::from(Bytes::from_static(b"abcd"));
     sink.write(0, payload, CreditPermit::unbudgeted(4))
         .await
@@ -297,7 +361,7 @@ async fn admit_serves_tensors_sent_whole_and_parts_alike() {
     let mut landings = Vec::new();
     for part in &planned {
         let mut sink = splits
-            .admit(PEER, &part.meta, u64::MAX, host)
+            .admit(PEER, &Carrier::new(), &part.meta, u64::MAX, host)
             .await
             .unwrap();
         let at = part.offset as usize;
@@ -318,13 +382,13 @@ async fn admit_serves_tensors_sent_whole_and_parts_alike() {
         .unwrap()
         .with_attribute(tensorwire_proto::split::SPLIT_ID, "nope");
     let e = splits
-        .admit(PEER, &broken, u64::MAX, host)
+        .admit(PEER, &Carrier::new(), &broken, u64::MAX, host)
         .await
         .err()
         .unwrap();
     assert_eq!(e.code, ErrorCode::SPLIT_MISMATCH);
     let e = splits
-        .admit(PEER, &planned[0].meta, 1000, host)
+        .admit(PEER, &Carrier::new(), &planned[0].meta, 1000, host)
         .await
         .err()
         .unwrap();

@@ -391,7 +391,8 @@ async fn main() -> anyhow::Result<()> {
                     };
                     // A tensor sent whole gets a sink of its own; a part, its share of the
                     // whole's, which the whole's first part admits (spec §15).
-                    let result = match splits.admit(peer.ip(), &meta, max_tensor, admit).await {
+                    let carrier = incoming.carrier().clone();
+                    let result = match splits.admit(peer.ip(), &carrier, &meta, max_tensor, admit).await {
                         Ok(sink) => incoming
                             .accept(sink)
                             .finished()

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use quinn::VarInt;
 use tensorwire_proto::{ErrorCode, Session, SessionConfig};
-use tensorwire_sink::MemoryShares;
+use tensorwire_sink::{Carrier, MemoryShares};
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio_util::task::task_tracker::TaskTrackerToken;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -41,6 +41,8 @@ pub(super) struct ConnectionState {
     pub(super) memory_shares: MemoryShares,
     /// Its large tensors being received now, which weigh on where their payloads are stored.
     pub(super) load: Arc<ConnectionLoad>,
+    /// Closed when the connection ends: split tensors it carried parts of stop waiting.
+    pub(super) carrier: Carrier,
     /// Streams whose tensor ended, kept until the peer has our last frame and has finished
     /// its half ([`keep_until_closed`](Self::keep_until_closed)).
     closing: Mutex<Closing>,
@@ -263,6 +265,7 @@ pub(super) async fn serve_streams(
             config.memory_share_percent,
         ),
         load: Arc::default(),
+        carrier: Carrier::new(),
         closing: Mutex::default(),
     });
     shared.connections.insert(id, state.clone());
@@ -327,6 +330,7 @@ pub(super) async fn serve_streams(
         }
     }
     shared.connections.remove(&id);
+    state.carrier.close();
     withdraw_early_credit(&shared, &state);
     state.close_kept_streams().await;
 }

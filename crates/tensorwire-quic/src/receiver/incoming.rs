@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tensorwire_proto::{ErrorCode, ProtocolError, TensorMeta};
-use tensorwire_sink::{HostSink, MemoryBudget, MemoryShares, Sink, SinkError};
+use tensorwire_sink::{Carrier, HostSink, MemoryBudget, MemoryShares, Sink, SinkError};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
@@ -35,6 +35,8 @@ pub struct IncomingTensor {
     pub(super) host_memory: MemoryBudget,
     /// Its connection's shares of every memory budget.
     pub(super) memory_shares: MemoryShares,
+    /// Its connection, closed when the connection ends.
+    pub(super) carrier: Carrier,
     /// When the admission timeout ends: memory waits give up then.
     pub(super) deadline: tokio::time::Instant,
     pub(super) admission_timeout: Duration,
@@ -59,6 +61,12 @@ impl IncomingTensor {
     /// The tensor's metadata.
     pub fn meta(&self) -> &TensorMeta {
         &self.meta
+    }
+
+    /// Its connection, as [`SplitTensors`](tensorwire_sink::SplitTensors) follows it: a split
+    /// tensor whose parts' connections have all closed fails at once.
+    pub fn carrier(&self) -> &Carrier {
+        &self.carrier
     }
 
     /// The sender's address when its METADATA arrived.

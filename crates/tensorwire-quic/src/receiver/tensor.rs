@@ -213,6 +213,7 @@ impl Accepted {
                 runtime: tokio::runtime::Handle::current(),
                 host_memory: shared.host_memory.clone(),
                 memory_shares: connection.memory_shares.clone(),
+                carrier: connection.carrier.clone(),
                 deadline,
                 admission_timeout: config.admission_timeout,
             };
