@@ -786,7 +786,12 @@ mod on_gpu {
                     Ok(sink)
                 };
                 let mut sink = splits
-                    .join(std::net::Ipv4Addr::LOCALHOST.into(), &part, admit)
+                    .join(
+                        std::net::Ipv4Addr::LOCALHOST.into(),
+                        &tensorwire_sink::Carrier::new(),
+                        &part,
+                        admit,
+                    )
                     .await
                     .unwrap();
                 let mine = &data[part.offset() as usize..(part.offset() + part.len()) as usize];

@@ -623,6 +623,7 @@ async fn the_parts_of_a_split_tensor_land_in_its_registered_destination() {
         let mut sink = splits
             .join(
                 std::net::Ipv4Addr::LOCALHOST.into(),
+                &tensorwire_sink::Carrier::new(),
                 part,
                 |meta| async move {
                     destinations
