@@ -2,11 +2,14 @@
 //! certificate flags, a `.safetensors` file coming back bit for bit; and the file loaders.
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
+mod common;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use common::{spawn_receiver, spawn_receiver_on, terminate};
 use tensorwire::proto::DType;
 use tensorwire_examples::files::load;
 
@@ -74,42 +77,6 @@ fn temp_dir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// Starts the receiver program with `args` after `--listen 127.0.0.1:0`; returns it, the rest
-/// of its output lines, and the address it listens on.
-fn spawn_receiver(
-    args: &[&std::ffi::OsStr],
-) -> (
-    std::process::Child,
-    std::io::Lines<BufReader<std::process::ChildStdout>>,
-    String,
-) {
-    spawn_receiver_on("127.0.0.1:0", args)
-}
-
-/// As [`spawn_receiver`], listening on `listen`.
-fn spawn_receiver_on(
-    listen: &str,
-    args: &[&std::ffi::OsStr],
-) -> (
-    std::process::Child,
-    std::io::Lines<BufReader<std::process::ChildStdout>>,
-    String,
-) {
-    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
-        .args(["--listen", listen])
-        .args(args)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    let addr = first
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("{first}"))
-        .to_owned();
-    (receiver, lines, addr)
 }
 
 /// A 16-bit, 16 kHz WAV file of `samples` (interleaved over `channels`).
@@ -642,10 +609,7 @@ fn refused_tensors_count_as_failures_in_the_receivers_summary() {
                 .success()
         );
     }
-    Command::new("kill")
-        .args(["-TERM", &receiver.id().to_string()])
-        .status()
-        .unwrap();
+    terminate(&receiver);
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
     receiver.wait().unwrap();
     let summary = rest

@@ -3,10 +3,13 @@
 //! saved file, bit for bit, and nothing it never confirmed is kept (spec §6.8).
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
+mod common;
+
 use std::collections::{HashMap, HashSet};
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+
+use common::{Lines, spawn_receiver, terminate};
 
 const TENSORS: usize = 48;
 const TENSOR_LEN: usize = 1 << 20;
@@ -36,26 +39,13 @@ fn write_model(path: &Path) -> HashMap<String, Vec<u8>> {
 }
 
 /// Starts the receiver saving into `out`; returns it, its output lines and its address.
-fn start_receiver(
-    out: &Path,
-) -> (
-    Child,
-    std::io::Lines<BufReader<std::process::ChildStdout>>,
-    String,
-) {
-    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
-        .args(["--listen", "127.0.0.1:0", "--device", "host", "--save"])
-        .arg(out)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    let addr = first
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("{first}"))
-        .to_owned();
-    (receiver, lines, addr)
+fn start_receiver(out: &Path) -> (Child, Lines, String) {
+    spawn_receiver(&[
+        "--device".as_ref(),
+        "host".as_ref(),
+        "--save".as_ref(),
+        out.as_ref(),
+    ])
 }
 
 /// Every tensor in the `.safetensors` files of `dir`, by name.
@@ -120,10 +110,7 @@ fn a_killed_receiver_loses_no_confirmed_tensor_when_started_again() {
         // Started again on the same directory, then stopped at once: it recovers and
         // saves before it exits.
         let (mut again, lines, _) = start_receiver(&out);
-        Command::new("kill")
-            .args(["-TERM", &again.id().to_string()])
-            .status()
-            .unwrap();
+        terminate(&again);
         let output: Vec<String> = lines.map(Result::unwrap).collect();
         again.wait().unwrap();
         if output.iter().any(|l| l.starts_with("recovering ")) {

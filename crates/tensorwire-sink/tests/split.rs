@@ -45,17 +45,6 @@ async fn join(
     join_over(PEER, &Carrier::new(), splits, part, memory, admitted).await
 }
 
-/// As [`join`], the part coming from `peer`.
-async fn join_from(
-    peer: std::net::IpAddr,
-    splits: &SplitTensors<HostSink>,
-    part: &SplitPart,
-    memory: &MemoryBudget,
-    admitted: &AtomicUsize,
-) -> Result<PartSink<HostSink>, SinkError> {
-    join_over(peer, &Carrier::new(), splits, part, memory, admitted).await
-}
-
 /// As [`join`], the part coming from `peer` over `carrier`.
 async fn join_over(
     peer: std::net::IpAddr,
@@ -291,16 +280,23 @@ async fn wholes_being_assembled_are_capped_per_peer_and_in_all() {
     for id in 0..MAX_ASSEMBLING_PER_PEER as u128 {
         let part = &parts(&meta, 2, id)[0];
         held.push(
-            join_from(peer(0), &splits, part, &memory, &admitted)
+            join_over(peer(0), &Carrier::new(), &splits, part, &memory, &admitted)
                 .await
                 .unwrap(),
         );
     }
     let greedy = &parts(&meta, 2, u128::MAX)[0];
-    let e = join_from(peer(0), &splits, greedy, &memory, &admitted)
-        .await
-        .err()
-        .unwrap();
+    let e = join_over(
+        peer(0),
+        &Carrier::new(),
+        &splits,
+        greedy,
+        &memory,
+        &admitted,
+    )
+    .await
+    .err()
+    .unwrap();
     assert_eq!(e.code, ErrorCode::RESOURCE_EXHAUSTED);
     assert!(e.message.contains("per peer"), "{}", e.message);
     // Other peers fill the rest, up to the cap in all.
@@ -312,7 +308,7 @@ async fn wholes_being_assembled_are_capped_per_peer_and_in_all() {
         for _ in 0..MAX_ASSEMBLING_PER_PEER.min(MAX_ASSEMBLING - held.len()) {
             let part = &parts(&meta, 2, id)[0];
             held.push(
-                join_from(peer(n), &splits, part, &memory, &admitted)
+                join_over(peer(n), &Carrier::new(), &splits, part, &memory, &admitted)
                     .await
                     .unwrap(),
             );
@@ -320,10 +316,17 @@ async fn wholes_being_assembled_are_capped_per_peer_and_in_all() {
         }
     }
     let one_more = &parts(&meta, 2, u128::MAX - 1)[0];
-    let e = join_from(peer(999), &splits, one_more, &memory, &admitted)
-        .await
-        .err()
-        .unwrap();
+    let e = join_over(
+        peer(999),
+        &Carrier::new(),
+        &splits,
+        one_more,
+        &memory,
+        &admitted,
+    )
+    .await
+    .err()
+    .unwrap();
     assert_eq!(e.code, ErrorCode::RESOURCE_EXHAUSTED);
     assert!(e.message.contains("assembled already"), "{}", e.message);
     drop(held);
