@@ -83,6 +83,21 @@ impl<K: Hash + Eq + Clone> PeerCaps<K> {
         Ok(())
     }
 
+    /// Counts one more for `peer` beyond the cap in all (never beyond its own), where the
+    /// caller has just ended one of another peer's that will be counted back soon.
+    pub fn admit_in_place_of_another(&mut self, peer: &K) -> Result<(), CapExceeded> {
+        let held = self.held(peer);
+        if held >= self.per_peer {
+            return Err(CapExceeded::Peer {
+                held,
+                cap: self.per_peer,
+            });
+        }
+        *self.held.entry(peer.clone()).or_default() += 1;
+        self.held_total += 1;
+        Ok(())
+    }
+
     /// Counts one fewer for `peer` (one it was admitted); a peer that holds none is
     /// forgotten, so the map never outgrows what is held.
     pub fn release(&mut self, peer: &K) {

@@ -559,11 +559,10 @@ pub struct ReceiverConfig {
     /// A connection with no tensor stream open for this long is closed with
     /// PROGRESS_TIMEOUT, even if its peer keeps it alive (spec §10).
     pub connection_idle_timeout: Duration,
-    /// Bytes of METADATA that tensors waiting for the application's decision may hold, in
-    /// all; each connection may hold [`Self::memory_share_percent`] of it. A METADATA that
-    /// does not fit is refused at once with RESOURCE_EXHAUSTED, so legal but large
-    /// METADATA on many streams cannot grow the receiver's memory (spec §10). Default:
-    /// 64 MiB.
+    /// Bytes of METADATA the tensor streams open now may hold, in all; each connection may
+    /// hold [`Self::memory_share_percent`] of it. A METADATA that does not fit is refused
+    /// at once with RESOURCE_EXHAUSTED, so legal but large METADATA on many streams cannot
+    /// grow the receiver's memory (spec §10). Default: 64 MiB.
     pub metadata_budget: u64,
     /// Connections served at once from all peers; more are refused before their handshake
     /// (each costs about half a MiB of state). Default: 512.

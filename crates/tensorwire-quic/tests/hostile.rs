@@ -413,7 +413,9 @@ async fn a_peer_idling_in_accepted_tensors_holds_only_its_share() {
 }
 
 /// Spec §10: connections are capped per peer (IP address) and in all, judged before the
-/// handshake; a refused peer gets an error at once, and a closed connection is counted back.
+/// handshake. At the cap in all, peers are served in turn: an idle connection of a peer
+/// holding more than the newcomer is closed to make room; when every peer holds as few,
+/// the newcomer is refused at once. A closed connection is counted back.
 #[tokio::test]
 async fn connections_are_capped_per_peer_and_in_all() {
     let mut config = receiver_config();
@@ -422,20 +424,39 @@ async fn connections_are_capped_per_peer_and_in_all() {
     let (_rx, addr) = receiver(config).await;
     let from = |last: u8| std::net::IpAddr::from([127, 0, 0, last]);
     let connect = |last: u8| common::raw_connection_from(addr, b"tensorwire/1.4", from(last));
-    let (_e1, first) = connect(1).await.unwrap();
-    let _second = connect(1).await.unwrap();
+    let (_e1, a1) = connect(1).await.unwrap();
+    let (_e2, a2) = connect(1).await.unwrap();
     let third = connect(1).await.map(|_| ());
     assert!(
         third.unwrap_err().contains("refused"),
         "a third from one peer"
     );
-    let _other = connect(2).await.unwrap();
-    let fourth = connect(3).await.map(|_| ());
-    assert!(fourth.unwrap_err().contains("refused"), "a fourth in all");
-    first.close(VarInt::from_u32(0), b"done");
+    let (_e3, b) = connect(2).await.unwrap();
+    // Full (3 of 3): peer 1 holds two, so one of its idle connections makes room.
+    let (_e4, c) = connect(3).await.unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        tokio::select! {
+            e = a1.closed() => e,
+            e = a2.closed() => e,
+        }
+    })
+    .await
+    .expect("one of peer 1's connections closed");
+    assert!(
+        matches!(&closed, quinn::ConnectionError::ApplicationClosed(close)
+            if close.error_code == VarInt::from_u32(ErrorCode::RESOURCE_EXHAUSTED.0)),
+        "{closed}"
+    );
+    // Every peer holds one now: a fourth peer is refused.
+    let refused = connect(4).await.map(|_| ());
+    assert!(
+        refused.unwrap_err().contains("refused"),
+        "a fourth peer at the cap"
+    );
+    b.close(VarInt::from_u32(0), b"done");
     // Counted back once the receiver has seen the close: bounded wait.
     for attempt in 0.. {
-        match connect(3).await {
+        match connect(4).await {
             Ok(_) => break,
             Err(e) if attempt < 50 => {
                 assert!(e.contains("refused"), "{e}");
@@ -444,11 +465,12 @@ async fn connections_are_capped_per_peer_and_in_all() {
             Err(e) => panic!("the closed connection was never counted back: {e}"),
         }
     }
+    drop(c);
 }
 
-/// Spec §10: METADATA of tensors waiting for a decision is held against a budget; legal but
-/// large METADATA beyond it is refused at once (RESOURCE_EXHAUSTED), and the budget comes
-/// back once the waiting tensors are decided.
+/// Spec §10: METADATA of the open streams is held against a budget; legal but large
+/// METADATA beyond it is refused at once (RESOURCE_EXHAUSTED), and the budget comes back
+/// once those streams end.
 #[tokio::test]
 async fn undecided_metadata_is_held_within_its_budget() {
     let mut config = receiver_config();

@@ -33,6 +33,19 @@ struct Args {
     /// Bytes each METADATA claims.
     #[arg(long, default_value_t = 1 << 30)]
     claim: u64,
+    /// With metadata-flood: attributes on each METADATA, each `--attribute-bytes` long, so
+    /// that legal METADATA weighs on the receiver's memory.
+    #[arg(long, default_value_t = 0)]
+    attributes: u16,
+    /// With --attributes: bytes of each attribute's value.
+    #[arg(long, default_value_t = 1000)]
+    attribute_bytes: usize,
+    /// Local address to send from (on loopback, any of 127.0.0.0/8: a peer of its own).
+    #[arg(long, default_value = "0.0.0.0")]
+    from: std::net::IpAddr,
+    /// With silent: connections to open.
+    #[arg(long, default_value_t = 64)]
+    connections: usize,
     /// PEM CA of the receiver (default: development trust on this host).
     #[arg(long)]
     ca: Option<PathBuf>,
@@ -71,7 +84,7 @@ async fn main() -> anyhow::Result<()> {
     let crypto = tensorwire::quic::tls::client_crypto(&config.tls, args.connect.port())?;
     let mut client = quinn::ClientConfig::new(crypto);
     client.transport_config(config.transport.transport_config()?);
-    let endpoint = quinn::Endpoint::client("0.0.0.0:0".parse()?)?;
+    let endpoint = quinn::Endpoint::client(SocketAddr::new(args.from, 0))?;
     let until = Instant::now() + Duration::from_secs(args.seconds);
     let connect = || async {
         anyhow::Ok(
@@ -81,15 +94,22 @@ async fn main() -> anyhow::Result<()> {
         )
     };
     let meta = |i: u64, len: u64| {
-        TensorMeta::new([len], DType::U8).map(|m| m.with_name(format!("hostile-{i}")))
+        TensorMeta::new([len], DType::U8).map(|m| {
+            (0..args.attributes).fold(m.with_name(format!("hostile-{i}")), |m, a| {
+                m.with_attribute(format!("a{a}"), "x".repeat(args.attribute_bytes))
+            })
+        })
     };
     let mut streams = 0u64;
     let mut answers = std::collections::BTreeMap::<String, u64>::new();
     match args.mode {
         Mode::Silent => {
             let mut connections = Vec::new();
-            while Instant::now() < until && connections.len() < 64 {
-                connections.push(connect().await?);
+            while Instant::now() < until && connections.len() < args.connections {
+                match connect().await {
+                    Ok(connection) => connections.push(connection),
+                    Err(e) => *answers.entry(format!("connect: {e}")).or_default() += 1,
+                }
             }
             tokio::time::sleep_until(until.into()).await;
             for c in &connections {

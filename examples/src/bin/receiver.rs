@@ -88,8 +88,8 @@ struct Args {
     /// Seconds a tensor may wait for memory and admission before it is rejected.
     #[arg(long = "admission-timeout-s", default_value = "30", value_parser = seconds)]
     admission_timeout: Duration,
-    /// METADATA that tensors waiting for a decision may hold, in MiB; more is refused at
-    /// once (RESOURCE_EXHAUSTED).
+    /// METADATA that the tensor streams open now may hold, in MiB; more is refused at once
+    /// (RESOURCE_EXHAUSTED).
     #[arg(long = "metadata-budget-mib", default_value = "64", value_parser = mebibytes)]
     metadata_budget: u64,
     /// Connections served at once from all peers; more are refused before their handshake.

@@ -78,12 +78,56 @@ impl Shared {
     }
 
     /// Counts a new connection from `peer`, or says which cap it would break (spec §10).
+    /// At the cap in all, peers are served in turn: an idle connection (no tensor stream
+    /// open) of a peer holding more connections than `peer` is closed to make room.
     fn admit_connection(self: &Arc<Self>, peer: IpAddr) -> Result<PeerSlot, CapExceeded> {
-        self.peers().admit(&peer)?;
+        let admitted = self.peers().admit(&peer);
+        match admitted {
+            Ok(()) => {}
+            Err(CapExceeded::Total { .. }) if self.close_idle_connection_for(peer) => {
+                self.peers().admit_in_place_of_another(&peer)?;
+            }
+            Err(cap) => return Err(cap),
+        }
         Ok(PeerSlot {
             shared: self.clone(),
             peer,
         })
+    }
+
+    /// Closes the idle connection that makes the most room for `peer`: of the peer holding
+    /// the most connections, more than `peer` holds; whether there was one.
+    fn close_idle_connection_for(&self, peer: IpAddr) -> bool {
+        let newcomer_holds = self.peers().held(&peer);
+        let mut victim: Option<(usize, Arc<ConnectionState>)> = None;
+        for entry in self.connections.iter() {
+            let state = entry.value();
+            let ip = state.connection.remote_address().ip();
+            if ip == peer || state.connection.close_reason().is_some() {
+                continue;
+            }
+            if state.session().open_streams() > 0 {
+                continue;
+            }
+            let holds = self.peers().held(&ip);
+            if holds > newcomer_holds + 1 && victim.as_ref().is_none_or(|(most, _)| holds > *most) {
+                victim = Some((holds, state.clone()));
+            }
+        }
+        let Some((holds, state)) = victim else {
+            return false;
+        };
+        warn!(
+            victim = %state.connection.remote_address(),
+            holds,
+            %peer,
+            "closing an idle connection to make room for another peer"
+        );
+        state.close(
+            ErrorCode::RESOURCE_EXHAUSTED,
+            b"closed while idle: the receiver's connections are full and another peer needs one",
+        );
+        true
     }
 
     fn new(config: ReceiverConfig) -> Result<Arc<Self>, TransportError> {

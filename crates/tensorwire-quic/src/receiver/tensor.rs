@@ -12,7 +12,7 @@ use tensorwire_proto::{
     CheckedFrame, ErrorCode, Frame, GrantClock, ProtocolError, SessionEvent, StreamClosed,
     StreamId, TensorMeta,
 };
-use tensorwire_sink::{CreditPermit, Sink, SinkError};
+use tensorwire_sink::{CreditPermit, MemoryReservation, Sink, SinkError};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -41,6 +41,9 @@ pub(super) struct Accepted {
     early_ended: bool,
     /// Counts the connection as carrying a large tensor, from its first large payload.
     receiving: Option<Receiving>,
+    /// Its METADATA's bytes in the receiver's METADATA budget, for as long as the stream
+    /// lives (spec §10): many live streams with large METADATA are memory a peer holds.
+    metadata: Option<MemoryReservation>,
 }
 
 /// Hands one frame of stream `id` to its connection's session, which moves its credit.
@@ -83,6 +86,7 @@ pub(super) async fn serve_stream(
         early: Vec::new(),
         early_ended: false,
         receiving: None,
+        metadata: None,
     };
     st.shared.metrics.started();
     st.connection.metrics.started();
@@ -184,16 +188,17 @@ impl Accepted {
         };
         debug!(name = meta.name(), bytes = meta.byte_len(), dtype = %meta.dtype(), "metadata");
         let connection = self.connection.clone();
-        // Held until the tensor is decided: undecided METADATA on many streams is memory a
-        // peer makes the receiver hold (spec §10).
-        let _metadata = connection
+        // Held while the stream lives: METADATA on many streams, decided or not, is memory
+        // a peer makes the receiver hold (spec §10).
+        let reserved = connection
             .memory_shares
             .of(&shared.metadata)
             .try_reserve(metadata_bytes(&meta))
             .map_err(|e| ProtocolError::Local {
                 code: ErrorCode::RESOURCE_EXHAUSTED,
-                reason: format!("METADATA waiting for a decision: {}", e.message),
+                reason: format!("METADATA of the streams open now: {}", e.message),
             })?;
+        self.metadata = Some(reserved);
         let deadline = tokio::time::Instant::now() + config.admission_timeout;
         // Kept here, not in the wait, so it outlives the recording of why the wait ended.
         let (decision, mut decided) = oneshot::channel();
