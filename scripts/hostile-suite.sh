@@ -61,48 +61,50 @@ report() { # CASE: one row, then the receiver stops
 echo "| case | peak RSS | RSS 3 s after | legitimate 16 MiB send |"
 echo "| --- | --- | --- | --- |"
 
-# 2000 idle connections from 32 peer addresses (capped at 64 per peer, 512 in all).
-start_receiver
-for i in $(seq 3 34); do
-  "$bin/hostile-peer" --connect "$addr" --from "127.0.0.$i" --mode silent \
-    --connections 63 --seconds "$seconds" > "$work/silent-$i.log" 2>&1 &
-done
-sleep $((seconds / 2))
-outcome=$(legit)
-wait $(jobs -p | grep -v "^$receiver$") 2>/dev/null
-report "2000 idle connections, 32 peers" "$outcome"
+# CASE SETUP: a fresh receiver, SETUP (a function that starts the attackers in the
+# background), a legitimate send halfway through, then the row once the attackers are done.
+attack() {
+  local row=$1 setup=$2 outcome
+  start_receiver
+  "$setup"
+  sleep $((seconds / 2))
+  outcome=$(legit)
+  wait $(jobs -p | grep -v "^$receiver$") 2>/dev/null
+  report "$row" "$outcome"
+}
 
-# METADATA with 64 x 1000-byte attributes on 8 connections, held undecided.
-start_receiver
-for i in $(seq 3 10); do
-  "$bin/hostile-peer" --connect "$addr" --from "127.0.0.$i" --mode metadata-flood \
-    --claim 1 --attributes 64 --attribute-bytes 1000 --seconds "$seconds" \
-    > "$work/metadata-$i.log" 2>&1 &
-done
-sleep $((seconds / 2))
-outcome=$(legit)
-wait $(jobs -p | grep -v "^$receiver$") 2>/dev/null
-report "8 peers x METADATA floods, 64 KB each" "$outcome"
-
+# 2000 idle connections from 32 peer addresses (64 per peer, 512 in all, peers in turn).
+idle_connections() {
+  for i in $(seq 3 34); do
+    "$bin/hostile-peer" --connect "$addr" --from "127.0.0.$i" --mode silent \
+      --connections 63 --seconds "$seconds" > "$work/silent-$i.log" 2>&1 &
+  done
+}
+# METADATA with 64 x 1000-byte attributes on 8 connections, from 8 peers.
+large_metadata() {
+  for i in $(seq 3 10); do
+    "$bin/hostile-peer" --connect "$addr" --from "127.0.0.$i" --mode metadata-flood \
+      --claim 1 --attributes 64 --attribute-bytes 1000 --seconds "$seconds" \
+      > "$work/metadata-$i.log" 2>&1 &
+  done
+}
 # Streams claiming 1 GiB each, never sending DATA, from one peer.
-start_receiver
-"$bin/hostile-peer" --connect "$addr" --from 127.0.0.3 --mode metadata-flood \
-  --claim $((1 << 30)) --seconds "$seconds" > "$work/claims.log" 2>&1 &
-sleep $((seconds / 2))
-outcome=$(legit)
-wait $(jobs -p | grep -v "^$receiver$") 2>/dev/null
-report "1 GiB claims without DATA" "$outcome"
-
+large_claims() {
+  "$bin/hostile-peer" --connect "$addr" --from 127.0.0.3 --mode metadata-flood \
+    --claim $((1 << 30)) --seconds "$seconds" > "$work/claims.log" 2>&1 &
+}
 # CANCEL flood: the connection is closed with CANCEL_FLOOD.
-start_receiver
-"$bin/hostile-peer" --connect "$addr" --from 127.0.0.3 --mode cancel-flood \
-  --seconds "$seconds" > "$work/cancel.log" 2>&1 &
-sleep $((seconds / 2))
-outcome=$(legit)
-wait $(jobs -p | grep -v "^$receiver$") 2>/dev/null
-report "CANCEL flood ($(grep -c CANCEL_FLOOD "$work/cancel.log") closed with CANCEL_FLOOD)" "$outcome"
+cancel_flood() {
+  "$bin/hostile-peer" --connect "$addr" --from 127.0.0.3 --mode cancel-flood \
+    --seconds "$seconds" > "$work/cancel.log" 2>&1 &
+}
 
-for log in "$work"/silent-3.log "$work"/metadata-3.log; do
+attack "2000 idle connections, 32 peers" idle_connections
+attack "8 peers x METADATA floods, 64 KB each" large_metadata
+attack "1 GiB claims without DATA" large_claims
+attack "CANCEL flood" cancel_flood
+
+for log in "$work"/silent-3.log "$work"/metadata-3.log "$work"/cancel.log; do
   echo "--- $(basename "$log")"; cat "$log"
 done
 exit $status

@@ -65,27 +65,26 @@ impl<K: Hash + Eq + Clone> PeerCaps<K> {
     /// Counts one more for `peer`, unless a cap forbids it; the peer's cap is judged first,
     /// so a peer at its own cap is told so whatever the others hold.
     pub fn admit(&mut self, peer: &K) -> Result<(), CapExceeded> {
-        let held = self.held(peer);
-        if held >= self.per_peer {
-            return Err(CapExceeded::Peer {
-                held,
-                cap: self.per_peer,
-            });
-        }
+        self.within_peer_cap(peer)?;
         if self.held_total >= self.total {
             return Err(CapExceeded::Total {
                 held: self.held_total,
                 cap: self.total,
             });
         }
-        *self.held.entry(peer.clone()).or_default() += 1;
-        self.held_total += 1;
+        self.count(peer);
         Ok(())
     }
 
     /// Counts one more for `peer` beyond the cap in all (never beyond its own), where the
     /// caller has just ended one of another peer's that will be counted back soon.
     pub fn admit_in_place_of_another(&mut self, peer: &K) -> Result<(), CapExceeded> {
+        self.within_peer_cap(peer)?;
+        self.count(peer);
+        Ok(())
+    }
+
+    fn within_peer_cap(&self, peer: &K) -> Result<(), CapExceeded> {
         let held = self.held(peer);
         if held >= self.per_peer {
             return Err(CapExceeded::Peer {
@@ -93,9 +92,12 @@ impl<K: Hash + Eq + Clone> PeerCaps<K> {
                 cap: self.per_peer,
             });
         }
+        Ok(())
+    }
+
+    fn count(&mut self, peer: &K) {
         *self.held.entry(peer.clone()).or_default() += 1;
         self.held_total += 1;
-        Ok(())
     }
 
     /// Counts one fewer for `peer` (one it was admitted); a peer that holds none is
