@@ -280,6 +280,14 @@ def test_a_bad_address_raises_the_typed_error():
         tensorwire.send("127.0.0.1:9", {"x": b"abc"})
 
 
+def test_host_names_are_taken_where_addresses_are():
+    with tensorwire.Receiver(listen="localhost:0", device="host") as rx:
+        port = rx.address.rsplit(":", 1)[1]
+        tensorwire.send(f"localhost:{port}", {"named": b"abcd"})
+        t = rx.recv(timeout=30)
+        assert (t.name, bytes(t.numpy())) == ("named", b"abcd")
+
+
 def test_a_receiver_with_another_certificate_is_refused():
     a, b = RustReceiver(), RustReceiver()
     try:

@@ -635,9 +635,8 @@ impl Receiver {
         client_ca: Option<PathBuf>,
         mtu: Option<u16>,
     ) -> PyResult<Self> {
-        let listen: SocketAddr = listen
-            .parse()
-            .map_err(|e| PyValueError::new_err(format!("listen address {listen:?}: {e}")))?;
+        let listen: SocketAddr = tensorwire::quic::resolve(listen)
+            .map_err(|e| PyValueError::new_err(format!("listen address: {e}")))?;
         let request: DeviceRequest = device.parse().map_err(PyValueError::new_err)?;
         let tls = match (cert, key) {
             (Some(cert), Some(key)) => ServerTls::Pem {
