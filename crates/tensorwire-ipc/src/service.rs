@@ -165,9 +165,10 @@ const REFUSAL_WAIT: Duration = Duration::from_millis(250);
 /// A refused connection, its code and why.
 type Refusal = (Packets, ErrorCode, String);
 
-/// Tells refused peers why, off the accept loop and all at once: each is answered as soon
-/// as its first request comes, and one that stays silent is closed after [`REFUSAL_WAIT`],
-/// so silent peers never delay another's answer.
+/// Tells refused peers why, off the accept loop and all at once. Each peer's first request
+/// is read before the answer (closing with unread data would reset the connection, and the
+/// peer would never see why); one that stays silent is closed after [`REFUSAL_WAIT`], so
+/// silent peers never delay another's answer.
 fn refusal_loop(refusals: std::sync::mpsc::Receiver<Refusal>) {
     use rustix::event::{PollFd, PollFlags, poll};
     let mut waiting: Vec<(Refusal, Instant)> = Vec::new();
@@ -218,20 +219,6 @@ fn refusal_loop(refusals: std::sync::mpsc::Receiver<Refusal>) {
             !answered && *deadline > now
         });
     }
-}
-
-/// Answers a refused peer's first request with `code` and `why`, then disconnects. Its first
-/// request is read first: closing with unread data would reset the connection and the peer
-/// would never see why. A silent peer waits at most [`REFUSAL_WAIT`].
-fn refuse_connection(packets: &Packets, code: ErrorCode, why: String) {
-    let timeout = Some(REFUSAL_WAIT);
-    let _ = rustix::net::sockopt::set_socket_timeout(
-        packets.as_fd(),
-        rustix::net::sockopt::Timeout::Recv,
-        timeout,
-    );
-    let _ = packets.recv();
-    let _ = send(packets, &Reply::error(code, why), None);
 }
 
 /// A running sharing service: publish tensors; consumers connect to [`path`](Self::path).
@@ -537,11 +524,28 @@ fn accept_loop(
         }
         let Ok(fd) = accepted else { continue };
         let packets = Packets::from_fd(fd);
-        let process = rustix::net::sockopt::socket_peercred(packets.as_fd())
-            .map_or(0, |cred| cred.pid.as_raw_nonzero().get() as u32);
+        // Who is calling, read once: the uid decides whether it may connect at all, the
+        // process which connection cap it counts against.
+        let peer = rustix::net::sockopt::socket_peercred(packets.as_fd());
+        let allowed = peer
+            .as_ref()
+            .is_ok_and(|cred| shared.config.allowed_uids.contains(&cred.uid.as_raw()));
+        if !allowed {
+            let who = peer
+                .map(|c| format!("uid {}", c.uid.as_raw()))
+                .unwrap_or_else(|e| e.to_string());
+            tracing::warn!(%who, "refusing a consumer");
+            // Full: this one is closed with no reason rather than delay the next.
+            let _ = refuse.try_send((
+                packets,
+                ErrorCode::forbidden(),
+                format!("{who} may not connect"),
+            ));
+            continue;
+        }
+        let process = peer.map_or(0, |cred| cred.pid.as_raw_nonzero().get() as u32);
         if let Err(why) = shared.admit_connection(process) {
             tracing::warn!(process, %why, "refusing a consumer connection");
-            // Full: this one is closed with no reason rather than delay the next.
             let _ = refuse.try_send((packets, ErrorCode::too_many_connections(), why));
             continue;
         }
@@ -572,23 +576,8 @@ fn send(
     packets.send(&bytes, fd)
 }
 
+/// Serves one consumer whose uid was checked when it connected.
 fn serve_client(shared: &Shared, packets: Packets, client: ClientId, process: u32) {
-    let peer = rustix::net::sockopt::socket_peercred(packets.as_fd());
-    let allowed = peer
-        .as_ref()
-        .is_ok_and(|cred| shared.config.allowed_uids.contains(&cred.uid.as_raw()));
-    if !allowed {
-        let who = peer
-            .map(|c| format!("uid {}", c.uid.as_raw()))
-            .unwrap_or_else(|e| e.to_string());
-        tracing::warn!(%who, "refusing a consumer");
-        refuse_connection(
-            &packets,
-            ErrorCode::forbidden(),
-            format!("{who} may not connect"),
-        );
-        return;
-    }
     let mut greeted = false;
     loop {
         let received = match packets.recv() {

@@ -23,9 +23,7 @@ pub struct FloodExceeded {
     pub burst: u32,
     /// Its window, for the message.
     pub window: Duration,
-    /// The code to close the connection with: CANCEL_FLOOD, or PROGRESS_TIMEOUT where the
-    /// stream that ran the budget dry was one the peer let time out (spec §10): a slow or
-    /// silent peer is not flooding, and its operator should read why.
+    /// The code to close the connection with ([`FloodBudget::record_failure`]).
     pub code: ErrorCode,
 }
 
@@ -42,15 +40,22 @@ impl FloodBudget {
         }
     }
 
-    /// Counts one failed, cancelled, reset or refused stream at `now`.
-    #[must_use = "on Err, close the connection with CANCEL_FLOOD"]
-    pub fn record_failure(&mut self, now: Instant) -> Result<(), FloodExceeded> {
+    /// Counts one failed, cancelled, reset or refused stream at `now`, which ended with
+    /// `cause`. When it runs the budget dry, the connection closes with CANCEL_FLOOD, or
+    /// with PROGRESS_TIMEOUT where `cause` was a timeout: a slow or silent peer is not
+    /// flooding, and its operator should read why (spec §10).
+    #[must_use = "on Err, close the connection with the code it carries"]
+    pub fn record_failure(&mut self, now: Instant, cause: ErrorCode) -> Result<(), FloodExceeded> {
         self.refill(now);
         if self.available < UNIT {
+            let code = match cause {
+                ErrorCode::PROGRESS_TIMEOUT => ErrorCode::PROGRESS_TIMEOUT,
+                _ => ErrorCode::CANCEL_FLOOD,
+            };
             return Err(FloodExceeded {
                 burst: self.burst,
                 window: self.window,
-                code: ErrorCode::CANCEL_FLOOD,
+                code,
             });
         }
         self.available -= UNIT;

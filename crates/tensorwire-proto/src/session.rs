@@ -688,16 +688,11 @@ impl Session {
         if tensor.state() == ReceiverState::Complete {
             return StreamClosed::Completed;
         }
-        let timed_out = tensor
+        let cause = tensor
             .ending()
-            .is_some_and(|e| e.code() == ErrorCode::PROGRESS_TIMEOUT);
-        match self.failures.record_failure(now) {
+            .map_or(ErrorCode::CANCELLED, ProtocolError::code);
+        match self.failures.record_failure(now, cause) {
             Ok(()) => StreamClosed::Failed,
-            // Spec §10: streams that time out end the connection for that reason.
-            Err(flood) if timed_out => StreamClosed::Flood(FloodExceeded {
-                code: ErrorCode::PROGRESS_TIMEOUT,
-                ..flood
-            }),
             Err(flood) => StreamClosed::Flood(flood),
         }
     }

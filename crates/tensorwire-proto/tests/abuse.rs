@@ -50,10 +50,18 @@ fn the_flood_budget_allows_a_burst_then_refuses() {
     let start = fake_clock_start();
     let mut budget = FloodBudget::new(5, Duration::from_secs(10));
     for _ in 0..5 {
-        budget.record_failure(start).unwrap();
+        budget.record_failure(start, ErrorCode::CANCELLED).unwrap();
     }
-    let exceeded = budget.record_failure(start).unwrap_err();
+    let exceeded = budget
+        .record_failure(start, ErrorCode::CANCELLED)
+        .unwrap_err();
     assert_eq!(exceeded.burst, 5);
+    assert_eq!(exceeded.code, ErrorCode::CANCEL_FLOOD);
+    // A timed-out stream that runs it dry names the timeout instead.
+    let timed_out = budget
+        .record_failure(start, ErrorCode::PROGRESS_TIMEOUT)
+        .unwrap_err();
+    assert_eq!(timed_out.code, ErrorCode::PROGRESS_TIMEOUT);
 }
 
 #[test]
@@ -61,24 +69,24 @@ fn the_flood_budget_refills_at_its_rate_and_no_faster() {
     let start = fake_clock_start();
     let mut budget = FloodBudget::new(10, Duration::from_secs(10)); // one stream per second
     for _ in 0..10 {
-        budget.record_failure(start).unwrap();
+        budget.record_failure(start, ErrorCode::CANCELLED).unwrap();
     }
     // 1.5 s later one failure has been earned back, not two.
     let later = start + Duration::from_millis(1500);
-    budget.record_failure(later).unwrap();
-    assert!(budget.record_failure(later).is_err());
+    budget.record_failure(later, ErrorCode::CANCELLED).unwrap();
+    assert!(budget.record_failure(later, ErrorCode::CANCELLED).is_err());
     // A peer failing at exactly the refill rate is never cut off...
     let mut now = later;
     for _ in 0..100 {
         now += Duration::from_secs(1);
-        budget.record_failure(now).unwrap();
+        budget.record_failure(now, ErrorCode::CANCELLED).unwrap();
     }
     // ...and a long quiet spell refills only up to the burst.
     now += Duration::from_secs(3600);
     for _ in 0..10 {
-        budget.record_failure(now).unwrap();
+        budget.record_failure(now, ErrorCode::CANCELLED).unwrap();
     }
-    assert!(budget.record_failure(now).is_err());
+    assert!(budget.record_failure(now, ErrorCode::CANCELLED).is_err());
 }
 
 /// A flood spread across window boundaries is still caught: a fixed window that resets
@@ -91,7 +99,7 @@ fn a_flood_straddling_windows_is_caught() {
     for i in 0..1000u64 {
         // 50 failures a second: five times the refill rate.
         let now = start + Duration::from_millis(i * 20);
-        if budget.record_failure(now).is_err() {
+        if budget.record_failure(now, ErrorCode::CANCELLED).is_err() {
             refused_at = Some(i);
             break;
         }

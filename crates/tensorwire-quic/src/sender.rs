@@ -85,6 +85,8 @@ pub struct Sender {
     /// The connection's own endpoint (UDP socket), held for the sender's life.
     _endpoint: quinn::Endpoint,
     sender: ConnectionSender,
+    /// What the handshake selected (spec §3.1), read once.
+    peer_version: Version,
 }
 
 /// Sends tensors on a connection someone else owns: the way back of a [`Receiver`]'s
@@ -212,6 +214,9 @@ impl Sender {
         let connection = endpoint
             .connect_with(client, addr, &config.server_name)?
             .await?;
+        // The handshake completed, so an ALPN was selected; a server that selected none of
+        // ours is treated as the oldest.
+        let peer_version = crate::tls::negotiated_version(&connection).unwrap_or(Version::V1_0);
         // Its receiving policy is set once `receive` is called; until then the peer's streams
         // wait unread.
         let session = ConnectionSession::new(SessionConfig::default());
@@ -222,6 +227,7 @@ impl Sender {
         Ok(Self {
             _endpoint: endpoint,
             sender,
+            peer_version,
         })
     }
 
@@ -266,9 +272,7 @@ impl Sender {
     /// The protocol version the connection negotiated (spec §3.1): what the receiver has.
     /// A receiver that predates 1.4 reads as 1.0, since it cannot say which it is.
     pub fn peer_version(&self) -> Version {
-        // The handshake completed before `connect` returned, so an ALPN was selected; a
-        // server that selected none of ours is treated as the oldest.
-        crate::tls::negotiated_version(&self.sender.connection).unwrap_or(Version::V1_0)
+        self.peer_version
     }
 
     /// The receiver's address.

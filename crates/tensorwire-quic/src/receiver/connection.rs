@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use quinn::VarInt;
 use tensorwire_proto::{ErrorCode, Session, SessionConfig};
-use tensorwire_sink::{Carrier, MemoryShares};
+use tensorwire_sink::{Carrier, MemoryBudget, MemoryShares};
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio_util::task::task_tracker::TaskTrackerToken;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -39,6 +39,8 @@ pub(super) struct ConnectionState {
     pub(super) control_queued: Notify,
     /// This connection's shares of the receiver's memory budgets.
     pub(super) memory_shares: MemoryShares,
+    /// Its share of the receiver's METADATA budget, taken once: each stream reserves here.
+    pub(super) metadata_share: MemoryBudget,
     /// Its large tensors being received now, which weigh on where their payloads are stored.
     pub(super) load: Arc<ConnectionLoad>,
     /// Closed when the connection ends: split tensors it carried parts of stop waiting.
@@ -252,6 +254,10 @@ pub(super) async fn serve_streams(
     if reads_control {
         tokio::spawn(read_control_stream(connection.clone(), session.clone()));
     }
+    let memory_shares = MemoryShares::new(
+        format!("the connection from {}", connection.remote_address()),
+        config.memory_share_percent,
+    );
     let state = Arc::new(ConnectionState {
         endpoint,
         connection: connection.clone(),
@@ -260,10 +266,8 @@ pub(super) async fn serve_streams(
         pending: Semaphore::new(config.max_pending_per_connection),
         window_opened: Notify::new(),
         control_queued: Notify::new(),
-        memory_shares: MemoryShares::new(
-            format!("the connection from {}", connection.remote_address()),
-            config.memory_share_percent,
-        ),
+        metadata_share: memory_shares.of(&shared.metadata),
+        memory_shares,
         load: Arc::default(),
         carrier: Carrier::new(),
         closing: Mutex::default(),

@@ -176,7 +176,7 @@ struct Shared {
     offload: Arc<Offloader>,
     /// Connections served now, by peer address, against their caps (spec §10).
     peers: Mutex<PeerCaps<IpAddr>>,
-    /// METADATA bytes of tensors waiting for a decision (spec §10).
+    /// METADATA bytes of the open tensor streams (spec §10).
     metadata: MemoryBudget,
 }
 

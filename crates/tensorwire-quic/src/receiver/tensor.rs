@@ -191,8 +191,7 @@ impl Accepted {
         // Held while the stream lives: METADATA on many streams, decided or not, is memory
         // a peer makes the receiver hold (spec §10).
         let reserved = connection
-            .memory_shares
-            .of(&shared.metadata)
+            .metadata_share
             .try_reserve(metadata_bytes(&meta))
             .map_err(|e| ProtocolError::Local {
                 code: ErrorCode::RESOURCE_EXHAUSTED,
