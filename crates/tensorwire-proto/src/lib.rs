@@ -54,7 +54,7 @@ pub mod fuzzing;
 pub mod testing;
 
 pub use codec::{FrameDecoder, INLINE_PAYLOAD_MAX, WireChunks};
-pub use credit::CreditTracker;
+pub use credit::{CreditTracker, Party};
 pub use dtype::{ChecksumAlgorithm, DType, Device};
 pub use error::{Blame, ErrorCode, ProtocolError};
 pub use flood::{FloodBudget, FloodExceeded};

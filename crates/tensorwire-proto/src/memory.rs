@@ -75,6 +75,12 @@ impl MemoryLedger {
         self.reserved -= bytes.min(self.reserved);
     }
 
+    /// Changes the limit (a share whose party count changed): reservations above a lower
+    /// limit stay until released, and new ones wait.
+    pub fn set_limit(&mut self, limit: u64) {
+        self.limit = limit;
+    }
+
     /// The most that may be reserved at once.
     pub fn limit(&self) -> u64 {
         self.limit

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use crate::credit::CreditTracker;
+use crate::credit::{CreditTracker, Party};
 use crate::error::{ErrorCode, ProtocolError};
 use crate::flood::{FloodBudget, FloodExceeded};
 use crate::frame::{Data, EarlyCredit, Frame};
@@ -158,6 +158,9 @@ pub struct Session {
     /// The largest window a tensor grew to on this connection: the path's, so the peer's
     /// next tensors start there rather than growing again.
     grown_window: u64,
+    /// Who the connection's grants go to in the credit tracker: its peer, once
+    /// [`join`](Self::join)ed, so its connections together keep to a fair share (spec §7.1).
+    party: Party,
 }
 
 /// The early allowance the peer gave our tensors (spec §7.6).
@@ -183,7 +186,22 @@ impl Session {
             peer_early: None,
             min_rtt: Duration::ZERO,
             grown_window: 0,
+            party: Party::default(),
         }
+    }
+
+    /// The connection belongs to `party` (its peer): from now on its grants count toward the
+    /// party's fair share of `credit` (spec §7.1). Call once, before granting; call
+    /// [`leave`](Self::leave) when the connection ends.
+    pub fn join(&mut self, party: Party, credit: &mut CreditTracker) {
+        self.party = party;
+        credit.join(party);
+    }
+
+    /// The connection ended: after [`withdraw_early_credit`](Self::withdraw_early_credit)
+    /// and every stream's [`close_stream`](Self::close_stream), its party stops counting it.
+    pub fn leave(&mut self, credit: &mut CreditTracker) {
+        credit.leave(self.party);
     }
 
     /// The peer opened stream `id`.
@@ -263,7 +281,7 @@ impl Session {
         if want == 0 || want < self.config.early_credit.div_ceil(2) && self.early_offered > 0 {
             return 0;
         }
-        let granted = credit.grant_early(want);
+        let granted = credit.grant_early(self.party, want);
         if granted > 0 {
             self.early_offered += granted;
             self.control.push_back(Frame::EarlyCredit(EarlyCredit {
@@ -292,7 +310,7 @@ impl Session {
     /// The connection ended: early credit the peer did not use returns to `credit` (each
     /// stream still open returns its own through [`close_stream`](Self::close_stream)).
     pub fn withdraw_early_credit(&mut self, credit: &mut CreditTracker) {
-        let _ = credit.revoke_early(std::mem::take(&mut self.early_offered));
+        let _ = credit.revoke_early(self.party, std::mem::take(&mut self.early_offered));
         self.offering_early = false;
         self.control.clear();
     }
@@ -384,7 +402,7 @@ impl Session {
             }
             ReceiverEvent::Data(data) => {
                 let len = data.payload.len() as u64;
-                if let Err(e) = credit.consume(len) {
+                if let Err(e) = credit.consume(self.party, len) {
                     // The tensor's own check passed, so the ledgers disagree: a bug here.
                     let _ = tensor.cancel(ErrorCode::INTERNAL, e.to_string());
                     return Err(e);
@@ -534,14 +552,14 @@ impl Session {
         if want == 0 {
             return 0;
         }
-        let granted = credit.grant(want);
+        let granted = credit.grant(self.party, want);
         let Some(Tensor::Incoming(tensor, window)) = self.tensors.get_mut(&id) else {
-            let _ = credit.revoke(granted);
+            let _ = credit.revoke(self.party, granted);
             return 0;
         };
         let used = tensor.grant(granted);
         // `want` never exceeds what the tensor takes; return any rest all the same.
-        let _ = credit.revoke(granted - used);
+        let _ = credit.revoke(self.party, granted - used);
         if used > 0 {
             window.granted(clock.now, tensor.received());
         }
@@ -679,7 +697,7 @@ impl Session {
             None => return StreamClosed::Failed,
         };
         let unarrived = tensor.revocable_credit();
-        let _ = credit.revoke(unarrived);
+        let _ = credit.revoke(self.party, unarrived);
         self.outstanding = self.outstanding.saturating_sub(unarrived);
         // Early credit that tensors used is offered again (in halves of the target).
         if self.offering_early {

@@ -46,12 +46,19 @@ impl Budget {
         self.tracker.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Runs `f` on the tracker (a sans-IO call that moves credit) and records the peak.
+    /// Runs `f` on the tracker (a sans-IO call that moves credit), records the peak, and
+    /// wakes the streams waiting for credit if a peer held to its fair share may be granted
+    /// again (spec §7.1).
     pub(crate) fn with_tracker<T>(&self, f: impl FnOnce(&mut CreditTracker) -> T) -> T {
         let mut tracker = self.lock();
         let out = f(&mut tracker);
         self.peak_outstanding
             .fetch_max(tracker.outstanding(), Ordering::Relaxed);
+        let reopened = tracker.take_share_reopened();
+        drop(tracker);
+        if reopened {
+            self.released.notify_waiters();
+        }
         out
     }
 

@@ -549,7 +549,8 @@ pub struct ReceiverConfig {
     /// Of each memory budget (host memory, and each device's budget an application admits
     /// through [`IncomingTensor::memory_shares`]), the most one connection's tensors may hold
     /// at once, in percent (1 to 100), so a peer whose accepted tensors idle cannot starve the
-    /// others (spec §7.5). Default: 50.
+    /// others (spec §7.5). Default: 50. Each peer's connections together hold at most `1/n`
+    /// of each budget, and of the credit in flight, while `n` peers are connected (§7.1).
     ///
     /// [`IncomingTensor::memory_shares`]: crate::IncomingTensor::memory_shares
     pub memory_share_percent: u64,

@@ -412,6 +412,166 @@ async fn a_peer_idling_in_accepted_tensors_holds_only_its_share() {
     app.abort();
 }
 
+/// Each landed tensor's name and bytes (or failure).
+type Landed = tokio::sync::mpsc::UnboundedReceiver<(String, Result<bytes::Bytes, String>)>;
+
+/// A raw connection, its endpoint and the streams it keeps open.
+type IdleConnection = (
+    quinn::Endpoint,
+    quinn::Connection,
+    Vec<(quinn::SendStream, quinn::RecvStream)>,
+);
+
+/// Accepts every tensor into host memory, as `receiver` does; each landed tensor goes to the
+/// returned channel.
+fn accept_everything(mut rx: Receiver) -> (tokio::task::JoinHandle<()>, Landed) {
+    let (landed_tx, landed) = tokio::sync::mpsc::unbounded_channel();
+    let app = tokio::spawn(async move {
+        while let Some(incoming) = rx.next().await {
+            let landed_tx = landed_tx.clone();
+            tokio::spawn(async move {
+                let name = incoming.meta().name().to_owned();
+                let landed = match incoming.accept_host().await {
+                    Ok(handle) => handle
+                        .finished()
+                        .await
+                        .map(|(_, b)| b)
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                let _ = landed_tx.send((name, landed));
+            });
+        }
+    });
+    (app, landed)
+}
+
+/// A peer of its own (127.0.0.2) that opens `connections` connections and, on each,
+/// `per_connection` tensors of `len` bytes whose METADATA arrives and whose DATA never does.
+async fn idling_peer(
+    addr: std::net::SocketAddr,
+    connections: usize,
+    per_connection: usize,
+    len: usize,
+) -> Vec<IdleConnection> {
+    let mut peer = Vec::new();
+    for c in 0..connections {
+        let from = std::net::IpAddr::from([127, 0, 0, 2]);
+        let (endpoint, conn) = common::raw_connection_from(addr, b"tensorwire/1.4", from)
+            .await
+            .unwrap();
+        let mut streams = Vec::new();
+        for i in 0..per_connection {
+            let (mut send, recv) = conn.open_bi().await.unwrap();
+            let meta = Frame::from(u8_meta(&format!("idle{c}.{i}"), len)).to_bytes();
+            send.write_all(&meta).await.unwrap();
+            streams.push((send, recv));
+        }
+        peer.push((endpoint, conn, streams));
+    }
+    peer
+}
+
+/// Spec §7.5: a peer's connections together hold at most an equal share of host memory
+/// while another peer is connected, however many connections it opens; the other peer's
+/// tensor is admitted while the first peer's idle tensors still hold theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_with_many_connections_holds_only_its_share_of_memory() {
+    let mut config = receiver_config()
+        .with_budget(64 << 20)
+        .with_host_memory_budget(4 << 20);
+    config.stream_window = 1 << 20;
+    // No cap per connection: only the peer's share stands between the hog and the budget.
+    config.memory_share_percent = 100;
+    config.admission_timeout = Duration::from_secs(60);
+    config.progress_timeout = Duration::from_secs(60);
+    let (rx, addr) = receiver(config).await;
+    let host = rx.host_memory_budget();
+    let good = sender(addr).await;
+    eventually(&rx, "the first peer's connection", |rx| {
+        rx.connections().len() == 1
+    })
+    .await;
+    let (app, mut landed) = accept_everything(rx);
+    let hog = idling_peer(addr, 4, 4, 1 << 20).await;
+    // Two peers: the hog's share is half of 4 MiB; the rest of its tensors wait.
+    for _ in 0..500 {
+        if host.snapshot().reserved == 2 << 20 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        host.snapshot().reserved,
+        2 << 20,
+        "the hog holds its share, no more"
+    );
+
+    let send = good.send(u8_meta("good", 2 << 20), pattern(2 << 20, 5));
+    let (name, bytes) = tokio::time::timeout(Duration::from_secs(20), landed.recv())
+        .await
+        .expect("the other peer's tensor landed beside the hog's")
+        .unwrap();
+    assert_eq!(name, "good");
+    assert_eq!(bytes.unwrap(), pattern(2 << 20, 5));
+    send.finished().await.unwrap();
+    assert!(host.snapshot().peak <= 4 << 20, "{:?}", host.snapshot());
+    for (_, conn, _) in &hog {
+        assert!(
+            conn.close_reason().is_none(),
+            "the hog's tensors were still held"
+        );
+        conn.close(VarInt::from_u32(0), b"done");
+    }
+    app.abort();
+}
+
+/// Spec §7.1: a peer's connections together hold at most an equal share of the credit
+/// budget in flight while another peer is connected: accepted tensors whose DATA never
+/// comes cannot stop the other peer's tensor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_with_many_connections_holds_only_its_share_of_credit() {
+    let mut config = receiver_config()
+        .with_budget(4 << 20)
+        .with_host_memory_budget(256 << 20);
+    config.stream_window = 1 << 20;
+    config.grant_unit = 256 << 10;
+    config.connection_window = 4 << 20;
+    config.memory_share_percent = 100;
+    config.admission_timeout = Duration::from_secs(60);
+    config.progress_timeout = Duration::from_secs(60);
+    let (rx, addr) = receiver(config).await;
+    let good = sender(addr).await;
+    eventually(&rx, "the first peer's connection", |rx| {
+        rx.connections().len() == 1
+    })
+    .await;
+    let (app, mut landed) = accept_everything(rx);
+    // 16 tensors of 1 MiB, each wanting its whole window: 16 MiB of credit asked for.
+    let hog = idling_peer(addr, 4, 4, 1 << 20).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let len = 8 << 20;
+    let send = good.send(u8_meta("good", len), pattern(len, 6));
+    let (name, bytes) = tokio::time::timeout(Duration::from_secs(20), landed.recv())
+        .await
+        .expect("the other peer's tensor landed while the hog held credit")
+        .unwrap();
+    assert!(name == "good", "{name}: {bytes:?}");
+    assert_eq!(name, "good");
+    assert_eq!(bytes.unwrap(), pattern(len, 6));
+    send.finished().await.unwrap();
+    for (_, conn, _) in &hog {
+        assert!(
+            conn.close_reason().is_none(),
+            "the hog's tensors were still held"
+        );
+        conn.close(VarInt::from_u32(0), b"done");
+    }
+    app.abort();
+}
+
 /// Spec §10: connections are capped per peer (IP address) and in all, judged before the
 /// handshake. At the cap in all, peers are served in turn: an idle connection of a peer
 /// holding more than the newcomer is closed to make room; when every peer holds as few,

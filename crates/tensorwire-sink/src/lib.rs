@@ -14,6 +14,7 @@ mod host;
 mod limit;
 mod memory;
 mod permit;
+mod shares;
 mod split;
 
 use std::future::Future;
@@ -23,8 +24,9 @@ use tensorwire_proto::{ErrorCode, Payload};
 pub use carrier::Carrier;
 pub use host::HostSink;
 pub use limit::{LimitSource, MemoryLimit};
-pub use memory::{MemoryBudget, MemoryReservation, MemoryShares, MemorySnapshot};
+pub use memory::{MemoryBudget, MemoryReservation, MemorySnapshot};
 pub use permit::{CreditPermit, CreditRelease};
+pub use shares::{MemoryShares, PeerMembership, PeerShares};
 pub use split::{
     Assembled, Assembling, Divisible, Landing, MAX_ASSEMBLING, MAX_ASSEMBLING_PER_PEER, PartSink,
     SplitTensors,

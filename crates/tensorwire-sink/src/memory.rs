@@ -141,14 +141,35 @@ impl MemoryBudget {
     /// reservation of any size while it holds nothing else. Reservations through the share
     /// count against both; `what` names the share in messages.
     pub fn share(&self, what: impl Into<String>, limit: u64) -> Self {
+        self.share_of_at_most(what, limit.min(self.limit()))
+    }
+
+    /// A share of at most `limit` bytes, even if that is more than this budget's own limit
+    /// (a share of a share whose limit changes).
+    pub(crate) fn share_of_at_most(&self, what: impl Into<String>, limit: u64) -> Self {
         Self {
             inner: Arc::new(Inner {
                 what: what.into(),
-                ledger: Mutex::new(MemoryLedger::share(limit.min(self.limit()))),
+                ledger: Mutex::new(MemoryLedger::share(limit)),
                 released: Notify::new(),
                 parent: Some(self.clone()),
                 spares: Mutex::default(),
             }),
+        }
+    }
+
+    /// Changes a share's limit (a party joined or left, spec §7.5); reservations above a
+    /// lowered limit stay, and new ones wait. Waiters are woken if it grew.
+    pub(crate) fn set_limit(&self, limit: u64) {
+        let grew = {
+            let mut ledger = self.ledger();
+            let grew = limit > ledger.limit();
+            ledger.set_limit(limit);
+            grew
+        };
+        if grew {
+            self.inner.released.notify_waiters();
+            self.root().inner.released.notify_waiters();
         }
     }
 
@@ -215,12 +236,18 @@ impl MemoryBudget {
             let Some(parent) = &self.inner.parent else {
                 return Ok(self.reservation(bytes, None));
             };
-            let freed = parent.inner.released.notified();
+            // Every release anywhere reaches the whole budget, and a share that grows wakes
+            // it too: waiting there misses nothing a share of a share could wait for.
+            let root = self.root();
+            let freed = root.inner.released.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
+            let parent_freed = parent.inner.released.notified();
+            tokio::pin!(parent_freed);
+            parent_freed.as_mut().enable();
             match parent.try_reserve(bytes) {
                 Ok(reserved) => return Ok(self.reservation(bytes, Some(Box::new(reserved)))),
-                Err(e) if bytes > parent.limit() => {
+                Err(e) if bytes > root.limit() => {
                     self.ledger().release(bytes);
                     return Err(e);
                 }
@@ -228,7 +255,10 @@ impl MemoryBudget {
                     // Hold none of the share while the whole budget is full.
                     self.ledger().release(bytes);
                     self.inner.released.notify_waiters();
-                    freed.await;
+                    tokio::select! {
+                        () = freed => {}
+                        () = parent_freed => {}
+                    }
                 }
             }
         }
@@ -307,62 +337,5 @@ impl Drop for MemoryReservation {
     fn drop(&mut self) {
         self.budget.ledger().release(self.bytes);
         self.budget.inner.released.notify_waiters();
-    }
-}
-
-/// One party's (a connection's) shares of any number of memory budgets, each at most a
-/// percentage of its budget (spec §7.5): a share is made the first time a budget is asked
-/// for and lives as long as the party (and its reservations). Cheap to clone.
-#[derive(Clone, Debug)]
-pub struct MemoryShares {
-    inner: Arc<SharesInner>,
-}
-
-#[derive(Debug)]
-struct SharesInner {
-    /// Who holds the shares, for messages: "the connection from 10.0.0.7:50123".
-    holder: String,
-    percent: u64,
-    shares: Mutex<Vec<MemoryBudget>>,
-}
-
-impl MemoryShares {
-    /// Shares for `holder` of `percent` (1 to 100) of each budget.
-    pub fn new(holder: impl Into<String>, percent: u64) -> Self {
-        Self {
-            inner: Arc::new(SharesInner {
-                holder: holder.into(),
-                percent: percent.clamp(1, 100),
-                shares: Mutex::new(Vec::new()),
-            }),
-        }
-    }
-
-    /// The holder's share of `whole`: reservations through it count against both, and hold
-    /// at most the percentage of `whole`'s limit.
-    pub fn of(&self, whole: &MemoryBudget) -> MemoryBudget {
-        let mut shares = self
-            .inner
-            .shares
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let existing = shares.iter().find(|share| {
-            share
-                .inner
-                .parent
-                .as_ref()
-                .is_some_and(|p| p.same_as(whole))
-        });
-        if let Some(share) = existing {
-            return share.clone();
-        }
-        let limit = u64::try_from(u128::from(whole.limit()) * u128::from(self.inner.percent) / 100)
-            .unwrap_or(u64::MAX);
-        let share = whole.share(
-            format!("{} (the share of {})", whole.what(), self.inner.holder),
-            limit,
-        );
-        shares.push(share.clone());
-        share
     }
 }

@@ -234,3 +234,69 @@ async fn a_reused_buffer_is_never_handed_over_partly_written() {
     assert_eq!(e.code, ErrorCode::SINK_FAILED);
     assert!(e.message.contains("reused"), "{e}");
 }
+
+fn party(last: u8) -> tensorwire_proto::Party {
+    tensorwire_proto::Party::from(std::net::IpAddr::from([10, 0, 0, last]))
+}
+
+/// Spec §7.5: a peer's connections together hold at most `1/n` of a budget while `n` peers
+/// are connected, however many connections it has; a lone peer may use the whole.
+#[test]
+fn peers_share_a_budget_equally_however_many_connections_each_has() {
+    use tensorwire_sink::{MemoryShares, PeerShares};
+    const MIB: u64 = 1 << 20;
+    let whole = MemoryBudget::new("host", 8 * MIB);
+    let peers = PeerShares::new();
+    let hog = peers.join(party(1), || "the peer 10.0.0.1".into());
+    let connections: Vec<MemoryShares> = (0..4)
+        .map(|c| MemoryShares::new(format!("connection {c}"), 100).within(hog.shares()))
+        .collect();
+    // Alone, the peer may hold all of it.
+    let all: Vec<_> = (0..8)
+        .map(|i| connections[i % 4].of(&whole).try_reserve(MIB).unwrap())
+        .collect();
+    drop(all);
+    let other = peers.join(party(2), || "the peer 10.0.0.2".into());
+    assert_eq!(peers.peers(), 2);
+    let held: Vec<_> = (0..4)
+        .map(|c| connections[c].of(&whole).try_reserve(MIB).unwrap())
+        .collect();
+    let e = connections[0].of(&whole).try_reserve(MIB).unwrap_err();
+    assert_eq!(e.code, ErrorCode::RESOURCE_EXHAUSTED);
+    assert!(e.message.contains("10.0.0.1"), "{e}");
+    // The other peer has its half.
+    let theirs = MemoryShares::new("their connection", 100).within(other.shares());
+    let half = theirs.of(&whole).try_reserve(4 * MIB).unwrap();
+    assert_eq!(whole.snapshot().reserved, 8 * MIB);
+    drop((held, half));
+    assert_eq!(
+        whole.snapshot().reserved,
+        0,
+        "every reservation counted back"
+    );
+}
+
+/// Spec §7.5: a reservation held to its peer's share waits, and is admitted once a peer
+/// leaves and the share grows.
+#[tokio::test]
+async fn a_peer_leaving_admits_what_waited_on_another_peers_share() {
+    use tensorwire_sink::{MemoryShares, PeerShares};
+    const MIB: u64 = 1 << 20;
+    let whole = MemoryBudget::new("host", 4 * MIB);
+    let peers = PeerShares::new();
+    let first = peers.join(party(1), || "the peer 10.0.0.1".into());
+    let second = peers.join(party(2), || "the peer 10.0.0.2".into());
+    let shares = MemoryShares::new("a connection", 100).within(first.shares());
+    let _held = shares.of(&whole).try_reserve(2 * MIB).unwrap();
+    let budget = shares.of(&whole);
+    let waiting = tokio::spawn(async move { budget.reserve(MIB).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiting.is_finished(), "held to its share");
+    drop(second);
+    let reserved = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("admitted once the other peer left")
+        .unwrap()
+        .unwrap();
+    assert_eq!(reserved.bytes(), MIB);
+}

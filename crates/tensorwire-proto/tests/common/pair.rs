@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use tensorwire_proto::{
-    CreditTracker, ErrorCode, Frame, FrameDecoder, Limits, ProtocolError, ReceiverEvent,
+    CreditTracker, ErrorCode, Frame, FrameDecoder, Limits, Party, ProtocolError, ReceiverEvent,
     ReceiverState, SenderEvent, SenderState, TensorMeta, TensorReceiver, TensorSender,
 };
 
@@ -149,7 +149,7 @@ impl Pair {
         );
         if closed {
             let revocable = self.receiver.revocable_credit();
-            let _ = self.credit.revoke(revocable).unwrap();
+            let _ = self.credit.revoke(Party::default(), revocable).unwrap();
             let unreleased = self.unreleased;
             self.release(unreleased);
         }
@@ -163,7 +163,7 @@ impl Pair {
                 data.payload
                     .copy_to_slice(&mut self.dest[at..at + data.payload.len()]);
                 let n = data.payload.len() as u64;
-                self.credit.consume(n).unwrap();
+                self.credit.consume(Party::default(), n).unwrap();
                 self.unreleased += n;
                 if self.sink_is_instant {
                     self.release(n);
@@ -185,9 +185,12 @@ impl Pair {
 
     fn grant(&mut self) {
         let want = self.receiver.ungranted().min(self.grant_step);
-        let granted = self.credit.grant(want);
+        let granted = self.credit.grant(Party::default(), want);
         let used = self.receiver.grant(granted);
-        let _ = self.credit.revoke(granted - used).unwrap();
+        let _ = self
+            .credit
+            .revoke(Party::default(), granted - used)
+            .unwrap();
     }
 
     fn feed_sender_data(&mut self) {

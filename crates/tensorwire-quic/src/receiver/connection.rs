@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use quinn::VarInt;
-use tensorwire_proto::{ErrorCode, Session, SessionConfig};
+use tensorwire_proto::{ErrorCode, Party, Session, SessionConfig};
 use tensorwire_sink::{Carrier, MemoryBudget, MemoryShares};
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio_util::task::task_tracker::TaskTrackerToken;
@@ -254,10 +254,16 @@ pub(super) async fn serve_streams(
     if reads_control {
         tokio::spawn(read_control_stream(connection.clone(), session.clone()));
     }
+    // Spec §7.5: the connection's shares of memory, within its peer's fair shares.
+    let peer = connection.remote_address().ip();
+    let membership = shared
+        .peer_shares
+        .join(Party::from(peer), || format!("the peer {peer}"));
     let memory_shares = MemoryShares::new(
         format!("the connection from {}", connection.remote_address()),
         config.memory_share_percent,
-    );
+    )
+    .within(membership.shares());
     let state = Arc::new(ConnectionState {
         endpoint,
         connection: connection.clone(),
@@ -272,6 +278,14 @@ pub(super) async fn serve_streams(
         carrier: Carrier::new(),
         closing: Mutex::default(),
     });
+    {
+        // Spec §7.1: the peer's connections together keep to a fair share of the credit.
+        let mut session = state.session();
+        let party = Party::from(connection.remote_address().ip());
+        shared
+            .budget
+            .with_tracker(|credit| session.join(party, credit));
+    }
     shared.connections.insert(id, state.clone());
     info!("connection established");
     if config.early_credit > 0 {
@@ -336,6 +350,11 @@ pub(super) async fn serve_streams(
     shared.connections.remove(&id);
     state.carrier.close();
     withdraw_early_credit(&shared, &state);
+    {
+        let mut session = state.session();
+        shared.budget.with_tracker(|credit| session.leave(credit));
+    }
+    drop(membership);
     state.close_kept_streams().await;
 }
 

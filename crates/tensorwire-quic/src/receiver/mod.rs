@@ -37,7 +37,7 @@ use connection::{ConnectionState, accept_connections};
 pub use incoming::{IncomingTensor, TensorHandle};
 use offload::Offloader;
 pub use offload::StoreOffload;
-use tensorwire_sink::{MemoryBudget, MemorySnapshot};
+use tensorwire_sink::{MemoryBudget, MemorySnapshot, PeerShares};
 
 /// Incoming tensors waiting for the application before streams wait in turn.
 const INCOMING_QUEUE: usize = 1024;
@@ -153,6 +153,7 @@ impl Shared {
                 config.transport.endpoint_threads,
             )),
             metadata: MemoryBudget::new("METADATA", config.metadata_budget),
+            peer_shares: PeerShares::new(),
             peers: Mutex::new(PeerCaps::new(
                 config.max_connections_per_peer,
                 config.max_connections,
@@ -178,6 +179,8 @@ struct Shared {
     peers: Mutex<PeerCaps<IpAddr>>,
     /// METADATA bytes of the open tensor streams (spec §10).
     metadata: MemoryBudget,
+    /// Each connected peer's fair shares of the memory budgets (spec §7.5).
+    peer_shares: PeerShares,
 }
 
 /// An application's decision on incoming tensors, called on each tensor's own task.
