@@ -1,5 +1,7 @@
 //! Tensor metadata: what METADATA carries (spec §6.1).
 
+use std::sync::Arc;
+
 use crate::dtype::{ChecksumAlgorithm, DType, Device};
 use crate::error::{ErrorCode, ProtocolError};
 
@@ -12,7 +14,11 @@ pub struct TensorMeta {
     byte_len: u64,
     device: Device,
     checksum: ChecksumAlgorithm,
-    attributes: Vec<(String, String)>,
+    /// Shared between clones: a receiver hands a tensor's METADATA to several owners, and
+    /// its attributes may be most of a 64 KiB frame that the METADATA budget counts once.
+    /// `None` when there are none (never an empty list), so a tensor without attributes
+    /// allocates nothing for them.
+    attributes: Option<Arc<Vec<(String, String)>>>,
 }
 
 impl TensorMeta {
@@ -30,7 +36,7 @@ impl TensorMeta {
             byte_len,
             device: Device::Any,
             checksum: ChecksumAlgorithm::CRC32C,
-            attributes: Vec::new(),
+            attributes: None,
         })
     }
 
@@ -52,7 +58,7 @@ impl TensorMeta {
                 byte_len,
                 device,
                 checksum,
-                attributes,
+                attributes: (!attributes.is_empty()).then(|| Arc::new(attributes)),
             }),
             Some(computed) => Err(ProtocolError::violation(
                 ErrorCode::LENGTH_MISMATCH,
@@ -85,7 +91,8 @@ impl TensorMeta {
 
     /// Adds a string attribute such as `sample_rate`.
     pub fn with_attribute(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.attributes.push((key.into(), value.into()));
+        let attributes = self.attributes.get_or_insert_with(Arc::default);
+        Arc::make_mut(attributes).push((key.into(), value.into()));
         self
     }
 
@@ -104,8 +111,12 @@ impl TensorMeta {
 
     /// Without the attributes whose key is one of `keys`.
     pub fn without_attributes(mut self, keys: &[&str]) -> Self {
-        self.attributes
-            .retain(|(key, _)| !keys.contains(&key.as_str()));
+        if let Some(attributes) = &mut self.attributes {
+            Arc::make_mut(attributes).retain(|(key, _)| !keys.contains(&key.as_str()));
+            if attributes.is_empty() {
+                self.attributes = None;
+            }
+        }
         self
     }
 
@@ -146,12 +157,12 @@ impl TensorMeta {
 
     /// The attributes, in the order they were added.
     pub fn attributes(&self) -> &[(String, String)] {
-        &self.attributes
+        self.attributes.as_deref().map_or(&[], Vec::as_slice)
     }
 
     /// The value of the first attribute named `key`.
     pub fn attribute(&self, key: &str) -> Option<&str> {
-        self.attributes
+        self.attributes()
             .iter()
             .find(|(k, _)| k == key)
             .map(|(_, v)| v.as_str())

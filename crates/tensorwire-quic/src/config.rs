@@ -637,7 +637,28 @@ impl ReceiverConfig {
         self.host_memory_budget = bytes;
         self
     }
+
+    /// The transport settings the receiver's connections use: QUIC buffers what a peer
+    /// sends before the receiver reads it, and credit bounds DATA, not those bytes; so a
+    /// connection's QUIC receive window is at most its credit window plus room for the
+    /// METADATA of 16 streams at the largest METADATA length, so unread bytes stay near the
+    /// credit a connection holds (README: the memory bound).
+    pub fn receiving_transport(&self) -> TransportSettings {
+        let metadata = u64::from(self.limits.max_metadata_len) * METADATA_IN_QUIC_BUFFERS;
+        let window = self.connection_window.saturating_add(metadata);
+        let window = u32::try_from(window).unwrap_or(u32::MAX);
+        let mut transport = self.transport.clone();
+        transport.connection_receive_window = transport.connection_receive_window.min(window);
+        transport.stream_receive_window = transport
+            .stream_receive_window
+            .min(transport.connection_receive_window);
+        transport
+    }
 }
+
+/// METADATA frames of largest size that a receiver's connection may have unread in its QUIC
+/// buffers beside its credit window ([`ReceiverConfig::receiving_transport`]).
+const METADATA_IN_QUIC_BUFFERS: u64 = 16;
 
 /// The most endpoints a receiver binds by default.
 pub const MAX_DEFAULT_ENDPOINTS: usize = 8;

@@ -206,7 +206,7 @@ impl Receiver {
     pub async fn bind(config: ReceiverConfig) -> Result<Self, TransportError> {
         let (crypto, dev) = crate::tls::server_crypto(&config.tls)?;
         let mut server = quinn::ServerConfig::with_crypto(crypto);
-        server.transport_config(config.transport.server_transport_config()?);
+        server.transport_config(config.receiving_transport().server_transport_config()?);
         if config.endpoints == 0 {
             return Err(TransportError::Config(
                 "a receiver needs at least one endpoint".into(),
