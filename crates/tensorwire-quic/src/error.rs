@@ -29,6 +29,20 @@ pub enum TransportError {
     /// The sink could not store the bytes.
     #[error("sink: {0}")]
     Sink(#[from] tensorwire_sink::SinkError),
+    /// The receiver refused every connection for a while: it serves as many connections as
+    /// its caps allow, per peer address and in all (spec §10), and had no room.
+    #[error(
+        "the receiver at {addr} refused every connection for {:.0} s: it is at its connection \
+         cap (per address or in all; the receiver's --max-connections-per-peer and \
+         --max-connections)",
+        for_how_long.as_secs_f64()
+    )]
+    Refused {
+        /// The receiver.
+        addr: std::net::SocketAddr,
+        /// How long connections were tried.
+        for_how_long: std::time::Duration,
+    },
 }
 
 impl TransportError {
@@ -48,6 +62,17 @@ impl TransportError {
             reason: format!("cancelled by the {side} application"),
         }
         .into()
+    }
+
+    /// Whether the receiver refused the connection before its handshake (a cap, spec §10).
+    pub(crate) fn is_refused_connection(&self) -> bool {
+        match self {
+            Self::Connection(quinn::ConnectionError::ConnectionClosed(close)) => {
+                close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED
+            }
+            Self::Refused { .. } => true,
+            _ => false,
+        }
     }
 
     /// The wire code, where the error has one.
@@ -70,6 +95,7 @@ impl TransportError {
             Self::Protocol(e) => Some(e.blame()),
             Self::Sink(_) | Self::Io(_) => Some(Blame::LocalResource),
             Self::Tls(_) | Self::Config(_) => Some(Blame::Application),
+            Self::Refused { .. } => Some(Blame::LocalResource),
             _ => None,
         }
     }

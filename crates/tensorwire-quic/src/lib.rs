@@ -15,6 +15,7 @@ mod budget;
 mod config;
 mod control;
 mod dev_trust;
+mod endpoint;
 mod error;
 mod metrics;
 mod pool;
@@ -28,12 +29,10 @@ mod source;
 mod steering;
 mod stream;
 pub mod tls;
+mod transport;
 
 pub use budget::BudgetSnapshot;
-pub use config::{
-    ACCEPTING_THREAD, CONNECTING_THREAD, ClientTls, Congestion, MAX_DEFAULT_ENDPOINTS, MAX_MTU,
-    MIN_MTU, ReceiverConfig, SenderConfig, ServerTls, TransportSettings,
-};
+pub use config::{MAX_DEFAULT_ENDPOINTS, ReceiverConfig, SenderConfig};
 pub use dev_trust::dev_cert_path;
 pub use error::TransportError;
 pub use metrics::MetricsSnapshot;
@@ -51,4 +50,8 @@ pub use tensorwire_proto as proto;
 pub use tensorwire_sink::{
     Carrier, CreditPermit, HostSink, LimitSource, MemoryBudget, MemoryLimit, MemoryReservation,
     MemoryShares, MemorySnapshot, Sink, SinkError,
+};
+pub use tls::{ClientTls, ServerTls};
+pub use transport::{
+    ACCEPTING_THREAD, CONNECTING_THREAD, Congestion, MAX_MTU, MIN_MTU, TransportSettings,
 };

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use tensorwire_proto::split::{MAX_PARTS, SplitId, plan_split};
 use tensorwire_proto::{Feature, ProtocolError, TensorMeta, Version};
@@ -38,6 +39,11 @@ impl SenderPool {
     }
 
     /// Opens `connections` connections (at least one) to the receiver at `addr`, all at once.
+    ///
+    /// A receiver at its connection caps refuses connections before their handshake and
+    /// serves peers in turn (spec §10): the pool then goes on with the connections it got,
+    /// and while it has none it asks again, backing off, for up to
+    /// [`SenderConfig::refused_retry_for`] before failing with [`TransportError::Refused`].
     pub async fn connect(
         addr: SocketAddr,
         config: SenderConfig,
@@ -47,16 +53,48 @@ impl SenderPool {
         // One TLS configuration for all: its files are read, and development trust is
         // announced, once.
         let crypto = crate::tls::client_crypto(&config.tls, addr.port())?;
-        let mut opening = tokio::task::JoinSet::new();
-        for _ in 0..connections.max(1) {
-            let (config, crypto, metrics) = (config.clone(), crypto.clone(), metrics.clone());
-            opening.spawn(Sender::connect_counting(addr, config, crypto, metrics));
+        let open = |count: usize| {
+            let mut opening = tokio::task::JoinSet::new();
+            for _ in 0..count {
+                let (config, crypto, metrics) = (config.clone(), crypto.clone(), metrics.clone());
+                opening.spawn(Sender::connect_counting(addr, config, crypto, metrics));
+            }
+            opening
+        };
+        let wanted = connections.max(1);
+        let started = Instant::now();
+        let mut wait = Duration::from_millis(50);
+        let mut senders = Vec::with_capacity(wanted);
+        let mut refused = 0;
+        loop {
+            let mut opening = open(wanted - senders.len());
+            while let Some(opened) = opening.join_next().await {
+                match opened.map_err(|e| TransportError::Config(format!("connect task: {e}")))? {
+                    Ok(sender) => senders.push(sender),
+                    Err(e) if e.is_refused_connection() => refused += 1,
+                    Err(e) => return Err(e),
+                }
+            }
+            if !senders.is_empty() {
+                break;
+            }
+            if started.elapsed() + wait > config.refused_retry_for {
+                return Err(TransportError::Refused {
+                    addr,
+                    for_how_long: started.elapsed(),
+                });
+            }
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_secs(1));
         }
-        let mut senders = Vec::with_capacity(connections.max(1));
-        while let Some(opened) = opening.join_next().await {
-            let opened =
-                opened.map_err(|e| TransportError::Config(format!("connect task: {e}")))?;
-            senders.push(opened?);
+        if senders.len() < wanted {
+            tracing::warn!(
+                %addr,
+                opened = senders.len(),
+                wanted,
+                refused,
+                "the receiver refused some connections (its connection caps): sending on fewer"
+            );
         }
         let assigned = senders.iter().map(|_| AtomicU64::new(0)).collect();
         Ok(Self {

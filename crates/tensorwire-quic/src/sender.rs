@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span};
 
-use crate::config::{CLOSE_DRAIN, ReceiverConfig, SenderConfig};
+use crate::config::{ReceiverConfig, SenderConfig};
 use crate::control::read_control_stream;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
@@ -29,6 +29,7 @@ use crate::receiver::Receiver;
 use crate::session::ConnectionSession;
 use crate::source::SourceReader;
 use crate::stream::FrameStream;
+use crate::transport::CLOSE_DRAIN;
 
 /// Where a tensor's bytes come from.
 pub enum Source {

@@ -1,7 +1,7 @@
 //! TLS 1.3 configurations: one crypto provider (ring), AES-128-GCM first, the version's ALPN
 //! offers (spec §3.1), 0-RTT off, development and PEM certificates, optional mutual TLS.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
@@ -11,9 +11,40 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use tensorwire_proto::Version;
 
-use crate::config::{ClientTls, ServerTls};
 use crate::dev_trust::dev_cert_path;
 use crate::error::TransportError;
+
+/// How a receiver proves who it is, and whom it lets in.
+#[derive(Clone, Debug)]
+pub enum ServerTls {
+    /// Development trust: a fresh self-signed certificate for `localhost`, whose PEM is
+    /// written to [`dev_cert_path`](crate::dev_cert_path) so that senders on the same host find it.
+    Development,
+    /// Production: PEM certificate chain and private key files.
+    Pem {
+        /// Certificate chain, leaf first.
+        cert: PathBuf,
+        /// Private key (PKCS#8, PKCS#1 or SEC1).
+        key: PathBuf,
+        /// If set, clients must present a certificate issued by one of these CAs (mTLS).
+        client_ca: Option<PathBuf>,
+    },
+}
+
+/// How a sender checks the receiver, and proves who it is.
+#[derive(Clone, Debug)]
+pub enum ClientTls {
+    /// Development trust: trust the certificate a development receiver on this host left at
+    /// [`dev_cert_path`](crate::dev_cert_path) for the port being connected to.
+    Development,
+    /// Production: trust receivers whose certificate chains to one of these CAs.
+    Pem {
+        /// CA certificates (PEM).
+        ca: PathBuf,
+        /// Client certificate and key (PEM), for receivers that require mTLS.
+        identity: Option<(PathBuf, PathBuf)>,
+    },
+}
 
 /// The one crypto provider: ring, TLS 1.3 suites only, AES-128-GCM preferred (fastest with
 /// AES-NI, and the suite QUIC's initial packets use anyway).

@@ -186,6 +186,65 @@ async fn a_sender_pool_spreads_tensors_over_its_connections_largest_first() {
     rx.close().await;
 }
 
+/// Spec §10: a receiver at its cap per peer refuses connections before their handshake; a
+/// sender pool goes on with the connections it got, waits (backing off) while it has none,
+/// and says plainly when the receiver stayed full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_pool_goes_on_with_the_connections_a_full_receiver_takes() {
+    let mut config = receiver_config();
+    config.max_connections_per_peer = 2;
+    let (mut rx, addr) = receiver(config).await;
+    let client = || {
+        let mut config =
+            tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development);
+        config.transport = tensorwire_quic::TransportSettings::jumbo();
+        config.refused_retry_for = Duration::from_millis(800);
+        config
+    };
+    let pool = tensorwire_quic::SenderPool::connect(addr, client(), 4)
+        .await
+        .unwrap();
+    assert_eq!(pool.connections(), 2, "two of four taken, the rest refused");
+    let send = pool.send(u8_meta("t", 1 << 20), pattern(1 << 20, 3));
+    let (meta, bytes) = land_host(rx.next().await.unwrap()).await;
+    assert_eq!((meta.name(), bytes), ("t", pattern(1 << 20, 3)));
+    send.finished().await.unwrap();
+
+    // Full: a second pool is refused every time, and says why.
+    let e = tensorwire_quic::SenderPool::connect(addr, client(), 1)
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(e, tensorwire_quic::TransportError::Refused { .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("connection cap"), "{e}");
+
+    // It waits for room: the first pool closes while the second is still asking.
+    let mut waiting_config = client();
+    waiting_config.refused_retry_for = Duration::from_secs(20);
+    let waiting = tokio::spawn(tensorwire_quic::SenderPool::connect(
+        addr,
+        waiting_config,
+        1,
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "refused while the first pool holds the cap"
+    );
+    pool.close().await;
+    let second = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("connected once the first pool's connections were counted back")
+        .unwrap()
+        .unwrap();
+    assert_eq!(second.connections(), 1);
+    second.close().await;
+    rx.close().await;
+}
+
 /// The remote address of each open connection, with the endpoint that serves it.
 fn endpoints_by_remote(rx: &tensorwire_quic::Receiver) -> HashMap<SocketAddr, usize> {
     rx.connections()

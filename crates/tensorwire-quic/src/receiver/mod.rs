@@ -29,10 +29,11 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::budget::{Budget, BudgetSnapshot};
-use crate::config::{CLOSE_DRAIN, ReceiverConfig};
+use crate::config::ReceiverConfig;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::session::ConnectionSession;
+use crate::transport::CLOSE_DRAIN;
 use connection::{ConnectionState, accept_connections};
 pub use incoming::{IncomingTensor, TensorHandle};
 use offload::Offloader;
