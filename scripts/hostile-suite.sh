@@ -93,16 +93,37 @@ large_claims() {
   "$bin/hostile-peer" --connect "$addr" --from 127.0.0.3 --mode metadata-flood \
     --claim $((1 << 30)) --seconds "$seconds" > "$work/claims.log" 2>&1 &
 }
+# METADATA claiming 1 MiB each (accepted, granted credit, never sent) on 10 connections of
+# one peer: its share of credit and memory, not all of it.
+idle_claims() {
+  for i in $(seq 10); do
+    "$bin/hostile-peer" --connect "$addr" --from 127.0.0.3 --mode metadata-flood \
+      --claim $((1 << 20)) --seconds "$seconds" > "$work/idle-claims-$i.log" 2>&1 &
+  done
+}
 # CANCEL flood: the connection is closed with CANCEL_FLOOD.
 cancel_flood() {
   "$bin/hostile-peer" --connect "$addr" --from 127.0.0.3 --mode cancel-flood \
     --seconds "$seconds" > "$work/cancel.log" 2>&1 &
 }
 
+# Not an attack: 64 sender processes at once, 3 x 16 MiB each, all from one address.
+many_senders() {
+  for i in $(seq 64); do
+    "$bin/sender" --connect "$addr" --quiet --dtype U8 --shape $((16 << 20)) \
+      "$work/legit.bin" "$work/legit.bin" "$work/legit.bin" > "$work/many-$i.log" 2>&1 &
+  done
+}
+
 attack "2000 idle connections, 32 peers" idle_connections
 attack "8 peers x METADATA floods, 64 KB each" large_metadata
 attack "1 GiB claims without DATA" large_claims
+attack "1 MiB claims without DATA, 10 connections of one peer" idle_claims
 attack "CANCEL flood" cancel_flood
+attack "64 senders x 3 x 16 MiB at once" many_senders
+failed_senders=$(grep -L "sent 3 of 3" "$work"/many-*.log 2>/dev/null | wc -l)
+echo "64 senders: $failed_senders did not deliver all 3 tensors"
+[ "$failed_senders" = 0 ] || status=1
 
 for log in "$work"/silent-3.log "$work"/metadata-3.log "$work"/cancel.log; do
   echo "--- $(basename "$log")"; cat "$log"
