@@ -123,8 +123,12 @@ pub enum StreamClosed {
 /// [`close_stream`](Self::close_stream): it returns the stream's unreceived credit to the
 /// tracker and counts failures against the flood budget. Time is always an argument.
 ///
-/// Credit moves in the tracker only through these calls, so a tensor's own ledger (granted,
-/// received) and the receiver-wide one (in flight, held) cannot drift apart.
+/// Credit is granted, received and revoked in the tracker only through these calls, so a
+/// tensor's own ledger (granted, received) and the receiver-wide one (in flight, held) cannot
+/// drift apart; held bytes go back with [`CreditTracker::release`] when the sink has made them
+/// durable, which the driver calls (the sink's credit permits), not the session. Join the
+/// connection's peer ([`join`](Self::join)) before granting, so its connections share the
+/// budget fairly with other peers (spec §7.1).
 ///
 /// Sending: build a [`TensorSender`] (which checks the metadata fits the wire) before
 /// opening the stream, hand it over with [`start_sending`](Self::start_sending), feed the
