@@ -248,6 +248,10 @@ pub fn session_ops(data: &[u8]) {
     #[allow(clippy::disallowed_methods)] // The fake clock's origin; ops move it.
     let mut now = Instant::now();
     let mut session = Session::new(config, now);
+    // Another peer is connected: this connection's peer keeps to half the budget (§7.1).
+    let party = crate::Party::from_bits(1);
+    credit.join(crate::Party::from_bits(2));
+    session.join(party, &mut credit);
     let _ = session.offer_early_credit(&mut credit);
     let mut decoder = FrameDecoder::new(limits);
     decoder.push(Bytes::copy_from_slice(frames));
@@ -335,6 +339,11 @@ pub fn session_ops(data: &[u8]) {
             "the session's unarrived credit disagrees with the tracker's"
         );
         assert!(session.outstanding_credit() <= connection_window + early_credit);
+        assert_eq!(credit.party_in_flight(party), credit.in_flight());
+        assert!(
+            credit.party_in_flight(party) <= budget / 2,
+            "past the peer's share"
+        );
         assert!(
             session
                 .stream_window(id)
