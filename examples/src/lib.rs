@@ -6,9 +6,9 @@
 /// receiver opens a GPU.
 ///
 /// A receiver stores large payloads on other threads, so quinn's receive buffers are freed
-/// away from the connection's thread that allocated them. With glibc's allocator that
-/// thread then spent about a third more CPU per byte than raw quinn's on the same
-/// decryption and copies; with mimalloc one sender moved 4–10% more (benches/README.md).
+/// away from the connection's thread that allocated them, which glibc's allocator makes
+/// dearer per byte on that thread than mimalloc (benches/README.md). mimalloc is built
+/// without transparent huge pages (the workspace's `Cargo.toml` says why).
 /// `PinnedDatagrams` lets a GPU receiver copy payloads to the device straight from the
 /// buffers quinn decrypted them into, with no copy into staging. Its region (256 MiB) holds
 /// the receiver's default budget of received datagrams; past it, payloads go through staging.

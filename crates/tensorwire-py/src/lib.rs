@@ -33,7 +33,7 @@ use tokio::sync::mpsc;
 /// the programs': mimalloc, with received datagrams in pinned memory once a `Receiver` opens
 /// a GPU. Its receiver stores large payloads on other threads, so quinn's receive buffers
 /// are freed away from the connection's thread that allocated them, which glibc's allocator
-/// makes about a third dearer per byte on that thread (benches/README.md). The pinned region
+/// makes dearer per byte on that thread (benches/README.md). The pinned region
 /// (256 MiB, locked for the life of the process) lets a GPU receiver copy payloads to the
 /// device straight from the buffers quinn decrypted them into; a forked child lends none.
 #[global_allocator]

@@ -2,12 +2,12 @@
 //! beside their transport settings and certificates.
 
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use tensorwire_proto::{Limits, SessionConfig};
 use tensorwire_sink::MemoryLimit;
 
-use crate::receiver::StoreOffload;
 use crate::steering::Steering;
 use crate::tls::{ClientTls, ServerTls};
 use crate::transport::TransportSettings;
@@ -40,9 +40,8 @@ pub struct ReceiverConfig {
     /// Bytes granted to a tensor in one CREDIT.
     pub grant_unit: u64,
     /// Most credit one tensor may hold unused, so one tensor cannot take the whole budget.
-    /// Default 8 MiB: with 16 MiB, 8 receiving connections on a 16-core host moved 5–9%
-    /// less (benches/README.md), likely because quinn copies a stream's waiting datagrams
-    /// into one new buffer once more than 2,048 wait (about 2,800 at MTU 6000).
+    /// Default 8 MiB: larger windows moved less (benches/README.md), likely because quinn
+    /// copies a stream's waiting datagrams into one new buffer once more than 2,048 wait.
     pub stream_window: u64,
     /// Most a tensor's window grows to (spec §7.1): it doubles while a whole window of the
     /// tensor's bytes arrives faster than the window lets them over two of the connection's
@@ -239,6 +238,44 @@ impl SenderConfig {
             progress_timeout: Duration::from_secs(60),
             chunk_size: 1 << 20,
             refused_retry_for: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Where a receiver stores the DATA payloads of tensors sent in large ones (copies and
+/// checksums them into the sink). A tensor's stores move off its stream's thread at its
+/// first payload of 1 MiB or more, if they may; its later payloads follow them there, stored
+/// in order, until the host has no core to spare for them (`Auto`), when they come back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StoreOffload {
+    /// On the runtime that bound the receiver, beside the stream's own thread, while the
+    /// host has cores to spare: each connection carrying a tensor with payloads that large
+    /// counts two cores (one for its packets, one for its peer or the application), and
+    /// the tensors storing off their streams' threads take the rest. Never where that
+    /// runtime has one thread, or where the endpoints already run on it
+    /// ([`EndpointThreads::Caller`](crate::EndpointThreads)).
+    #[default]
+    Auto,
+    /// Always on the stream's own task, beside its connection's packet processing.
+    Never,
+    /// Up to this many tensors at once (across the process's receivers) storing on the
+    /// runtime that bound the receiver, whatever the load.
+    UpTo(NonZeroUsize),
+}
+
+impl std::str::FromStr for StoreOffload {
+    type Err = String;
+
+    /// `auto`, `never`, or the most tensors at once storing off their streams' threads.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "never" => Ok(Self::Never),
+            n => n.parse::<NonZeroUsize>().map(Self::UpTo).map_err(|_| {
+                format!(
+                    "store offload {s:?}: expected auto, never or a number of tensors (1 or more)"
+                )
+            }),
         }
     }
 }

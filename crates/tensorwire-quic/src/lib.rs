@@ -32,14 +32,12 @@ pub mod tls;
 mod transport;
 
 pub use budget::BudgetSnapshot;
-pub use config::{MAX_DEFAULT_ENDPOINTS, ReceiverConfig, SenderConfig};
+pub use config::{MAX_DEFAULT_ENDPOINTS, ReceiverConfig, SenderConfig, StoreOffload};
 pub use dev_trust::dev_cert_path;
 pub use error::TransportError;
 pub use metrics::MetricsSnapshot;
 pub use pool::{MIN_PART, SenderPool};
-pub use receiver::{
-    CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, StoreOffload, TensorHandle,
-};
+pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
 pub use resolve::resolve;
 pub use runtime::EndpointThreads;
 pub use sender::{

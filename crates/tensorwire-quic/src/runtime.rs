@@ -2,8 +2,8 @@
 //! connections' tasks (UDP receive, packet processing, timers, and the tensor streams the
 //! library spawns) on the same few threads: a packet decrypted by quinn's connection driver
 //! is checksummed and copied from the same core's cache, and no task waits on another core
-//! for quinn's per-connection lock. On a 16-core host this moved 8 connections 1.4× faster
-//! for less CPU than spreading them over one runtime's 16 workers (benches/README.md). While
+//! for quinn's per-connection lock, so connections move faster for less CPU than spread
+//! over one runtime's workers (benches/README.md). While
 //! the host has cores to spare, a receiver stores large payloads on its caller's runtime
 //! instead ([`StoreOffload`](crate::StoreOffload)).
 

@@ -51,9 +51,8 @@ impl ConnectionSession {
     ///
     /// Tensors sent at once on one connection otherwise all open their streams, and QUIC
     /// interleaves their DATA: the receiver then admits every one of them (destination
-    /// memory), spreads its credit over them and fills a staging buffer for each. One
-    /// `sender --connections 8` of 32 tensors into a GPU moved 8.2 GB/s so, and 10.4 GB/s
-    /// taking turns (medians on a 32-core host, benches/README.md).
+    /// memory), spreads its credit over them and fills a staging buffer for each, and the
+    /// connection moves less than taking turns (benches/README.md).
     ///
     /// `None` only if the turn were closed, which it never is.
     pub(crate) async fn take_turn(&self) -> Option<OwnedSemaphorePermit> {

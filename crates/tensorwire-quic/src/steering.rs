@@ -4,8 +4,8 @@
 //! In a SO_REUSEPORT group the kernel picks each datagram's socket by a hash of its address
 //! 4-tuple, so connections land on sockets at random: 8 connections over 8 sockets use about
 //! 5 of them, and a client whose address changes (migration) lands on a socket that does not
-//! know its connection. On a 16-core host, raw quinn fed by 8 client processes moved 44–47
-//! Gbit/s into one hashed group of 8 sockets, and 56–59 into 8 sockets of one connection each.
+//! know its connection; sockets that carry two connections while others idle cap the group
+//! below what one connection per socket moves (benches/README.md).
 //!
 //! A steered group picks the socket from the packet's destination connection ID instead,
 //! with a classic BPF program attached to the group: every connection ID an endpoint issues

@@ -160,9 +160,8 @@ impl Region {
     ///
     /// Lowest first, so that the slots in use stay as few as the datagrams waiting for their
     /// copy, and a slot is lent again soon after its copy: quinn's write into it then finds
-    /// its lines in the CPU's cache. Searching on from the last slot lent instead walked the
-    /// whole region, and quinn's copy into slots cost 1.8 times its copy in raw quinn
-    /// (benches/README.md).
+    /// its lines in the CPU's cache. Searching on from the last slot lent instead walks the
+    /// whole region, and quinn's copies then miss the cache.
     fn lend(&self) -> Option<usize> {
         let base = self.base.load(Ordering::Acquire);
         if base == 0 || self.forked.load(Ordering::Relaxed) {

@@ -2,10 +2,9 @@
 //!
 //! Staging is read by the GPU's copy engine, never by this CPU: an ordinary store first reads
 //! each line into the cache (a read for ownership) and then takes a cache line from the
-//! connection's own working set. Streaming stores do neither. On a 16-core H100 host they cut
-//! a receiving `cuda:0` process's CPU per byte by 11–14% and raised one sender over 8
-//! connections from 7.1–7.4 to 7.8–8.2 GB/s. They also cap one thread's copy at about
-//! 8–9 GB/s there, so copies from memory (ingest, without a checksum) keep ordinary stores.
+//! connection's own working set. Streaming stores do neither, so a receiving process spends
+//! less CPU per byte (benches/README.md). They also cap one thread's copy rate, so copies
+//! from memory (ingest, without a checksum) keep ordinary stores.
 
 /// Copies `src` into `dst` (the same length) with streaming stores where `dst` is 16-byte
 /// aligned, and makes them visible to the device before it returns.

@@ -5,7 +5,7 @@
 //! - this module: the [`Receiver`] and what all its connections share;
 //! - `connection`: one connection, its sans-IO session and its stream loop;
 //! - `incoming`: [`IncomingTensor`] (admission) and [`TensorHandle`] (progress, result);
-//! - `offload`: where large payloads are stored ([`StoreOffload`]);
+//! - `offload`: where large payloads are stored ([`StoreOffload`](crate::StoreOffload));
 //! - `tensor`: one tensor's stream, from METADATA to COMPLETE, pumped through the session.
 //!
 //! [`Sink`]: tensorwire_sink::Sink
@@ -37,7 +37,6 @@ use crate::transport::CLOSE_DRAIN;
 use connection::{ConnectionState, accept_connections};
 pub use incoming::{IncomingTensor, TensorHandle};
 use offload::Offloader;
-pub use offload::StoreOffload;
 use tensorwire_sink::{MemoryBudget, MemorySnapshot, PeerShares};
 
 /// Incoming tensors waiting for the application before streams wait in turn.

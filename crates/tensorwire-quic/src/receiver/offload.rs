@@ -4,20 +4,19 @@
 //! checksum) there too caps one connection at what one core does for both; while the host
 //! has cores to spare, the tensor's stores run on a task of their own on another thread
 //! instead, beside the decryption of the next packets. On a loaded host they stay on the
-//! stream's thread, where the bytes are still in that core's cache: moving them then cost
-//! 40% more CPU per byte (benches/README.md). Cores are the host's, so the load is counted
+//! stream's thread, where the bytes are still in that core's cache: moving them then costs
+//! more CPU per byte than it frees. Cores are the host's, so the load is counted
 //! across all of a process's receivers.
 //!
 //! A tensor's stores off its thread form a queue ([`OffThreadStores`]): the stream task
 //! hands each DATA over and reads the next at once, so the session counts the bytes as
 //! arrived (and grants the credit that frees) while earlier ones are still being stored.
-//! Waiting for each store instead left the stream task waiting on hand-offs between
-//! threads 58–91% of the time, and one connection at 0.84 of raw quinn (benches/README.md).
+//! Waiting for each store instead leaves the stream task waiting on hand-offs between
+//! threads most of the time.
 //! When connections get busy while a tensor stores off its thread, more tensors may be
 //! storing off their threads than the host now has cores for: the excess come back to
 //! their streams' threads at their next payload, once those handed over are stored.
 
-use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -29,6 +28,7 @@ use tokio::task::JoinError;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::EndpointThreads;
+use crate::config::StoreOffload;
 use crate::error::TransportError;
 
 /// DATA handed to a tensor's stores off its thread and not yet taken up: with the payload
@@ -37,48 +37,9 @@ use crate::error::TransportError;
 const QUEUED_STORES: usize = 4;
 
 /// Payloads at least this long (the senders' default DATA size) may move a tensor's stores
-/// off the stream's thread. Handing over 256 KiB payloads cost more than it freed: 4 connections
-/// moved 0.60–0.68 of raw quinn with them, 0.78–0.85 with 128 KiB ones stored in place
+/// off the stream's thread: handing over smaller ones costs more than it frees
 /// (benches/README.md).
 pub(crate) const OFFLOAD_MIN_PAYLOAD: usize = 1 << 20;
-
-/// Where a receiver stores the DATA payloads of tensors sent in large ones (copies and
-/// checksums them into the sink). A tensor's stores move off its stream's thread at its
-/// first payload of 1 MiB or more, if they may; its later payloads follow them there, stored
-/// in order, until the host has no core to spare for them (`Auto`), when they come back.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum StoreOffload {
-    /// On the runtime that bound the receiver, beside the stream's own thread, while the
-    /// host has cores to spare: each connection carrying a tensor with payloads that large
-    /// counts two cores (one for its packets, one for its peer or the application), and
-    /// the tensors storing off their streams' threads take the rest. Never where that
-    /// runtime has one thread, or where the endpoints already run on it
-    /// ([`EndpointThreads::Caller`](crate::EndpointThreads)).
-    #[default]
-    Auto,
-    /// Always on the stream's own task, beside its connection's packet processing.
-    Never,
-    /// Up to this many tensors at once (across the process's receivers) storing on the
-    /// runtime that bound the receiver, whatever the load.
-    UpTo(NonZeroUsize),
-}
-
-impl std::str::FromStr for StoreOffload {
-    type Err = String;
-
-    /// `auto`, `never`, or the most tensors at once storing off their streams' threads.
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "never" => Ok(Self::Never),
-            n => n.parse::<NonZeroUsize>().map(Self::UpTo).map_err(|_| {
-                format!(
-                    "store offload {s:?}: expected auto, never or a number of tensors (1 or more)"
-                )
-            }),
-        }
-    }
-}
 
 /// What the process's receivers are doing now, weighed against the host's cores.
 #[derive(Debug, Default)]
@@ -449,6 +410,8 @@ impl Drop for Receiving {
 
 #[cfg(test)]
 mod tests {
+    use std::num::NonZeroUsize;
+
     use super::*;
 
     fn upto(n: usize) -> StoreOffload {
