@@ -43,6 +43,16 @@ fn hostile(addr: &str, from: &str, args: &[&str]) -> Child {
         .unwrap()
 }
 
+/// One `hostile-peer` with `args` for 3 s from each of 127.0.0.`peers` (a peer each).
+fn from_peers(addr: &str, peers: std::ops::Range<u64>, args: &[&str]) -> Vec<Child> {
+    peers
+        .map(|i| {
+            let args = [args, &["--seconds", "3"]].concat();
+            hostile(addr, &format!("127.0.0.{i}"), &args)
+        })
+        .collect()
+}
+
 /// A legitimate `sender` of `file` (raw bytes) from 127.0.0.1; whether it succeeded, and what
 /// it printed.
 fn legitimate(addr: &str, file: &Path) -> (bool, String) {
@@ -91,32 +101,18 @@ fn during(receiver: u32, attack: &str, addr: &str, file: &Path, mut attackers: V
 /// One round of every attack, each with legitimate sends beside it.
 fn attack_round(receiver: u32, addr: &str, file: &Path) {
     // 80 silent connections from 5 peers: 64 served (16 per peer), the rest refused.
-    let silent = (3..8)
-        .map(|i| {
-            let from = format!("127.0.0.{i}");
-            hostile(
-                addr,
-                &from,
-                &["--mode", "silent", "--connections", "16", "--seconds", "3"],
-            )
-        })
-        .collect();
+    let silent = from_peers(addr, 3..8, &["--mode", "silent", "--connections", "16"]);
     during(receiver, "80 silent connections", addr, file, silent);
-    // Legal METADATA with 64 attributes of 1000 bytes each, as fast as allowed, from 4 peers.
-    let floods = (3..3 + FLOODS)
-        .map(|i| {
-            let from = format!("127.0.0.{i}");
-            let args = [
-                "--mode",
-                "metadata-flood",
-                "--claim",
-                "1",
-                "--attributes",
-                "64",
-            ];
-            hostile(addr, &from, &[&args[..], &["--seconds", "3"]].concat())
-        })
-        .collect();
+    // Legal METADATA with 64 attributes of 1000 bytes each, as fast as allowed.
+    let metadata = [
+        "--mode",
+        "metadata-flood",
+        "--claim",
+        "1",
+        "--attributes",
+        "64",
+    ];
+    let floods = from_peers(addr, 3..3 + FLOODS, &metadata);
     during(
         receiver,
         "METADATA floods of 64 KB each",
@@ -125,27 +121,11 @@ fn attack_round(receiver: u32, addr: &str, file: &Path) {
         floods,
     );
     // Streams claiming 1 GiB each, never sending DATA, from 2 peers.
-    let claims = (3..5)
-        .map(|i| {
-            let from = format!("127.0.0.{i}");
-            let args = [
-                "--mode",
-                "metadata-flood",
-                "--claim",
-                "1073741824",
-                "--seconds",
-                "3",
-            ];
-            hostile(addr, &from, &args)
-        })
-        .collect();
+    let claims = ["--mode", "metadata-flood", "--claim", "1073741824"];
+    let claims = from_peers(addr, 3..5, &claims);
     during(receiver, "1 GiB claims without DATA", addr, file, claims);
     // Eight legitimate senders at once, 4 MiB each, beside a CANCEL flood.
-    let flood = vec![hostile(
-        addr,
-        "127.0.0.3",
-        &["--mode", "cancel-flood", "--seconds", "3"],
-    )];
+    let flood = from_peers(addr, 3..4, &["--mode", "cancel-flood"]);
     let senders: Vec<_> = (0..8)
         .map(|_| {
             let (addr, file) = (addr.to_owned(), file.to_owned());

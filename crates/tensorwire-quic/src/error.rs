@@ -66,13 +66,8 @@ impl TransportError {
 
     /// Whether the receiver refused the connection before its handshake (a cap, spec §10).
     pub(crate) fn is_refused_connection(&self) -> bool {
-        match self {
-            Self::Connection(quinn::ConnectionError::ConnectionClosed(close)) => {
-                close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED
-            }
-            Self::Refused { .. } => true,
-            _ => false,
-        }
+        matches!(self, Self::Connection(quinn::ConnectionError::ConnectionClosed(close))
+            if close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED)
     }
 
     /// The wire code, where the error has one.

@@ -365,21 +365,9 @@ async fn a_peer_idling_in_accepted_tensors_holds_only_its_share() {
         .with_host_memory_budget(4 << 20);
     config.stream_window = 1 << 20;
     config.admission_timeout = Duration::from_secs(20);
-    let (mut rx, addr) = receiver(config).await;
+    let (rx, addr) = receiver(config).await;
     let host = rx.host_memory_budget();
-    // The application accepts everything into host memory, as `receiver` does.
-    let (landed_tx, mut landed) = tokio::sync::mpsc::unbounded_channel();
-    let app = tokio::spawn(async move {
-        while let Some(incoming) = rx.next().await {
-            let landed_tx = landed_tx.clone();
-            tokio::spawn(async move {
-                let name = incoming.meta().name().to_owned();
-                if let Ok(handle) = incoming.accept_host().await {
-                    let _ = landed_tx.send((name, handle.finished().await.map(|(_, b)| b)));
-                }
-            });
-        }
-    });
+    let (app, mut landed) = accept_everything(rx);
     let hog = raw_connection(addr, b"tensorwire/1").await.unwrap();
     let mut idle = Vec::new();
     for i in 0..8 {
@@ -399,12 +387,7 @@ async fn a_peer_idling_in_accepted_tensors_holds_only_its_share() {
 
     let good = sender(addr).await;
     let send = good.send(u8_meta("good", 2 << 20), pattern(2 << 20, 5));
-    let (name, bytes) = tokio::time::timeout(Duration::from_secs(10), landed.recv())
-        .await
-        .expect("the other connection's tensor landed within 10 s")
-        .unwrap();
-    assert_eq!(name, "good");
-    assert_eq!(bytes.unwrap(), pattern(2 << 20, 5));
+    expect_landed(&mut landed, "good", pattern(2 << 20, 5), 10).await;
     send.finished().await.unwrap();
     assert!(host.snapshot().peak <= 4 << 20, "{:?}", host.snapshot());
     drop(idle);
@@ -444,6 +427,17 @@ fn accept_everything(mut rx: Receiver) -> (tokio::task::JoinHandle<()>, Landed) 
         }
     });
     (app, landed)
+}
+
+/// Waits up to `seconds` for the next tensor to land, which must be `name` with `bytes`
+/// (another tensor, or a failure, is named in the panic).
+async fn expect_landed(landed: &mut Landed, name: &str, bytes: bytes::Bytes, seconds: u64) {
+    let (got, result) = tokio::time::timeout(Duration::from_secs(seconds), landed.recv())
+        .await
+        .unwrap_or_else(|_| panic!("{name} did not land within {seconds} s"))
+        .unwrap();
+    assert!(got == name, "{got} landed first: {result:?}");
+    assert!(result.unwrap() == bytes, "{name} arrived intact");
 }
 
 /// A peer of its own (127.0.0.2) that opens `connections` connections and, on each,
@@ -509,12 +503,7 @@ async fn a_peer_with_many_connections_holds_only_its_share_of_memory() {
     );
 
     let send = good.send(u8_meta("good", 2 << 20), pattern(2 << 20, 5));
-    let (name, bytes) = tokio::time::timeout(Duration::from_secs(20), landed.recv())
-        .await
-        .expect("the other peer's tensor landed beside the hog's")
-        .unwrap();
-    assert_eq!(name, "good");
-    assert_eq!(bytes.unwrap(), pattern(2 << 20, 5));
+    expect_landed(&mut landed, "good", pattern(2 << 20, 5), 20).await;
     send.finished().await.unwrap();
     assert!(host.snapshot().peak <= 4 << 20, "{:?}", host.snapshot());
     for (_, conn, _) in &hog {
@@ -554,13 +543,7 @@ async fn a_peer_with_many_connections_holds_only_its_share_of_credit() {
 
     let len = 8 << 20;
     let send = good.send(u8_meta("good", len), pattern(len, 6));
-    let (name, bytes) = tokio::time::timeout(Duration::from_secs(20), landed.recv())
-        .await
-        .expect("the other peer's tensor landed while the hog held credit")
-        .unwrap();
-    assert!(name == "good", "{name}: {bytes:?}");
-    assert_eq!(name, "good");
-    assert_eq!(bytes.unwrap(), pattern(len, 6));
+    expect_landed(&mut landed, "good", pattern(len, 6), 20).await;
     send.finished().await.unwrap();
     for (_, conn, _) in &hog {
         assert!(
