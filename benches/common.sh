@@ -1,7 +1,7 @@
 # Helpers sourced by the benchmark scripts in this folder.
 
 # The UDP payload size every QUIC program and anchor of a script uses (1200 to 65507):
-# 6000 by default, as every figure before "Larger packets" in benches/README.md; MTU=65507
+# 6000 by default, as every figure before "Larger packets" in benches/results/LOG.md; MTU=65507
 # is what loopback carries, and what the programs pick there without --mtu.
 MTU=${MTU:-6000}
 

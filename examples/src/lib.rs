@@ -7,7 +7,7 @@
 ///
 /// A receiver stores large payloads on other threads, so quinn's receive buffers are freed
 /// away from the connection's thread that allocated them, which glibc's allocator makes
-/// dearer per byte on that thread than mimalloc (benches/README.md). mimalloc is built
+/// dearer per byte on that thread than mimalloc (benches/results/LOG.md). mimalloc is built
 /// without transparent huge pages (the workspace's `Cargo.toml` says why).
 /// `PinnedDatagrams` lets a GPU receiver copy payloads to the device straight from the
 /// buffers quinn decrypted them into, with no copy into staging. Its region (256 MiB) holds

@@ -25,7 +25,7 @@ use crate::error::GpuError;
 use crate::pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 
 /// Staging buffer size: a host-to-device copy pays a fixed cost, which copies this large
-/// spread thin enough to run near the link's rate (benches/README.md).
+/// spread thin enough to run near the link's rate (benches/results/LOG.md).
 pub const STAGING_BUFFER: usize = 4 << 20;
 
 /// The default staging pool: 128 MiB of pinned memory, allocated up front.
@@ -57,6 +57,7 @@ fn checksum_piece(len: usize) -> usize {
 /// Where a GPU receiver computes the CRC-32C that END's checksum is checked against
 /// (spec §7.3).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ChecksumOn {
     /// Over the landed tensor, on the device, for tensors of [`CHECKSUM_ON_DEVICE_FROM`]
     /// bytes or more: no CPU core reads their bytes but the copy into staging. Shorter
@@ -135,6 +136,7 @@ pub struct PooledGpuReceiver {
 
 /// Whether a tensor that finds no device memory may land in host memory instead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum HostFallback {
     /// Yes, with a warning naming the tensor (the default for `auto` placement).
     Allowed,

@@ -3,7 +3,7 @@
 //! library spawns) on the same few threads: a packet decrypted by quinn's connection driver
 //! is checksummed and copied from the same core's cache, and no task waits on another core
 //! for quinn's per-connection lock, so connections move faster for less CPU than spread
-//! over one runtime's workers (benches/README.md). While
+//! over one runtime's workers (benches/results/LOG.md). While
 //! the host has cores to spare, a receiver stores large payloads on its caller's runtime
 //! instead ([`StoreOffload`](crate::StoreOffload)).
 
@@ -23,6 +23,7 @@ use crate::error::TransportError;
 ///
 /// [`TransportSettings::endpoint_threads`]: crate::TransportSettings::endpoint_threads
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum EndpointThreads {
     /// On the tokio runtime that creates the endpoint, spread over its workers.
     Caller,

@@ -52,7 +52,7 @@ impl ConnectionSession {
     /// Tensors sent at once on one connection otherwise all open their streams, and QUIC
     /// interleaves their DATA: the receiver then admits every one of them (destination
     /// memory), spreads its credit over them and fills a staging buffer for each, and the
-    /// connection moves less than taking turns (benches/README.md).
+    /// connection moves less than taking turns (benches/results/LOG.md).
     ///
     /// `None` only if the turn were closed, which it never is.
     pub(crate) async fn take_turn(&self) -> Option<OwnedSemaphorePermit> {

@@ -5,7 +5,7 @@
 //! one UDP datagram (64 KiB) and its packets are lost: above an MTU of about 6500, quinn's
 //! black-hole detection then falls back to 1200-byte packets (older versions stalled).
 //! Sending such a batch in pieces lets loopback and jumbo-frame links use larger packets,
-//! and so fewer of them per byte (benches/README.md, "Larger packets"). The pieces are cut
+//! and so fewer of them per byte (benches/results/LOG.md, "Larger packets"). The pieces are cut
 //! from the packets' actual size, which may be below the configured MTU: a peer that accepts
 //! smaller datagrams lowers it after the handshake.
 

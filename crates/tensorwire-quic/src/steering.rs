@@ -5,7 +5,7 @@
 //! 4-tuple, so connections land on sockets at random: 8 connections over 8 sockets use about
 //! 5 of them, and a client whose address changes (migration) lands on a socket that does not
 //! know its connection; sockets that carry two connections while others idle cap the group
-//! below what one connection per socket moves (benches/README.md).
+//! below what one connection per socket moves (benches/results/LOG.md).
 //!
 //! A steered group picks the socket from the packet's destination connection ID instead,
 //! with a classic BPF program attached to the group: every connection ID an endpoint issues

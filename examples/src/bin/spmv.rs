@@ -4,7 +4,7 @@
 //!     spmv gen --rows 1000000 --nnz 10000000 --out data/
 //!     spmv check data/ out/y.npy
 //!
-//! `examples/spmv/spmv.cu` is the kernel; README.md walks through running it remotely.
+//! `examples/spmv/spmv.cu` is the kernel; docs/remote-exec.md walks through running it remotely.
 
 use std::path::{Path, PathBuf};
 

@@ -550,7 +550,7 @@ impl GpuDevice {
 
 /// The most copies in one `cuMemcpyBatchAsync` call. Calls of about 700 copies (6,000-byte
 /// pieces) crashed inside the driver (580.159.04, H200) in 7 of 10 runs; of 64 or 256, none
-/// crashed in 8 (benches/README.md).
+/// crashed in 8 (benches/results/LOG.md).
 const MOST_COPIES_PER_CALL: usize = 256;
 
 /// The arrays of one batch of copies, made in calls of at most [`MOST_COPIES_PER_CALL`]:

@@ -3,7 +3,7 @@
 //! Staging is read by the GPU's copy engine, never by this CPU: an ordinary store first reads
 //! each line into the cache (a read for ownership) and then takes a cache line from the
 //! connection's own working set. Streaming stores do neither, so a receiving process spends
-//! less CPU per byte (benches/README.md). They also cap one thread's copy rate, so copies
+//! less CPU per byte (benches/results/LOG.md). They also cap one thread's copy rate, so copies
 //! from memory (ingest, without a checksum) keep ordinary stores.
 
 /// Copies `src` into `dst` (the same length) with streaming stores where `dst` is 16-byte

@@ -38,7 +38,7 @@ const QUEUED_STORES: usize = 4;
 
 /// Payloads at least this long (the senders' default DATA size) may move a tensor's stores
 /// off the stream's thread: handing over smaller ones costs more than it frees
-/// (benches/README.md).
+/// (benches/results/LOG.md).
 pub(crate) const OFFLOAD_MIN_PAYLOAD: usize = 1 << 20;
 
 /// What the process's receivers are doing now, weighed against the host's cores.
