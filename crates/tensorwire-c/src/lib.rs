@@ -8,6 +8,10 @@
 //! by their own function; strings the library returns are freed with [`tw_string_free`].
 //! No function panics across the boundary.
 
+#![allow(
+    unsafe_code,
+    reason = "a C ABI: raw pointers cross it; each block says why it is sound"
+)]
 #![allow(non_camel_case_types)] // The C names of the opaque types: tw_client, tw_tensor, tw_watch.
 
 use std::cell::RefCell;

@@ -30,6 +30,7 @@ use crate::{hex, sha256};
 
 /// Who may run kernels (spec §14.6).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ExecAccess {
     /// Every peer: the server verifies client certificates (mutual TLS), so every peer has
     /// authenticated before any frame is read.

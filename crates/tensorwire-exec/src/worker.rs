@@ -192,6 +192,12 @@ fn failed(error: KernelError) -> Report {
             message: e.to_string(),
             fatal: true,
         },
+        // A kind this worker does not know: the context may be unusable, so it is replaced.
+        other => Report::Failed {
+            code: ErrorCode::INTERNAL.0,
+            message: other.to_string(),
+            fatal: true,
+        },
     }
 }
 

@@ -1,10 +1,8 @@
 //! Where a tensor's bytes live: host memory or a CUDA device.
 
 use bytes::Bytes;
-use tensorwire_proto::{Device, TensorMeta};
 
 use crate::error::GpuError;
-use crate::status::GpuStatus;
 
 /// A tensor's bytes, in host memory or on a GPU.
 #[derive(Debug)]
@@ -111,33 +109,6 @@ impl TensorBuffer {
             TensorBuffer::Cuda(buffer) => buffer.copy_from_host(src)?,
         }
         Ok(())
-    }
-}
-
-/// Allocates a tensor's buffer where a [`Device`] or [`TensorMeta`] asks for it.
-pub trait AllocateBuffer {
-    /// A zeroed buffer: on the requested GPU if there is one, else in host memory (logged).
-    fn allocate_buffer(&self) -> TensorBuffer;
-}
-
-impl AllocateBuffer for (Device, usize) {
-    fn allocate_buffer(&self) -> TensorBuffer {
-        let (device, len) = *self;
-        match device {
-            Device::Host => TensorBuffer::cpu_zeros(len),
-            Device::Cuda(ordinal) => TensorBuffer::try_allocate_gpu(len, ordinal.into()),
-            Device::Any if GpuStatus::detect().is_available() => {
-                TensorBuffer::try_allocate_gpu(len, 0)
-            }
-            Device::Any => TensorBuffer::cpu_zeros(len),
-        }
-    }
-}
-
-impl AllocateBuffer for TensorMeta {
-    fn allocate_buffer(&self) -> TensorBuffer {
-        let len = usize::try_from(self.byte_len()).unwrap_or(usize::MAX);
-        (self.device(), len).allocate_buffer()
     }
 }
 

@@ -15,6 +15,7 @@ use crate::status::GpuStatus;
 
 /// Which device a receiver should land tensors on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DeviceRequest {
     /// GPU 0 if there is one, else host memory.
     Auto,
@@ -57,6 +58,7 @@ pub enum Placement {
 
 /// Whether tensors must land on a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum GpuRequirement {
     /// A GPU when one can be opened, else host memory, with a warning that says why (and
     /// [`Placement::describe`] says it too).

@@ -49,6 +49,7 @@ impl GpuStatus {
 /// For GPU tests: the number of GPUs, or `None` after printing `SKIPPED <test>: <reason>` to
 /// stderr (past the test harness's capture, so CI logs show every skip). With
 /// `TENSORWIRE_REQUIRE_GPU=1` (a GPU host) a missing GPU panics instead: no silent skips there.
+#[cfg(any(test, feature = "test-util"))]
 #[doc(hidden)]
 pub fn gpus_or_skip(test: &str) -> Option<usize> {
     use std::io::Write;

@@ -2,6 +2,10 @@
 //! registered by name (spec §9.4), and on a GPU typed cudarc views, the landing event and
 //! an early hand-off. Without a GPU the host paths run and the GPU tests print why they
 //! skipped; with `TENSORWIRE_REQUIRE_GPU=1` a missing GPU fails.
+#![allow(
+    unsafe_code,
+    reason = "reads DLPack's raw pointers and runs cuBLAS on landed memory"
+)]
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -63,6 +63,10 @@ fn zeroed_slots_are_zero() {
 /// The region is the parent's: in a forked child (a Python process's workers, say) an
 /// allocation of a datagram's size comes from the wrapped allocator. Without the fork
 /// handler, the child was lent a slot (H200, driver 580.159.04), and this test failed.
+#[allow(
+    unsafe_code,
+    reason = "fork, _exit and waitpid: the test is about a forked child"
+)]
 fn a_forked_child_allocates_outside_the_region() {
     let opened = pinned_datagram_stats();
     assert!(opened.capacity > 0, "the region is open in the parent");

@@ -388,6 +388,7 @@ impl SharedTensor {
 
     /// Hands the tensor to a DLPack importer (PyTorch, JAX, CuPy) with no copy; the mapping
     /// and the lease last until the importer calls the deleter (or the result is dropped).
+    #[allow(unsafe_code, reason = "hands the mapped memory to DLPack's C struct")]
     pub fn into_dlpack(mut self) -> Result<tensorwire_gpu::dlpack::DlpackTensor, IpcError> {
         use tensorwire_gpu::dlpack::{DLDevice, DlpackTensor, KDL_CPU};
         let dtype =

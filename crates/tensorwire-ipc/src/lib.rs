@@ -14,6 +14,10 @@
 mod client;
 mod error;
 mod exported;
+#[allow(
+    unsafe_code,
+    reason = "mapping shared memory (mmap) and exporting it as DLPack"
+)]
 mod memory;
 mod message;
 mod registry;

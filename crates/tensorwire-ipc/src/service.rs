@@ -21,6 +21,7 @@ use crate::registry::{ClientId, Registry, Watcher};
 
 /// What publishing a tensor under a name that is already shared does (spec/ipc.md §4).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum OnExisting {
     /// The new tensor takes the name as its next generation; leases on the old one keep
     /// its memory until released.

@@ -10,6 +10,7 @@ pub struct ErrorCode(pub u32);
 
 /// Who caused an error, derived from the code's range (spec §9.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Blame {
     /// The peer sent bytes that do not parse (0x01xx).
     MalformedBytes,

@@ -48,8 +48,10 @@ pub mod split;
 mod version;
 mod window;
 
+#[cfg(feature = "test-util")]
 #[doc(hidden)]
 pub mod fuzzing;
+#[cfg(feature = "test-util")]
 #[doc(hidden)]
 pub mod testing;
 

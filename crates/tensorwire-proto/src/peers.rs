@@ -17,6 +17,7 @@ pub struct PeerCaps<K> {
 
 /// A cap that admitting one more would break.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum CapExceeded {
     /// The peer holds its cap already.
     Peer {

@@ -100,6 +100,7 @@ pub enum SessionEvent {
 /// How a stream ended, as [`Session::close_stream`] counted it.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "a flood closes the connection"]
+#[non_exhaustive]
 pub enum StreamClosed {
     /// COMPLETE was queued: the tensor landed.
     Completed,

@@ -3,6 +3,11 @@
 //! copy; GPU status. The Python half (`python/tensorwire/`) turns NumPy, PyTorch and CuPy
 //! objects into what these functions take, and is the documented API.
 
+#![allow(
+    unsafe_code,
+    reason = "host buffers Python lends, device pointers it passes, and DLPack capsules"
+)]
+
 use std::collections::HashMap;
 use std::ffi::{CStr, c_void};
 use std::net::SocketAddr;
@@ -33,7 +38,7 @@ use tokio::sync::mpsc;
 /// the programs': mimalloc, with received datagrams in pinned memory once a `Receiver` opens
 /// a GPU. Its receiver stores large payloads on other threads, so quinn's receive buffers
 /// are freed away from the connection's thread that allocated them, which glibc's allocator
-/// makes dearer per byte on that thread (benches/README.md). The pinned region
+/// makes dearer per byte on that thread (benches/results/LOG.md). The pinned region
 /// (256 MiB, locked for the life of the process) lets a GPU receiver copy payloads to the
 /// device straight from the buffers quinn decrypted them into; a forked child lends none.
 #[global_allocator]

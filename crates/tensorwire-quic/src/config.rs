@@ -40,7 +40,7 @@ pub struct ReceiverConfig {
     /// Bytes granted to a tensor in one CREDIT.
     pub grant_unit: u64,
     /// Most credit one tensor may hold unused, so one tensor cannot take the whole budget.
-    /// Default 8 MiB: larger windows moved less (benches/README.md), likely because quinn
+    /// Default 8 MiB: larger windows moved less (benches/results/LOG.md), likely because quinn
     /// copies a stream's waiting datagrams into one new buffer once more than 2,048 wait.
     pub stream_window: u64,
     /// Most a tensor's window grows to (spec §7.1): it doubles while a whole window of the
@@ -172,7 +172,7 @@ impl ReceiverConfig {
     /// sends before the receiver reads it, and credit bounds DATA, not those bytes; so a
     /// connection's QUIC receive window is at most its credit window plus room for the
     /// METADATA of 16 streams at the largest METADATA length, so unread bytes stay near the
-    /// credit a connection holds (README: the memory bound).
+    /// credit a connection holds (docs/operators.md: the memory bound).
     pub fn receiving_transport(&self) -> TransportSettings {
         let metadata = u64::from(self.limits.max_metadata_len) * METADATA_IN_QUIC_BUFFERS;
         let window = self.connection_window.saturating_add(metadata);
@@ -247,6 +247,7 @@ impl SenderConfig {
 /// first payload of 1 MiB or more, if they may; its later payloads follow them there, stored
 /// in order, until the host has no core to spare for them (`Auto`), when they come back.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StoreOffload {
     /// On the runtime that bound the receiver, beside the stream's own thread, while the
     /// host has cores to spare: each connection carrying a tensor with payloads that large

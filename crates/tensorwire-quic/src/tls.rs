@@ -16,9 +16,10 @@ use crate::error::TransportError;
 
 /// How a receiver proves who it is, and whom it lets in.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub enum ServerTls {
     /// Development trust: a fresh self-signed certificate for `localhost`, whose PEM is
-    /// written to [`dev_cert_path`](crate::dev_cert_path) so that senders on the same host find it.
+    /// written to [`dev_cert_path`] so that senders on the same host find it.
     Development,
     /// Production: PEM certificate chain and private key files.
     Pem {
@@ -33,9 +34,10 @@ pub enum ServerTls {
 
 /// How a sender checks the receiver, and proves who it is.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub enum ClientTls {
     /// Development trust: trust the certificate a development receiver on this host left at
-    /// [`dev_cert_path`](crate::dev_cert_path) for the port being connected to.
+    /// [`dev_cert_path`] for the port being connected to.
     Development,
     /// Production: trust receivers whose certificate chains to one of these CAs.
     Pem {

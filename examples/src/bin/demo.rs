@@ -58,7 +58,7 @@ fn tensor_set() -> anyhow::Result<Vec<TensorMeta>> {
 
 /// Deterministic bytes (every dtype's bit patterns are fine for transport).
 fn fill(len: u64, seed: u64) -> Bytes {
-    tensorwire::proto::testing::pattern(len as usize, seed).into()
+    tensorwire_proto::testing::pattern(len as usize, seed).into()
 }
 
 fn check(verified: bool) -> &'static str {

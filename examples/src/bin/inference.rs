@@ -333,7 +333,7 @@ fn check(got: &[f32], x: &[f32], w: &[f32], batch: usize, dim: usize) -> anyhow:
 }
 
 fn floats(n: usize, seed: u64) -> Vec<f32> {
-    tensorwire::proto::testing::pattern(n, seed)
+    tensorwire_proto::testing::pattern(n, seed)
         .into_iter()
         .map(|b| f32::from(b) / 128.0 - 1.0)
         .collect()

@@ -92,7 +92,7 @@ fn main() -> anyhow::Result<()> {
     if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
         runtime.worker_threads(match args.transport.endpoint_threads {
             EndpointThreads::Caller => (2 * connections).clamp(2, cores.max(2)),
-            EndpointThreads::Own(_) => 2,
+            _ => 2,
         });
     }
     runtime

@@ -14,6 +14,7 @@ use crate::error::GpuError;
 
 /// What went wrong loading or running a kernel, sorted by who is to blame.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum KernelError {
     /// The module does not load on this GPU (bad PTX, another architecture) or lacks the
     /// function.
