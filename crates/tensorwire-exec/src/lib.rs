@@ -13,6 +13,18 @@
 //! Security (spec §14.6): a server runs kernels only for peers that authenticated with a
 //! client certificate, or, without client authentication, only for loopback peers;
 //! [`ExecAccess::for_listener`] refuses any other setup.
+//!
+//! # Example: who may run kernels
+//!
+//! ```
+//! use tensorwire_exec::ExecAccess;
+//! use tensorwire_quic::ServerTls;
+//!
+//! // Without client certificates, only a loopback listener may run peers' kernels.
+//! assert!(ExecAccess::for_listener("127.0.0.1:7000".parse()?, &ServerTls::Development).is_ok());
+//! assert!(ExecAccess::for_listener("0.0.0.0:7000".parse()?, &ServerTls::Development).is_err());
+//! # Ok::<(), std::net::AddrParseError>(())
+//! ```
 
 mod channel;
 mod client;

@@ -28,6 +28,21 @@
 //! have any: FFI is layered raw (`cudarc::driver::sys`) →
 //! checked (`cudarc::driver::result`) → the safe RAII types of the `cuda` module, and every
 //! block says why it is sound.
+//!
+//! # Example: where tensors will land
+//!
+//! ```
+//! use tensorwire_gpu::{DeviceRequest, GpuRequirement, GpuStatus, Placement};
+//!
+//! let status = GpuStatus::detect(); // never panics, with or without a driver
+//! let placement = Placement::choose(DeviceRequest::Auto, GpuRequirement::Preferred)?;
+//! println!("{status}; tensors land in {}", placement.describe());
+//! if !status.is_available() {
+//!     // Strict placement refuses instead of falling back to host memory.
+//!     assert!(Placement::choose(DeviceRequest::Auto, GpuRequirement::Required).is_err());
+//! }
+//! # Ok::<(), tensorwire_gpu::GpuError>(())
+//! ```
 mod buffer;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code, reason = "CUDA driver FFI and the memory it hands out")]

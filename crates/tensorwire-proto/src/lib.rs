@@ -25,6 +25,30 @@
 //! Errors are [`ProtocolError`]s: each carries its wire [`ErrorCode`] and says who is to
 //! [`Blame`]. Nothing here panics on input from the network, and every length is checked
 //! against [`Limits`] before the bytes it announces are awaited or allocated.
+//!
+//! # Example: frames through the codec
+//!
+//! ```
+//! use bytes::Bytes;
+//! use tensorwire_proto::frame::{Credit, Metadata};
+//! use tensorwire_proto::{DType, Frame, FrameDecoder, Limits, TensorMeta};
+//!
+//! let meta = TensorMeta::new([2, 3], DType::F32)?.with_name("w");
+//! let sent = [Frame::Metadata(Metadata { meta }), Frame::Credit(Credit { bytes: 24 })];
+//!
+//! // What a stream carries: the frames' bytes, in any chunking the transport chooses.
+//! let wire: Vec<u8> = sent.iter().flat_map(|frame| frame.to_bytes().to_vec()).collect();
+//! let mut decoder = FrameDecoder::new(Limits::default());
+//! for piece in wire.chunks(5) {
+//!     decoder.push(Bytes::copy_from_slice(piece));
+//! }
+//! let mut received = Vec::new();
+//! while let Some(frame) = decoder.next_frame()? {
+//!     received.push(frame);
+//! }
+//! assert_eq!(received, sent);
+//! # Ok::<(), tensorwire_proto::ProtocolError>(())
+//! ```
 #![forbid(unsafe_code)]
 
 pub mod checksum;

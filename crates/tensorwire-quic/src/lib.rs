@@ -8,6 +8,32 @@
 //!   into a [`Sink`] under one receiver-wide byte budget ([`CreditPermit`]s return bytes to it).
 //! - TLS 1.3 only, ALPN `tensorwire/1`, 0-RTT off; development certificates for one host,
 //!   PEM files and optional mutual TLS for production.
+//!
+//! # Example: one tensor over loopback, into host memory
+//!
+//! ```
+//! use tensorwire_proto::{DType, TensorMeta};
+//! use tensorwire_quic::{ClientTls, Receiver, ReceiverConfig, Sender, SenderConfig, ServerTls};
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Development TLS: a self-signed certificate, trusted by senders of this user on this host.
+//! let config = ReceiverConfig::new("127.0.0.1:0".parse()?, ServerTls::Development);
+//! let mut receiver = Receiver::bind(config).await?;
+//! let sender =
+//!     Sender::connect(receiver.local_addr()?, SenderConfig::new(ClientTls::Development)).await?;
+//!
+//! let meta = TensorMeta::new([2, 3], DType::F32)?.with_name("w");
+//! let sending = sender.send(meta, vec![7u8; 24]);
+//!
+//! // The receiver decides on each tensor as its METADATA arrives.
+//! let incoming = receiver.next().await.ok_or("the receiver closed")?;
+//! let (meta, bytes) = incoming.accept_host().await?.finished().await?;
+//! assert_eq!((meta.name(), &bytes[..]), ("w", &[7u8; 24][..]));
+//! sending.finished().await?; // COMPLETE: the receiver has the bytes
+//! # Ok(())
+//! # }
+//! ```
 // `unsafe_code` is denied workspace-wide; the one exception is mapping a file to send it
 // (`source.rs`).
 

@@ -7,6 +7,21 @@
 //!
 //! This crate depends on no QUIC stack, so crates that only land or share tensors
 //! (`tensorwire-gpu`, `tensorwire-ipc`) compile none.
+//!
+//! # Example: host memory admitted against a budget
+//!
+//! ```
+//! use tensorwire_sink::{HostSink, MemoryBudget};
+//!
+//! let budget = MemoryBudget::new("host memory", 1 << 20);
+//! let reservation = budget.try_reserve(4096)?; // refused, not allocated, past the limit
+//! let sink = HostSink::reserved(reservation)?;
+//! assert_eq!(budget.snapshot().reserved, 4096);
+//! assert!(budget.try_reserve(1 << 20).is_err());
+//! drop(sink); // the bytes go back to the budget with the buffer
+//! assert_eq!(budget.snapshot().reserved, 0);
+//! # Ok::<(), tensorwire_sink::SinkError>(())
+//! ```
 #![forbid(unsafe_code)]
 
 mod carrier;

@@ -5,6 +5,35 @@
 //! permits, memory budgets, host memory) → [`quic`] (QUIC driver) and [`gpu`] (GPU sink,
 //! pools) → [`ipc`] (re-sharing with local processes, no QUIC stack) and [`exec`] (remote
 //! kernel execution on received tensors, in isolated worker processes).
+//!
+//! Guides: `docs/` in the repository (operators, Rust, Python, sharing, remote execution,
+//! performance); the wire protocol: `spec/protocol.md`.
+//!
+//! # Example: a receiver landing tensors where the host has room
+//!
+//! ```
+//! use tensorwire::prelude::*;
+//! use tensorwire::quic::{ClientTls, ServerTls};
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let mut receiver =
+//!     Receiver::bind(ReceiverConfig::new("127.0.0.1:0".parse()?, ServerTls::Development)).await?;
+//! // GPU 0 if there is one, else host memory (said plainly: `describe` names the reason).
+//! let placement = Placement::choose(DeviceRequest::Auto, GpuRequirement::Preferred)?;
+//!
+//! let sender =
+//!     Sender::connect(receiver.local_addr()?, SenderConfig::new(ClientTls::Development)).await?;
+//! let sending = sender.send(TensorMeta::new([1024], DType::F32)?.with_name("w"), vec![1u8; 4096]);
+//!
+//! let incoming = receiver.next().await.ok_or("the receiver closed")?;
+//! let sink = placement.sink(incoming.meta())?;
+//! let (meta, buffer) = incoming.accept(sink).finished().await?;
+//! println!("{} landed in {}", meta.name(), buffer.location());
+//! sending.finished().await?;
+//! # Ok(())
+//! # }
+//! ```
 #![forbid(unsafe_code)]
 
 pub use tensorwire_exec as exec;
