@@ -44,11 +44,10 @@ mod dev_trust;
 mod endpoint;
 mod error;
 mod metrics;
-mod pool;
 mod receiver;
 mod resolve;
 mod runtime;
-mod sender;
+mod send;
 mod session;
 mod socket;
 mod source;
@@ -62,13 +61,13 @@ pub use config::{MAX_DEFAULT_ENDPOINTS, ReceiverConfig, SenderConfig, StoreOfflo
 pub use dev_trust::dev_cert_path;
 pub use error::TransportError;
 pub use metrics::MetricsSnapshot;
-pub use pool::{MIN_PART, SenderPool};
 pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
 pub use resolve::resolve;
 pub use runtime::EndpointThreads;
-pub use sender::{
-    ConnectionSender, SendHandle, SendProgress, SendReport, SendWaits, Sender, Source,
+pub use send::{
+    ConnectionSender, MIN_PART, SendHandle, SendProgress, SendReport, SendWaits, Sender, SenderPool,
 };
+pub use source::Source;
 pub use steering::{ConnectionSlot, ServerEndpoint, Steering};
 pub use tensorwire_proto as proto;
 pub use tensorwire_sink::{

@@ -6,10 +6,11 @@
 //! connection's driver) neither makes the pass over the bytes nor waits for it. A file
 //! region is mapped rather than read: the checksum's pass faults the pages in (a disk read
 //! where they were not cached), so each byte of the page cache is read once by the CPU
-//! before quinn's packet copy, with no copy out of the page cache (which cost the `sender`
-//! program 28% of its CPU time, profiled with a 1 GiB cached file).
+//! before quinn's packet copy, with no copy out of the page cache (a copy that was a large
+//! share of the `sender` program's CPU in profiles, benches/results/LOG.md).
 
 use std::collections::VecDeque;
+use std::path::PathBuf;
 use std::pin::Pin;
 
 use bytes::Bytes;
@@ -18,7 +19,54 @@ use memmap2::{Advice, MmapOptions};
 use tensorwire_proto::CheckedChunk;
 use tokio::task::JoinHandle;
 
-use crate::sender::Source;
+/// Where a tensor's bytes come from.
+pub enum Source {
+    /// Bytes in memory, sent without copying.
+    Bytes(Bytes),
+    /// A region of a regular file starting at `offset`, as long as the tensor. It is mapped and sent
+    /// from the page cache without a copy; the file must not be truncated while it is sent
+    /// (the process would get SIGBUS, as with any mapped file), and bytes changed meanwhile
+    /// fail the receiver's checksum.
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Where the tensor's first byte is.
+        offset: u64,
+    },
+    /// An async stream of chunks of any size, in order, adding up to the tensor's length.
+    Stream(Pin<Box<dyn Stream<Item = std::io::Result<Bytes>> + Send>>),
+}
+
+impl Source {
+    /// Its bytes `[offset, offset + len)`, for one part of a split tensor; `None` for a
+    /// stream, which can only be read in order, and for bytes past the end of memory.
+    pub fn slice(&self, offset: u64, len: u64) -> Option<Source> {
+        match self {
+            Source::Bytes(bytes) => {
+                let start = usize::try_from(offset).ok()?;
+                let end = start.checked_add(usize::try_from(len).ok()?)?;
+                (end <= bytes.len()).then(|| Source::Bytes(bytes.slice(start..end)))
+            }
+            Source::File { path, offset: at } => Some(Source::File {
+                path: path.clone(),
+                offset: at.checked_add(offset)?,
+            }),
+            Source::Stream(_) => None,
+        }
+    }
+}
+
+impl From<Bytes> for Source {
+    fn from(bytes: Bytes) -> Self {
+        Source::Bytes(bytes)
+    }
+}
+
+impl From<Vec<u8>> for Source {
+    fn from(bytes: Vec<u8>) -> Self {
+        Source::Bytes(bytes.into())
+    }
+}
 
 /// Bytes checksummed per wake-up of the blocking pool: several DATA chunks at once.
 const BATCH: usize = 4 << 20;

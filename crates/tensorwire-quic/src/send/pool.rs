@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 use tensorwire_proto::split::{MAX_PARTS, SplitId, plan_split};
 use tensorwire_proto::{Feature, ProtocolError, TensorMeta, Version};
 
+use super::{SendHandle, Sender};
 use crate::config::SenderConfig;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
-use crate::sender::{SendHandle, Sender, Source};
+use crate::source::Source;
 
 /// Parts of a split tensor smaller than this are not worth a stream of their own.
 pub const MIN_PART: u64 = 16 << 20;
