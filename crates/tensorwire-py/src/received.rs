@@ -1,0 +1,212 @@
+//! `ReceivedTensor`: a landed tensor, handed to frameworks through DLPack with no copy.
+
+use std::ffi::{CStr, c_void};
+use std::net::SocketAddr;
+use std::sync::{Mutex, PoisonError};
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+use tensorwire::gpu::TensorBuffer;
+use tensorwire::gpu::dlpack::{DLManagedTensor, KDL_CPU, KDL_CUDA};
+use tensorwire::proto::TensorMeta;
+
+/// A tensor that landed: on the receiver's GPU or in host memory, handed to NumPy, PyTorch or
+/// CuPy through DLPack with no copy (once), or copied out with `tobytes`.
+#[pyclass(module = "tensorwire._native")]
+pub(crate) struct ReceivedTensor {
+    pub(crate) meta: TensorMeta,
+    pub(crate) location: (i32, i32),
+    pub(crate) data_ptr: u64,
+    pub(crate) peer: String,
+    pub(crate) buffer: Mutex<Option<TensorBuffer>>,
+}
+
+pub(crate) const DLTENSOR: &CStr = c"dltensor";
+
+/// Frees a DLPack capsule nobody consumed (a consumer renames it `used_dltensor`).
+pub(crate) unsafe extern "C" fn drop_capsule(capsule: *mut pyo3::ffi::PyObject) {
+    // SAFETY: called by Python with a live capsule; the name check tells an unconsumed one.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+            let managed = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr())
+                .cast::<DLManagedTensor>();
+            if let Some(deleter) = managed.as_ref().and_then(|m| m.deleter) {
+                deleter(managed);
+            }
+        }
+    }
+}
+
+/// `buffer` as a DLPack capsule named `dltensor`, freed by its consumer or with the capsule.
+pub(crate) fn capsule(
+    py: Python<'_>,
+    buffer: TensorBuffer,
+    meta: &TensorMeta,
+) -> PyResult<PyObject> {
+    let exported = buffer
+        .into_dlpack(meta.dtype(), meta.shape())
+        .map_err(|e| PyValueError::new_err(format!("{}: {e}", meta.name())))?;
+    let raw = exported.into_raw();
+    // SAFETY: `raw` is a live DLManagedTensor we own; the capsule takes it and
+    // `drop_capsule` frees it unless a consumer took it (and its deleter) first.
+    let capsule = unsafe {
+        pyo3::ffi::PyCapsule_New(raw.cast::<c_void>(), DLTENSOR.as_ptr(), Some(drop_capsule))
+    };
+    if capsule.is_null() {
+        // SAFETY: the capsule was not made, so `raw` is still ours to free, once.
+        unsafe {
+            if let Some(deleter) = (*raw).deleter {
+                deleter(raw);
+            }
+        }
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: `PyCapsule_New` returned a new reference.
+    Ok(unsafe { PyObject::from_owned_ptr(py, capsule) })
+}
+
+impl ReceivedTensor {
+    pub(crate) fn new(meta: TensorMeta, buffer: TensorBuffer, peer: SocketAddr) -> Self {
+        let (location, data_ptr) = match &buffer {
+            TensorBuffer::Cuda(cuda) => ((KDL_CUDA, cuda.device_id() as i32), cuda.device_ptr()),
+            TensorBuffer::Cpu(bytes) => ((KDL_CPU, 0), bytes.as_ptr() as u64),
+        };
+        Self {
+            meta,
+            location,
+            data_ptr,
+            peer: peer.to_string(),
+            buffer: Mutex::new(Some(buffer)),
+        }
+    }
+
+    pub(crate) fn take(&self) -> PyResult<TensorBuffer> {
+        self.buffer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| {
+                PyRuntimeError::new_err(format!(
+                    "{} was already handed over (DLPack) or released",
+                    self.meta.name()
+                ))
+            })
+    }
+}
+
+#[pymethods]
+impl ReceivedTensor {
+    /// The tensor's name.
+    #[getter]
+    pub(crate) fn name(&self) -> &str {
+        self.meta.name()
+    }
+
+    /// The dtype's name (spec §5.1), e.g. `F32`, `BF16`.
+    #[getter]
+    pub(crate) fn dtype(&self) -> &'static str {
+        self.meta.dtype().name()
+    }
+
+    /// The shape.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.meta.shape())
+    }
+
+    /// The sender's attributes (the first of repeated keys).
+    #[getter]
+    fn attributes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let dict = PyDict::new(py);
+        for (key, value) in self.meta.attributes().iter().rev() {
+            dict.set_item(key, value)?;
+        }
+        Ok(dict)
+    }
+
+    /// Where it landed: `cuda:N` or `cpu`.
+    #[getter]
+    pub(crate) fn device(&self) -> String {
+        match self.location {
+            (KDL_CUDA, n) => format!("cuda:{n}"),
+            _ => "cpu".to_owned(),
+        }
+    }
+
+    /// Its size in bytes.
+    #[getter]
+    pub(crate) fn nbytes(&self) -> u64 {
+        self.meta.byte_len()
+    }
+
+    /// The address of its first byte (a device pointer on the GPU).
+    #[getter]
+    pub(crate) fn data_ptr(&self) -> u64 {
+        self.data_ptr
+    }
+
+    /// The sender's address.
+    #[getter]
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// `(device type, index)` as DLPack numbers it.
+    pub(crate) fn __dlpack_device__(&self) -> (i32, i32) {
+        self.location
+    }
+
+    /// Hands the memory over as a DLPack capsule, with no copy; the importer frees it (and
+    /// the buffer returns to its pool) when done. The bytes have landed, so any stream may
+    /// read them. Works once.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    pub(crate) fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<PyObject>,
+        max_version: Option<PyObject>,
+        dl_device: Option<PyObject>,
+        copy: Option<bool>,
+    ) -> PyResult<PyObject> {
+        let _ = (stream, max_version, dl_device);
+        if copy == Some(true) {
+            return Err(PyValueError::new_err(
+                "tensorwire exports without copying (copy=True)",
+            ));
+        }
+        capsule(py, self.take()?, &self.meta)
+    }
+
+    /// A copy of the bytes in host memory (for dtypes NumPy lacks, or to keep a copy).
+    fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let guard = self.buffer.lock().unwrap_or_else(PoisonError::into_inner);
+        let buffer = guard.as_ref().ok_or_else(|| {
+            PyRuntimeError::new_err(format!("{} was already handed over", self.meta.name()))
+        })?;
+        let bytes = py
+            .allow_threads(|| buffer.to_host())
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Gives the memory back to its pool now, instead of when this object is collected.
+    pub(crate) fn release(&self) {
+        drop(
+            self.buffer
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        );
+    }
+
+    pub(crate) fn __repr__(&self) -> String {
+        format!(
+            "ReceivedTensor({:?}, {} {:?}, {})",
+            self.meta.name(),
+            self.meta.dtype(),
+            self.meta.shape(),
+            self.device()
+        )
+    }
+}

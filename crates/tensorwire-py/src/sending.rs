@@ -1,0 +1,344 @@
+//! `send`: host buffers, GPU memory and files to a receiver, over one or more connections.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use tensorwire::gpu::{DeviceRange, DeviceRequest};
+use tensorwire::proto::{Device, ProtocolError, TensorMeta};
+use tensorwire::quic::{
+    ClientTls, SendHandle, Sender, SenderConfig, SenderPool, Source, TransportError,
+    TransportSettings,
+};
+use tokio::sync::mpsc;
+
+use crate::{DEVICE_CHUNK, dtype_of, error, runtime, transport_error};
+
+/// Host memory of a Python object (a NumPy array or a view of one), held while sent.
+pub(crate) struct HostBuffer {
+    pub(crate) ptr: *const u8,
+    pub(crate) len: usize,
+    /// Keeps the memory allocated.
+    pub(crate) _owner: PyObject,
+}
+
+// SAFETY: the memory belongs to `_owner`, a Python object that may be held from any thread
+// (PyO3 defers its release to a thread holding the GIL); the bytes are only read.
+unsafe impl Send for HostBuffer {}
+// SAFETY: as above; shared reads only.
+unsafe impl Sync for HostBuffer {}
+
+impl AsRef<[u8]> for HostBuffer {
+    fn as_ref(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `ptr..ptr + len` is the C-contiguous data of `_owner` as NumPy reported it
+        // (`__array_interface__`), kept allocated and unmoved while `_owner` is held.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// Chunks of a device tensor copied to host memory as the sender asks for them, at most two
+/// ahead: the tensor is never copied to the host whole.
+pub(crate) struct DeviceChunks(mpsc::Receiver<std::io::Result<Bytes>>);
+
+impl futures_core::Stream for DeviceChunks {
+    type Item = std::io::Result<Bytes>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+/// Bytes `[start, start + len)` of `range`, read from the GPU a chunk at a time on the
+/// blocking pool.
+pub(crate) fn device_source(range: Arc<DeviceRange>, start: usize, len: usize) -> Source {
+    let (tx, rx) = mpsc::channel(2);
+    let end = start + len;
+    runtime().spawn_blocking(move || {
+        let mut offset = start;
+        while offset < end {
+            let len = DEVICE_CHUNK.min(end - offset);
+            let mut chunk = vec![0u8; len];
+            let read = range
+                .read_at(offset, &mut chunk)
+                .map(|()| Bytes::from(chunk))
+                .map_err(std::io::Error::other);
+            let failed = read.is_err();
+            if tx.blocking_send(read).is_err() || failed {
+                return;
+            }
+            offset += len;
+        }
+    });
+    Source::Stream(Box::pin(DeviceChunks(rx)))
+}
+
+/// What one item of `send` says: `(name, dtype, shape, kind, payload, attributes)`, where
+/// kind is `host` (payload: `(address, bytes, owner)` of C-contiguous host memory),
+/// `device` (payload: `(pointer, bytes, ordinal, owner)`) or `file` (payload: `(path,
+/// offset)`).
+pub(crate) type Item<'py> = (
+    String,
+    String,
+    Vec<u64>,
+    String,
+    Bound<'py, PyAny>,
+    Vec<(String, String)>,
+);
+
+/// Where an outgoing tensor's bytes are: a source as it is, or GPU memory, read a chunk at a
+/// time by each part that asks for a range of it.
+pub(crate) enum Bytesource {
+    Ready(Source),
+    Device(Arc<DeviceRange>),
+}
+
+impl Bytesource {
+    /// The whole tensor's bytes.
+    fn whole(self) -> Source {
+        match self {
+            Bytesource::Ready(source) => source,
+            Bytesource::Device(range) => {
+                let len = range.len();
+                device_source(range, 0, len)
+            }
+        }
+    }
+
+    /// Bytes `[offset, offset + len)`, for one part of a split tensor (spec §15).
+    fn part(&self, offset: u64, len: u64) -> Result<Source, TransportError> {
+        let misuse = |why| ProtocolError::Misuse(why).into();
+        match self {
+            Bytesource::Ready(source) => source
+                .slice(offset, len)
+                .ok_or_else(|| misuse("a stream or a range past the bytes cannot be split")),
+            Bytesource::Device(range) => {
+                let (start, len) = (usize::try_from(offset), usize::try_from(len));
+                match (start, len) {
+                    (Ok(start), Ok(len))
+                        if start.checked_add(len).is_some_and(|end| end <= range.len()) =>
+                    {
+                        Ok(device_source(range.clone(), start, len))
+                    }
+                    _ => Err(misuse("a part past the tensor's bytes")),
+                }
+            }
+        }
+    }
+}
+
+pub(crate) fn outgoing(item: Item<'_>, hint: Device) -> PyResult<(TensorMeta, Bytesource)> {
+    let (name, dtype, shape, kind, payload, attributes) = item;
+    let mut meta = TensorMeta::new(shape, dtype_of(&dtype)?)
+        .map_err(|e| PyValueError::new_err(format!("{name}: {e}")))?
+        .with_name(name.clone())
+        .with_device(hint);
+    for (key, value) in attributes {
+        meta = meta.with_attribute(key, value);
+    }
+    let len = meta.byte_len();
+    let source = match kind.as_str() {
+        "host" => {
+            let (address, nbytes, owner): (u64, u64, PyObject) = payload.extract()?;
+            if nbytes != len {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: {nbytes} bytes, but {} {:?} is {len} bytes",
+                    meta.dtype(),
+                    meta.shape()
+                )));
+            }
+            let len = usize::try_from(nbytes)
+                .map_err(|_| PyValueError::new_err(format!("{name}: too large")))?;
+            Bytesource::Ready(Source::Bytes(Bytes::from_owner(HostBuffer {
+                ptr: address as usize as *const u8,
+                len,
+                _owner: owner,
+            })))
+        }
+        "device" => {
+            let (ptr, nbytes, ordinal, owner): (u64, u64, usize, PyObject) = payload.extract()?;
+            if nbytes != len {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: {nbytes} bytes on the GPU, but {} {:?} is {len} bytes",
+                    meta.dtype(),
+                    meta.shape()
+                )));
+            }
+            let nbytes = usize::try_from(nbytes)
+                .map_err(|_| PyValueError::new_err(format!("{name}: too large")))?;
+            // SAFETY: `ptr..ptr + nbytes` is the tensor's memory on cuda:`ordinal`, as its
+            // framework reports it (data_ptr or __cuda_array_interface__, made contiguous and
+            // its stream synchronized by the Python side); `owner`, the tensor object, keeps
+            // it allocated until the range is dropped after the send. It is only read: the
+            // range is never a landing destination.
+            let range = unsafe { DeviceRange::new(ordinal, ptr, nbytes, owner) }
+                .map_err(|e| PyRuntimeError::new_err(format!("{name}: {e}")))?;
+            Bytesource::Device(Arc::new(range))
+        }
+        "file" => {
+            let (path, offset): (PathBuf, u64) = payload.extract()?;
+            Bytesource::Ready(Source::File { path, offset })
+        }
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "{name}: unknown kind {other:?}"
+            )));
+        }
+    };
+    Ok((meta, source))
+}
+
+pub(crate) fn client_tls(
+    ca: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+) -> PyResult<ClientTls> {
+    match (ca, cert, key) {
+        (None, None, None) => Ok(ClientTls::Development),
+        (Some(ca), cert, key) => {
+            let identity = match (cert, key) {
+                (Some(cert), Some(key)) => Some((cert, key)),
+                (None, None) => None,
+                _ => {
+                    return Err(PyValueError::new_err(
+                        "client_cert and client_key go together",
+                    ));
+                }
+            };
+            Ok(ClientTls::Pem { ca, identity })
+        }
+        (None, _, _) => Err(PyValueError::new_err(
+            "a client certificate needs ca= (the receiver's CA)",
+        )),
+    }
+}
+
+/// Sends `items` to `addr` over `connections` connections (None: one per core, at most 8,
+/// and no more than the tensors, or their 16 MiB parts, can use); with `split`, a tensor
+/// larger than its connection's share goes as parts over several (spec §15). Returns
+/// `(name, bytes, seconds, (receiver, source, transport, turn))` per tensor, the last four
+/// the seconds it waited for each ([`SendWaits`](tensorwire::quic::SendWaits)), or raises
+/// `TensorwireError` naming the first tensor that failed.
+#[pyfunction]
+#[pyo3(signature = (addr, items, *, connections=None, split=true, ca=None, client_cert=None,
+    client_key=None, server_name="localhost".to_owned(), mtu=None, device=None))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn send(
+    py: Python<'_>,
+    addr: &str,
+    items: Vec<Item<'_>>,
+    connections: Option<usize>,
+    split: bool,
+    ca: Option<PathBuf>,
+    client_cert: Option<PathBuf>,
+    client_key: Option<PathBuf>,
+    server_name: String,
+    mtu: Option<u16>,
+    device: Option<String>,
+) -> PyResult<Vec<SentTensor>> {
+    let addr: SocketAddr =
+        tensorwire::quic::resolve(addr).map_err(|e| error(py, e.to_string(), None, None))?;
+    let hint = match device.as_deref() {
+        None | Some("any") => Device::Any,
+        Some("host" | "cpu") => Device::Host,
+        Some(other) => match other.parse::<DeviceRequest>() {
+            Ok(DeviceRequest::Cuda(n)) => Device::Cuda(
+                u16::try_from(n).map_err(|_| PyValueError::new_err("device index too large"))?,
+            ),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "device {other:?}: any, host or cuda:N"
+                )));
+            }
+        },
+    };
+    let outgoing = items
+        .into_iter()
+        .map(|item| outgoing(item, hint))
+        .collect::<PyResult<Vec<_>>>()?;
+    let mut config = SenderConfig::new(client_tls(ca, client_cert, client_key)?);
+    config.server_name = server_name;
+    config.transport = TransportSettings::default().with_mtu(mtu, addr);
+    let total: u64 = outgoing.iter().map(|(meta, _)| meta.byte_len()).sum();
+    let splittable = if split { total } else { 0 };
+    let connections = connections
+        .unwrap_or_else(|| SenderPool::automatic_connections(outgoing.len(), splittable));
+    let outcome = py.allow_threads(|| {
+        runtime().block_on(async move {
+            let sending: Vec<(String, SendHandle)>;
+            let closer: Box<
+                dyn FnOnce() -> Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send,
+            >;
+            if connections > 1 {
+                let pool = SenderPool::connect(addr, config, connections)
+                    .await
+                    .map_err(|e| (e, None))?;
+                let mut started = Vec::with_capacity(outgoing.len());
+                for (meta, bytes) in outgoing {
+                    let name = meta.name().to_owned();
+                    let parts = match split {
+                        true => pool.parts_for(&meta, total),
+                        false => 1,
+                    };
+                    let handle = match parts {
+                        1 => pool.send(meta, bytes.whole()),
+                        parts => pool
+                            .send_split_with(meta, parts, |offset, len| bytes.part(offset, len))
+                            .map_err(|e| (e, Some(name.clone())))?,
+                    };
+                    started.push((name, handle));
+                }
+                sending = started;
+                closer = Box::new(move || Box::pin(pool.close()));
+            } else {
+                let sender = Sender::connect(addr, config).await.map_err(|e| (e, None))?;
+                sending = outgoing
+                    .into_iter()
+                    .map(|(meta, bytes)| (meta.name().to_owned(), sender.send(meta, bytes.whole())))
+                    .collect();
+                closer = Box::new(move || Box::pin(sender.close()));
+            }
+            let mut results = Vec::with_capacity(sending.len());
+            let mut failed = None;
+            for (name, handle) in sending {
+                match handle.finished().await {
+                    Ok(report) => results.push(sent_tensor(name, &report)),
+                    Err(e) if failed.is_none() => failed = Some((e, Some(name))),
+                    Err(_) => {}
+                }
+            }
+            closer().await;
+            match failed {
+                Some(failure) => Err(failure),
+                None => Ok(results),
+            }
+        })
+    });
+    outcome.map_err(|(e, tensor)| transport_error(py, &e, tensor.as_deref()))
+}
+
+/// What `send` returns for one tensor: its name, bytes, seconds, and the seconds it waited
+/// for the receiver, its source, QUIC and its turn.
+pub(crate) type SentTensor = (String, u64, f64, (f64, f64, f64, f64));
+
+pub(crate) fn sent_tensor(name: String, report: &tensorwire::quic::SendReport) -> SentTensor {
+    let waited = &report.waited;
+    (
+        name,
+        report.bytes,
+        report.elapsed.as_secs_f64(),
+        (
+            waited.receiver.as_secs_f64(),
+            waited.source.as_secs_f64(),
+            waited.transport.as_secs_f64(),
+            waited.turn.as_secs_f64(),
+        ),
+    )
+}
