@@ -21,7 +21,8 @@ use crate::session::ConnectionSession;
 use crate::source::Source;
 
 /// Sends tensors on a connection someone else owns: the way back of a [`Receiver`]'s
-/// connection ([`IncomingTensor::reply_sender`]), or a [`Sender`]'s own. Cheap to clone.
+/// connection ([`IncomingTensor::reply_sender`]), or a [`Sender`](super::Sender)'s own. Cheap
+/// to clone.
 ///
 /// [`Receiver`]: crate::Receiver
 /// [`IncomingTensor::reply_sender`]: crate::IncomingTensor::reply_sender
