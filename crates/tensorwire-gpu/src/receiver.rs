@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tensorwire_proto::ErrorCode;
 
 use tensorwire_proto::{
-    CreditTracker, Frame, FrameDecoder, GrantClock, Limits, ProtocolError, Session, SessionConfig,
-    SessionEvent, StreamId, TensorMeta,
+    CreditTracker, Frame, FrameDecoder, GrantClock, IncomingEvent, Limits, ProtocolError, Session,
+    SessionConfig, StreamId, TensorMeta,
 };
 use tensorwire_sink::CreditRelease;
 use tensorwire_sink::{CreditPermit, Sink, SinkError};
@@ -23,6 +23,9 @@ use crate::placement::{Placement, TensorSink};
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum GpuReceiverEvent {
+    /// EARLY arrived (spec §7.6): METADATA follows; keep reading. This receiver offers no
+    /// early credit, so a tensor sent early is refused at its METADATA.
+    Early,
     /// METADATA arrived; the tensor was admitted and its destination allocated.
     Metadata(TensorMeta),
     /// `size` bytes at `offset` were handed to the sink.
@@ -155,7 +158,7 @@ impl GpuTensorReceiver {
             other => other?,
         };
         match event {
-            SessionEvent::Metadata(meta) => {
+            IncomingEvent::Metadata(meta) => {
                 self.sink = Some(self.placement.sink(&meta)?);
                 self.session.accept(STREAM)?;
                 let session = &mut self.session;
@@ -167,7 +170,7 @@ impl GpuTensorReceiver {
                 self.meta = Some(meta.clone());
                 Ok(GpuReceiverEvent::Metadata(meta))
             }
-            SessionEvent::Data(data) => {
+            IncomingEvent::Data(data) => {
                 let (offset, size) = (data.offset, data.payload.len() as u64);
                 let sink = self
                     .sink
@@ -177,7 +180,7 @@ impl GpuTensorReceiver {
                 sink.write(offset, data.payload, permit).await?;
                 Ok(GpuReceiverEvent::Data { offset, size })
             }
-            SessionEvent::End => {
+            IncomingEvent::End => {
                 let sink = self
                     .sink
                     .take()
@@ -187,7 +190,7 @@ impl GpuTensorReceiver {
                 self.complete = true;
                 Ok(GpuReceiverEvent::End)
             }
-            _ => Err(ProtocolError::Misuse("unexpected session event").into()),
+            IncomingEvent::Early => Ok(GpuReceiverEvent::Early),
         }
     }
 

@@ -218,7 +218,9 @@ const SENT_TENSOR_LEN: u64 = 3000;
 pub fn session_ops(data: &[u8]) {
     use std::time::{Duration, Instant};
 
-    use crate::{CreditTracker, DType, Session, SessionConfig, SessionEvent, StreamId, TensorMeta};
+    use crate::{
+        CreditTracker, DType, IncomingEvent, Session, SessionConfig, StreamId, TensorMeta,
+    };
 
     let Some((&op_count, rest)) = data.split_first() else {
         return;
@@ -234,6 +236,7 @@ pub fn session_ops(data: &[u8]) {
         max_failed_streams: 8,
         failure_window: Duration::from_secs(1),
         early_credit: 2048,
+        idle_timeout: Duration::from_secs(1),
     };
     let connection_window = config.connection_window;
     let max_stream_window = config.max_stream_window;
@@ -276,14 +279,16 @@ pub fn session_ops(data: &[u8]) {
         let slot = usize::from(k >> 4) % ids.len();
         let id = ids[slot];
         match (k % 8, receiving(slot)) {
-            (0..=2, _) => {
+            (0..=2, incoming) => {
                 match decoder.next_frame() {
                     // The peer's control stream: early credit for the tensors we send.
                     Ok(Some(frame @ crate::Frame::EarlyCredit(_))) => {
                         let _ = session.handle_control_frame(frame);
                     }
+                    // The peer's answer on one of our streams.
+                    Ok(Some(frame)) if !incoming => drop(session.handle_reply(id, frame)),
                     Ok(Some(frame)) => {
-                        if let Ok(SessionEvent::Data(d)) =
+                        if let Ok(IncomingEvent::Data(d)) =
                             session.handle_frame(id, frame, &mut credit)
                         {
                             held[slot] += d.payload.len() as u64;
@@ -351,12 +356,16 @@ pub fn session_ops(data: &[u8]) {
         );
         while session.poll_control_frame().is_some() {}
         assert!(session.sent(id) <= SENT_TENSOR_LEN);
+        // Spec §10: streams are open, so the connection is not idle however long it runs.
+        assert_eq!(session.poll_timeout(), None);
+        assert_eq!(session.handle_timeout(now), None);
         while session.poll_frame(id).is_some() {}
     }
     for (slot, &id) in ids.iter().enumerate() {
         let _ = credit.release(std::mem::take(&mut held[slot]));
         let _ = session.close_stream(id, &mut credit, now);
     }
+    assert_eq!(session.poll_timeout(), Some(now + Duration::from_secs(1)));
     session.withdraw_early_credit(&mut credit);
     assert_eq!(credit.outstanding(), 0, "credit not counted back");
     assert_eq!(session.outstanding_credit(), 0);

@@ -95,7 +95,9 @@ pub use receiver::{
     CheckedFrame, MAX_CHECKSUMS_OWED, ReceiverEvent, ReceiverInput, ReceiverState, TensorReceiver,
 };
 pub use sender::{CheckedChunk, SenderEvent, SenderInput, SenderState, TensorSender};
-pub use session::{Session, SessionConfig, SessionEvent, StreamClosed, StreamId};
+pub use session::{
+    ConnectionEnd, IncomingEvent, OutgoingEvent, Session, SessionConfig, StreamClosed, StreamId,
+};
 pub use version::{Feature, Version};
 pub use window::GrantClock;
 

@@ -52,12 +52,16 @@ pub struct SessionConfig {
     /// Early credit the peer is offered on this connection (spec §7.6): tensors up to this
     /// size go in one round trip. 0 offers none.
     pub early_credit: u64,
+    /// A connection with no tensor stream open for this long is closed with
+    /// PROGRESS_TIMEOUT (spec §10, §10.1): it keeps itself alive but carries nothing, and
+    /// holds a connection slot. `Duration::MAX` never closes it.
+    pub idle_timeout: Duration,
 }
 
 impl Default for SessionConfig {
     /// The reference implementation's policy: 4 MiB grants, an 8 MiB window per tensor
     /// growing to 16 MiB on long paths, 128 MiB per connection, 1000 failed streams per
-    /// 10 s, 1 MiB of early credit.
+    /// 10 s, 1 MiB of early credit, connections closed after 60 s with no stream.
     fn default() -> Self {
         Self {
             limits: Limits::default(),
@@ -68,14 +72,15 @@ impl Default for SessionConfig {
             max_failed_streams: 1000,
             failure_window: Duration::from_secs(10),
             early_credit: 1 << 20,
+            idle_timeout: Duration::from_secs(60),
         }
     }
 }
 
-/// What a frame from the peer meant, for the driver to act on.
+/// What a frame on one of the peer's tensor streams meant, for the driver to act on. Every
+/// variant is one a receiving driver must handle, so the enum is matched exhaustively.
 #[derive(Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum SessionEvent {
+pub enum IncomingEvent {
     /// EARLY arrived (spec §7.6): METADATA follows, then the tensor's DATA and END may
     /// arrive before it is decided. Keep reading.
     Early,
@@ -89,12 +94,35 @@ pub enum SessionEvent {
     /// Every byte arrived and the checksum matched: finish the sink, then
     /// [`Session::mark_resident`].
     End,
+}
+
+/// What the peer's answer on one of our tensor streams meant (spec §6.5–§6.8). Every
+/// variant is one a sending driver must handle, so the enum is matched exhaustively.
+#[derive(Debug, PartialEq, Eq)]
+pub enum OutgoingEvent {
     /// Our tensor was accepted: DATA follows as credit arrives.
     Accepted,
     /// The peer granted our tensor this many more bytes.
     Credit(u64),
     /// The peer verified and kept every byte of our tensor. Done: close the stream.
     Complete,
+}
+
+/// The session's word that its connection must end: the code to close it with, and why
+/// (spec §10).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[must_use = "the connection must be closed"]
+pub struct ConnectionEnd {
+    /// The code to close the connection with.
+    pub code: ErrorCode,
+    /// Why, for the peer and the logs.
+    pub reason: String,
+}
+
+impl std::fmt::Display for ConnectionEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.code, self.reason)
+    }
 }
 
 /// How a stream ended, as [`Session::close_stream`] counted it.
@@ -115,10 +143,10 @@ pub enum StreamClosed {
 ///
 /// Receiving: call [`open_stream`](Self::open_stream) for each stream the peer opens and feed
 /// every frame decoded from it to [`handle_frame`](Self::handle_frame); decide each
-/// [`SessionEvent::Metadata`] with [`accept`](Self::accept) or [`reject`](Self::reject);
+/// [`IncomingEvent::Metadata`] with [`accept`](Self::accept) or [`reject`](Self::reject);
 /// ask [`grant`](Self::grant) for credit while [`wants_credit`](Self::wants_credit) (waiting
 /// for the tracker to have some when it grants 0); call
-/// [`mark_resident`](Self::mark_resident) after [`SessionEvent::End`] once the sink is
+/// [`mark_resident`](Self::mark_resident) after [`IncomingEvent::End`] once the sink is
 /// durable. After every call, send what [`poll_frame`](Self::poll_frame) returns for that
 /// stream, in order. When a stream ends, for whatever reason, call
 /// [`close_stream`](Self::close_stream): it returns the stream's unreceived credit to the
@@ -135,7 +163,7 @@ pub enum StreamClosed {
 /// opening the stream, hand it over with [`start_sending`](Self::start_sending), feed the
 /// peer's frames to [`handle_frame`](Self::handle_frame) as for any stream, send bytes with
 /// [`send_data`](Self::send_data) up to [`next_chunk_len`](Self::next_chunk_len), then
-/// [`finish`](Self::finish); on [`SessionEvent::Complete`] or an error, close the stream.
+/// [`finish`](Self::finish); on [`OutgoingEvent::Complete`] or an error, close the stream.
 #[derive(Debug)]
 pub struct Session {
     config: SessionConfig,
@@ -349,9 +377,9 @@ impl Session {
         }
     }
 
-    /// Feeds one frame from stream `id`, in whichever direction the stream runs. DATA is
-    /// checked against the tensor's credit and moves its bytes from in flight to held in
-    /// `credit`, in the same step; frames about our own tensors leave `credit` alone.
+    /// Feeds one frame from the peer's tensor stream `id` (answers on our own streams go to
+    /// [`handle_reply`](Self::handle_reply)). DATA is checked against the tensor's credit and
+    /// moves its bytes from in flight to held in `credit`, in the same step.
     ///
     /// An error closes the tensor and queues the REJECT or CANCEL that says why (unless the
     /// peer ended it); the driver then calls [`close_stream`](Self::close_stream).
@@ -360,7 +388,7 @@ impl Session {
         id: StreamId,
         frame: Frame,
         credit: &mut CreditTracker,
-    ) -> Result<SessionEvent, ProtocolError> {
+    ) -> Result<IncomingEvent, ProtocolError> {
         self.handle_checked(id, CheckedFrame::new(frame), credit)
     }
 
@@ -371,14 +399,18 @@ impl Session {
         id: StreamId,
         frame: CheckedFrame,
         credit: &mut CreditTracker,
-    ) -> Result<SessionEvent, ProtocolError> {
+    ) -> Result<IncomingEvent, ProtocolError> {
         let tensor = match self.tensors.get_mut(&id) {
             Some(Tensor::Incoming(tensor, _)) => tensor,
-            Some(Tensor::Outgoing(..)) => return self.handle_reply(id, frame.into_frame()),
+            Some(Tensor::Outgoing(..)) => {
+                return Err(ProtocolError::Misuse(
+                    "an answer on our own tensor's stream: pass it to handle_reply",
+                ));
+            }
             None => return Err(ProtocolError::Misuse("no such stream in the session")),
         };
         match tensor.handle_checked(frame)? {
-            ReceiverEvent::Early => Ok(SessionEvent::Early),
+            ReceiverEvent::Early => Ok(IncomingEvent::Early),
             ReceiverEvent::Metadata => {
                 if tensor.state() == ReceiverState::ReceivingEarly {
                     // Spec §7.6: the whole tensor comes out of the early credit offered.
@@ -402,7 +434,7 @@ impl Session {
                 tensor
                     .meta()
                     .cloned()
-                    .map(SessionEvent::Metadata)
+                    .map(IncomingEvent::Metadata)
                     .ok_or(ProtocolError::Misuse("METADATA without meta"))
             }
             ReceiverEvent::Data(data) => {
@@ -413,9 +445,9 @@ impl Session {
                     return Err(e);
                 }
                 self.outstanding = self.outstanding.saturating_sub(len);
-                Ok(SessionEvent::Data(data))
+                Ok(IncomingEvent::Data(data))
             }
-            ReceiverEvent::End => Ok(SessionEvent::End),
+            ReceiverEvent::End => Ok(IncomingEvent::End),
         }
     }
 
@@ -447,11 +479,11 @@ impl Session {
         &mut self,
         id: StreamId,
         frame: Frame,
-    ) -> Result<SessionEvent, ProtocolError> {
+    ) -> Result<OutgoingEvent, ProtocolError> {
         Ok(match self.outgoing(id)?.handle_frame(frame)? {
-            SenderEvent::Accepted => SessionEvent::Accepted,
-            SenderEvent::Credit(bytes) => SessionEvent::Credit(bytes),
-            SenderEvent::Complete => SessionEvent::Complete,
+            SenderEvent::Accepted => OutgoingEvent::Accepted,
+            SenderEvent::Credit(bytes) => OutgoingEvent::Credit(bytes),
+            SenderEvent::Complete => OutgoingEvent::Complete,
         })
     }
 
@@ -744,6 +776,29 @@ impl Session {
     /// Streams open now, in both directions.
     pub fn open_streams(&self) -> usize {
         self.tensors.len()
+    }
+
+    /// When the session next needs the time (spec §10.1): the connection's idle deadline
+    /// while no tensor stream is open; `None` while one is, or where the timeout is off.
+    /// Sleep until then and call [`handle_timeout`](Self::handle_timeout); a stream closing
+    /// moves the deadline, so ask again after one does.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.idle_since?.checked_add(self.config.idle_timeout)
+    }
+
+    /// Acts on the time: once the connection has had no tensor stream for the idle timeout,
+    /// says to close it, with PROGRESS_TIMEOUT and why (spec §10).
+    pub fn handle_timeout(&mut self, now: Instant) -> Option<ConnectionEnd> {
+        match self.poll_timeout() {
+            Some(deadline) if now >= deadline => Some(ConnectionEnd {
+                code: ErrorCode::PROGRESS_TIMEOUT,
+                reason: format!(
+                    "no tensor stream within the receiver's idle timeout ({:?})",
+                    self.config.idle_timeout
+                ),
+            }),
+            _ => None,
+        }
     }
 
     /// How long the connection has had no stream open at `now` (zero while one is).

@@ -10,8 +10,8 @@ use bytes::Bytes;
 use tensorwire_proto::frame::Cancel;
 use tensorwire_proto::testing::pattern;
 use tensorwire_proto::{
-    CreditTracker, DType, ErrorCode, Frame, GrantClock, Session, SessionConfig, SessionEvent,
-    StreamClosed, StreamId, TensorMeta, TensorSender,
+    CreditTracker, DType, ErrorCode, Frame, GrantClock, IncomingEvent, OutgoingEvent, Session,
+    SessionConfig, StreamClosed, StreamId, TensorMeta, TensorSender,
 };
 
 /// The fake clock's origin: tests move time by adding durations to it.
@@ -113,14 +113,14 @@ impl Receiver {
                 moved = true;
                 let frame = Frame::decode_one(&frame.to_bytes());
                 match session.handle_frame(flow.id, frame, &mut self.credit) {
-                    Ok(SessionEvent::Metadata(_)) => session.accept(flow.id).unwrap(),
-                    Ok(SessionEvent::Data(data)) => {
+                    Ok(IncomingEvent::Metadata(_)) => session.accept(flow.id).unwrap(),
+                    Ok(IncomingEvent::Data(data)) => {
                         let at = data.offset as usize;
                         data.payload
                             .copy_to_slice(&mut flow.landed[at..at + data.payload.len()]);
                         flow.held.push(data.payload.len() as u64);
                     }
-                    Ok(SessionEvent::End) => {
+                    Ok(IncomingEvent::End) => {
                         for n in flow.held.drain(..) {
                             let _ = self.credit.release(n).unwrap();
                         }
@@ -220,7 +220,7 @@ fn data_arrives_on(
     };
     *offset += len as u64;
     let event = session.handle_frame(id, Frame::Data(data), credit).unwrap();
-    assert!(matches!(event, SessionEvent::Data(_)));
+    assert!(matches!(event, IncomingEvent::Data(_)));
 }
 
 /// Spec §7.1: a tensor is out of credit once every byte granted to it arrived and more are
@@ -279,7 +279,7 @@ fn grants_come_in_units_up_to_the_stream_window() {
     let event = session
         .handle_frame(7, meta("big", 100 << 20).into(), &mut credit)
         .unwrap();
-    assert!(matches!(event, SessionEvent::Metadata(_)));
+    assert!(matches!(event, IncomingEvent::Metadata(_)));
     assert!(!session.wants_credit(7), "no credit before ACCEPT");
     assert_eq!(session.grant(7, &mut credit, no_path()), 0);
     session.accept(7).unwrap();
@@ -457,6 +457,54 @@ fn a_budget_run_dry_by_timeouts_closes_with_progress_timeout() {
 }
 
 #[test]
+fn the_idle_timer_runs_only_while_no_stream_is_open_and_closes_the_connection() {
+    let start = epoch();
+    let idle = Duration::from_secs(60);
+    let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
+    let config = SessionConfig {
+        idle_timeout: idle,
+        ..SessionConfig::default()
+    };
+    let mut session = Session::new(config, start);
+    assert_eq!(session.poll_timeout(), Some(start + idle));
+    assert_eq!(
+        session.handle_timeout(start + idle - Duration::from_millis(1)),
+        None
+    );
+
+    // An open stream stops the timer, however long it stays open.
+    session.open_stream(1).unwrap();
+    assert_eq!(session.poll_timeout(), None);
+    assert_eq!(session.handle_timeout(start + 10 * idle), None);
+
+    // It starts again from the last stream's close.
+    let closed_at = start + 10 * idle;
+    let _ = session.close_stream(1, &mut credit, closed_at);
+    assert_eq!(session.poll_timeout(), Some(closed_at + idle));
+    assert_eq!(session.handle_timeout(closed_at + idle / 2), None);
+    let end = session
+        .handle_timeout(closed_at + idle)
+        .expect("the connection ends");
+    assert_eq!(end.code, ErrorCode::PROGRESS_TIMEOUT);
+    assert!(end.reason.contains("idle timeout"), "{end}");
+}
+
+#[test]
+fn an_idle_timeout_of_forever_never_fires() {
+    let start = epoch();
+    let config = SessionConfig {
+        idle_timeout: Duration::MAX,
+        ..SessionConfig::default()
+    };
+    let mut session = Session::new(config, start);
+    assert_eq!(session.poll_timeout(), None);
+    assert_eq!(
+        session.handle_timeout(start + Duration::from_secs(1 << 40)),
+        None
+    );
+}
+
+#[test]
 fn idle_time_counts_only_while_no_stream_is_open() {
     let start = epoch();
     let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
@@ -562,28 +610,32 @@ impl Peer {
             self.session.open_stream(id).unwrap();
             self.landed.insert(id, Vec::new());
         }
-        match self
-            .session
-            .handle_frame(id, frame, &mut self.credit)
-            .unwrap()
-        {
-            SessionEvent::Metadata(_) => self.session.accept(id).unwrap(),
-            SessionEvent::Data(data) => {
-                let n = data.payload.len() as u64;
-                let mut bytes = vec![0; data.payload.len()];
-                data.payload.copy_to_slice(&mut bytes);
-                self.landed.get_mut(&id).unwrap().extend_from_slice(&bytes);
-                self.credit.release(n).unwrap(); // durable at once
-            }
-            SessionEvent::End => self.session.mark_resident(id).unwrap(),
-            SessionEvent::Complete => {
+        if !self.landed.contains_key(&id) {
+            // An answer on one of our own streams.
+            if self.session.handle_reply(id, frame).unwrap() == OutgoingEvent::Complete {
                 assert_eq!(
                     self.session.close_outgoing(id, epoch()),
                     StreamClosed::Completed
                 );
                 self.completed.push(id);
             }
-            _ => {}
+            return;
+        }
+        match self
+            .session
+            .handle_frame(id, frame, &mut self.credit)
+            .unwrap()
+        {
+            IncomingEvent::Metadata(_) => self.session.accept(id).unwrap(),
+            IncomingEvent::Data(data) => {
+                let n = data.payload.len() as u64;
+                let mut bytes = vec![0; data.payload.len()];
+                data.payload.copy_to_slice(&mut bytes);
+                self.landed.get_mut(&id).unwrap().extend_from_slice(&bytes);
+                self.credit.release(n).unwrap(); // durable at once
+            }
+            IncomingEvent::End => self.session.mark_resident(id).unwrap(),
+            IncomingEvent::Early => {}
         }
     }
 }
@@ -677,7 +729,7 @@ fn a_connection_holds_at_most_its_window_of_credit() {
     let data = sender.poll_frame().unwrap();
     assert!(matches!(
         session.handle_frame(0, data, &mut credit).unwrap(),
-        SessionEvent::Data(_)
+        IncomingEvent::Data(_)
     ));
     assert_eq!(session.connection_window_left(), 512 << 10);
     assert_eq!(session.grant(2, &mut credit, no_path()), 512 << 10);
@@ -777,7 +829,7 @@ fn a_rejected_early_tensor_returns_its_bytes_and_the_offer_is_topped_up() {
     session.open_stream(0).unwrap();
     let mut held = 0;
     while let Some(frame) = sender.poll_frame() {
-        if let SessionEvent::Data(d) = session.handle_frame(0, frame, &mut credit).unwrap() {
+        if let IncomingEvent::Data(d) = session.handle_frame(0, frame, &mut credit).unwrap() {
             held += d.payload.len() as u64;
         }
     }
@@ -829,7 +881,7 @@ fn early_credit_stays_under_the_low_watermark_and_bounds_early_tensors() {
     let early = sender.poll_frame().unwrap();
     assert!(matches!(
         session.handle_frame(0, early, &mut credit),
-        Ok(SessionEvent::Early)
+        Ok(IncomingEvent::Early)
     ));
     let err = session
         .handle_frame(0, sender.poll_frame().unwrap(), &mut credit)

@@ -8,8 +8,8 @@ mod common;
 use bytes::{Bytes, BytesMut};
 use common::vectors::{self, Manifest, vectors_dir};
 use tensorwire_proto::{
-    CreditTracker, ErrorCode, Frame, FrameDecoder, FrameType, Limits, ProtocolError, ReceiverEvent,
-    Session, SessionConfig, SessionEvent, StreamClosed, TensorReceiver,
+    CreditTracker, ErrorCode, Frame, FrameDecoder, FrameType, IncomingEvent, Limits, ProtocolError,
+    ReceiverEvent, Session, SessionConfig, StreamClosed, TensorReceiver,
 };
 
 fn read(file: &str) -> Bytes {
@@ -194,8 +194,8 @@ fn run_early_sequence(bytes: Bytes, early_credit: u64) -> Result<(), ProtocolErr
     let mut held = 0;
     while let Some(frame) = decoder.next_frame()? {
         match session.handle_frame(0, frame, &mut credit)? {
-            SessionEvent::Data(data) => held += data.payload.len() as u64,
-            SessionEvent::End => {
+            IncomingEvent::Data(data) => held += data.payload.len() as u64,
+            IncomingEvent::End => {
                 session.accept(0)?;
                 credit.release(std::mem::take(&mut held))?;
                 session.mark_resident(0)?;

@@ -241,6 +241,7 @@ pub(super) async fn serve_streams(
         max_failed_streams: config.max_failed_streams,
         failure_window: config.failure_window,
         early_credit: config.early_credit,
+        idle_timeout: config.connection_idle_timeout,
     };
     // A `Sender`'s connection already reads the peer's control stream (spec §4.1).
     let reads_control = session.is_none();
@@ -309,12 +310,11 @@ pub(super) async fn serve_streams(
             accepted = connection.accept_bi() => accepted,
             _ = idle_checks.tick() => {
                 state.sweep_closing();
-                if state.session().idle_for(Instant::now()) >= config.connection_idle_timeout {
-                    info!(idle = ?config.connection_idle_timeout, "closing a connection with no tensor streams");
-                    state.close(
-                        ErrorCode::PROGRESS_TIMEOUT,
-                        b"no tensor stream within the receiver's idle timeout",
-                    );
+                // Spec §10: the session decides when an idle connection ends, and with what.
+                let end = state.session().handle_timeout(Instant::now());
+                if let Some(end) = end {
+                    info!(%end, "closing a connection with no tensor streams");
+                    state.close(end.code, end.reason.as_bytes());
                     break;
                 }
                 continue;

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use tensorwire_proto::frame::Data;
 use tensorwire_proto::{
-    CheckedFrame, ErrorCode, Frame, GrantClock, ProtocolError, SessionEvent, StreamClosed,
+    CheckedFrame, ErrorCode, Frame, GrantClock, IncomingEvent, ProtocolError, StreamClosed,
     StreamId, TensorMeta,
 };
 use tensorwire_sink::{CreditPermit, MemoryReservation, Sink, SinkError};
@@ -52,7 +52,7 @@ fn handle_checked(
     shared: &Shared,
     id: StreamId,
     frame: CheckedFrame,
-) -> Result<SessionEvent, ProtocolError> {
+) -> Result<IncomingEvent, ProtocolError> {
     let mut session = connection.session();
     let window_was_full = session.connection_window_left() == 0;
     let event = shared
@@ -105,7 +105,7 @@ pub(super) async fn serve_stream(
 
 impl Accepted {
     /// Hands one frame from the peer to the session (which moves its credit).
-    fn handle(&self, frame: Frame) -> Result<SessionEvent, ProtocolError> {
+    fn handle(&self, frame: Frame) -> Result<IncomingEvent, ProtocolError> {
         // The pass over DATA's bytes, before the connection's and the receiver-wide locks.
         self.handle_checked(CheckedFrame::new(frame))
     }
@@ -117,7 +117,7 @@ impl Accepted {
         &self,
         frame: Frame,
         checksums: Checksums,
-    ) -> Result<SessionEvent, ProtocolError> {
+    ) -> Result<IncomingEvent, ProtocolError> {
         self.handle_checked(match checksums {
             Checksums::PerPayload => CheckedFrame::checksum_later(frame),
             Checksums::OfLandedBytes => CheckedFrame::checksum_landed(frame),
@@ -160,7 +160,7 @@ impl Accepted {
         Box::new(move |crc, len| Self::stored(&connection, &shared, id, &progress, crc, len))
     }
 
-    fn handle_checked(&self, frame: CheckedFrame) -> Result<SessionEvent, ProtocolError> {
+    fn handle_checked(&self, frame: CheckedFrame) -> Result<IncomingEvent, ProtocolError> {
         handle_checked(&self.connection, &self.shared, self.id, frame)
     }
 
@@ -180,9 +180,9 @@ impl Accepted {
                 .await
                 .map_err(|_| TransportError::timed_out("METADATA", config.progress_timeout))??;
             match self.handle(frame)? {
-                SessionEvent::Metadata(meta) => break meta,
+                IncomingEvent::Metadata(meta) => break meta,
                 // Spec §7.6: EARLY comes first; METADATA follows.
-                SessionEvent::Early => continue,
+                IncomingEvent::Early => continue,
                 _ => return Err(ProtocolError::Misuse("first event was not METADATA").into()),
             }
         };
@@ -307,13 +307,13 @@ impl Accepted {
                 .into());
             };
             match self.handle(frame)? {
-                SessionEvent::Data(data) => {
+                IncomingEvent::Data(data) => {
                     let n = data.payload.len() as u64;
                     let permit =
                         CreditPermit::new(n, self.shared.budget.clone(), self.pending.clone());
                     self.early.push((data, permit));
                 }
-                SessionEvent::End => self.early_ended = true,
+                IncomingEvent::End => self.early_ended = true,
                 _ => {
                     return Err(ProtocolError::Misuse("a frame was accepted before ACCEPT").into());
                 }
@@ -431,7 +431,7 @@ impl Accepted {
                         // END is checked against every payload's CRC: all stored first.
                         let mut sink = stores.into_sink().await?;
                         return match self.handle_checksum_later(frame, checksums)? {
-                            SessionEvent::End => {
+                            IncomingEvent::End => {
                                 if checksums == Checksums::OfLandedBytes {
                                     self.verify_landed(&mut sink).await?;
                                 }
@@ -441,7 +441,7 @@ impl Accepted {
                         };
                     }
                     match self.handle_checksum_later(frame, checksums)? {
-                        SessionEvent::Data(data) => {
+                        IncomingEvent::Data(data) => {
                             let n = data.payload.len() as u64;
                             let permit = CreditPermit::new(n, shared.budget.clone(), pending.clone());
                             let on_stored = || Self::on_stored_elsewhere(&connection, &shared, self.id, &progress);

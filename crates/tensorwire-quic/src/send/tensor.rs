@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use quinn::VarInt;
-use tensorwire_proto::{ErrorCode, Limits, SessionEvent, StreamId, TensorMeta, TensorSender};
+use tensorwire_proto::{ErrorCode, Limits, OutgoingEvent, StreamId, TensorMeta, TensorSender};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
@@ -271,7 +271,7 @@ impl OutgoingTensor {
             let reply =
                 next_frame_while_progressing(&mut self.stream, connection, progress_timeout);
             let frame = timed(&mut waited.receiver, unless_cancelled(cancel, reply)).await?;
-            if self.session.lock().handle_reply(id, frame)? == SessionEvent::Complete {
+            if self.session.lock().handle_reply(id, frame)? == OutgoingEvent::Complete {
                 // The receiver's FIN comes with COMPLETE.
                 self.stream.read_fin_if_arrived();
                 return Ok(());
