@@ -135,9 +135,9 @@ pub(crate) async fn tensorwire_run(
         config.transport = setup.transport();
         config.endpoints = 1;
         config.store_offload = setup.store_offload;
-        config.stream_window = window;
-        config.max_stream_window = max_window;
-        config.grant_unit = grant;
+        config.session.stream_window = window;
+        config.session.max_stream_window = max_window;
+        config.session.grant_unit = grant;
         let mut receiver = Receiver::bind(config).await?;
         let addr = receiver.local_addr()?;
         let sink = sink.clone();

@@ -202,8 +202,8 @@ mod on_gpu {
             Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required).unwrap();
         let (mut rx, tx) = pair_with(|config| {
             *config = config.clone().with_budget(BUDGET);
-            config.grant_unit = 1 << 20;
-            config.stream_window = 2 << 20;
+            config.session.grant_unit = 1 << 20;
+            config.session.stream_window = 2 << 20;
             config.progress_timeout = Duration::from_secs(5);
         })
         .await;

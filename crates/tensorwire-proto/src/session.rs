@@ -36,11 +36,15 @@ pub struct SessionConfig {
     /// Bytes granted to a tensor in one CREDIT.
     pub grant_unit: u64,
     /// Most credit one tensor may hold granted and not yet arrived when it starts, so one
-    /// tensor cannot take the whole budget.
+    /// tensor cannot take the whole budget. Over QUIC, windows much above 8 MiB moved less
+    /// (benches/results/LOG.md), likely because quinn copies a stream's waiting datagrams
+    /// into one new buffer once more than 2,048 wait.
     pub stream_window: u64,
     /// Most a tensor's window grows to (spec §7.1): it doubles whenever a whole window of the
-    /// tensor's bytes arrives faster than the window lets them over two round trips. At or
-    /// below `stream_window`, windows stay fixed.
+    /// tensor's bytes arrives faster than the window lets them over two round trips, so a
+    /// tensor alone on a long path is not held to `stream_window` per round trip. At or
+    /// below `stream_window`, windows stay fixed. A QUIC driver caps a stream's unread bytes
+    /// at its stream receive window whatever credit allows: raise both together.
     pub max_stream_window: u64,
     /// Most credit the whole connection may hold granted and not yet arrived, so one peer
     /// cannot take the receiver-wide budget from the others (spec §7.1).

@@ -75,7 +75,7 @@ impl Receiver {
         config.budget = budget_mib << 20;
         config.high_watermark = config.budget / 100 * 87;
         config.low_watermark = config.budget / 2;
-        config.connection_window = config.budget / 2;
+        config.session.connection_window = config.budget / 2;
         config.admission_timeout = wait;
         config.transport = TransportSettings::default().with_mtu(mtu, listen);
         if let Some(mib) = host_memory_mib {
@@ -83,7 +83,7 @@ impl Receiver {
         }
         let placement = Placement::choose(request, GpuRequirement::required_if(require_gpu))
             .map_err(|e| error(py, e.to_string(), None, None))?;
-        let max_tensor_len = config.limits.max_tensor_len;
+        let max_tensor_len = config.session.limits.max_tensor_len;
         let bound = py.allow_threads(|| runtime().block_on(QuicReceiver::bind(config)));
         let mut receiver = bound.map_err(|e| transport_error(py, &e, None))?;
         let local_addr = receiver

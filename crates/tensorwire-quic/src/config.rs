@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
-use tensorwire_proto::{Limits, SessionConfig};
+use tensorwire_proto::SessionConfig;
 use tensorwire_sink::MemoryLimit;
 
 use crate::steering::Steering;
@@ -28,8 +28,11 @@ pub struct ReceiverConfig {
     pub tls: ServerTls,
     /// QUIC settings.
     pub transport: TransportSettings,
-    /// Protocol limits enforced on every stream (spec §8).
-    pub limits: Limits,
+    /// Each connection's protocol policy (spec §7, §8, §10): frame limits, grants and
+    /// windows, the failed-stream budget, early credit and the idle timeout. The session of
+    /// every connection gets a copy. Defaults: [`SessionConfig::default`], with the
+    /// connection window at half the budget ([`Self::with_budget`]).
+    pub session: SessionConfig,
     /// Receiver-wide byte budget: granted-but-unarrived plus arrived-but-not-durable bytes
     /// never exceed it, however many senders connect (spec §7.1).
     pub budget: u64,
@@ -37,32 +40,10 @@ pub struct ReceiverConfig {
     pub high_watermark: u64,
     /// Granting resumes when outstanding bytes fall to this.
     pub low_watermark: u64,
-    /// Bytes granted to a tensor in one CREDIT.
-    pub grant_unit: u64,
-    /// Most credit one tensor may hold unused, so one tensor cannot take the whole budget.
-    /// Default 8 MiB: larger windows moved less (benches/results/LOG.md), likely because quinn
-    /// copies a stream's waiting datagrams into one new buffer once more than 2,048 wait.
-    pub stream_window: u64,
-    /// Most a tensor's window grows to (spec §7.1): it doubles while a whole window of the
-    /// tensor's bytes arrives faster than the window lets them over two of the connection's
-    /// round trips (the smallest its QUIC stack reported), so a tensor alone on a long path
-    /// is not held to `stream_window` per round trip. Default 16 MiB, QUIC's stream window
-    /// ([`TransportSettings::stream_receive_window`]), which caps a stream's unread bytes
-    /// whatever credit allows: raise both together. At or below `stream_window`, windows
-    /// stay fixed.
-    pub max_stream_window: u64,
-    /// Most credit one connection may hold granted and not yet arrived, so one peer cannot
-    /// take the whole budget from the others (spec §7.1). Default: half the budget.
-    pub connection_window: u64,
     /// A stream with no frame for this long is cancelled with PROGRESS_TIMEOUT.
     pub progress_timeout: Duration,
     /// How long an incoming tensor may wait for the application's accept or reject.
     pub admission_timeout: Duration,
-    /// Failed or cancelled streams a connection may have per [`Self::failure_window`] before
-    /// it is closed with CANCEL_FLOOD (spec §10).
-    pub max_failed_streams: u32,
-    /// The failed-stream budget refills at [`Self::max_failed_streams`] per this window.
-    pub failure_window: Duration,
     /// Host memory that tensors accepted with [`IncomingTensor::accept_host`] may hold at
     /// once, landed and not yet dropped by the application (spec §7.5). A tensor that does
     /// not fit waits up to [`Self::admission_timeout`], then is rejected with
@@ -87,9 +68,6 @@ pub struct ReceiverConfig {
     /// Tensors of one connection that may wait for the application's decision at once;
     /// more wait on their connection, so one peer cannot starve the others (spec §10).
     pub max_pending_per_connection: usize,
-    /// A connection with no tensor stream open for this long is closed with
-    /// PROGRESS_TIMEOUT, even if its peer keeps it alive (spec §10).
-    pub connection_idle_timeout: Duration,
     /// Bytes of METADATA the tensor streams open now may hold, in all; each connection may
     /// hold [`Self::memory_share_percent`] of it. A METADATA that does not fit is refused
     /// at once with RESOURCE_EXHAUSTED, so legal but large METADATA on many streams cannot
@@ -102,11 +80,6 @@ pub struct ReceiverConfig {
     /// every connection slot (spec §10). Default: 64, room for several senders of 8
     /// connections on one host.
     pub max_connections_per_peer: usize,
-    /// Early credit offered to each connection (spec §7.6): a tensor up to this size goes
-    /// in one round trip (EARLY, METADATA, DATA and END at once; ACCEPT and COMPLETE back).
-    /// It comes out of [`Self::budget`], only while outstanding bytes stay at or below the
-    /// low watermark. 0 offers none. Default: 1 MiB.
-    pub early_credit: u64,
     /// Where DATA payloads of 1 MiB or more are stored (copied and checksummed into the
     /// sink): beside their connection's packet processing, or on the runtime that bound the
     /// receiver while the host has cores to spare. Default: [`StoreOffload::Auto`].
@@ -120,34 +93,29 @@ impl ReceiverConfig {
     /// failure budget and early credit ([`SessionConfig::default`]), one endpoint per core.
     pub fn new(listen: SocketAddr, tls: ServerTls) -> Self {
         let budget = 256 << 20;
-        let policy = SessionConfig::default();
+        let session = SessionConfig {
+            connection_window: budget / 2,
+            ..SessionConfig::default()
+        };
         Self {
             listen,
             endpoints: default_endpoints(),
             steering: Steering::default(),
             tls,
             transport: TransportSettings::default(),
-            limits: policy.limits,
+            session,
             budget,
             high_watermark: budget / 8 * 7,
             low_watermark: budget / 2,
-            grant_unit: policy.grant_unit,
-            stream_window: policy.stream_window,
-            max_stream_window: policy.max_stream_window,
-            connection_window: budget / 2,
             progress_timeout: Duration::from_secs(30),
             admission_timeout: Duration::from_secs(30),
-            max_failed_streams: policy.max_failed_streams,
-            failure_window: policy.failure_window,
             host_memory_budget: default_host_memory_budget(),
             kept_host_memory: 1 << 30,
             memory_share_percent: 50,
             max_pending_per_connection: 64,
-            connection_idle_timeout: Duration::from_secs(60),
             metadata_budget: 64 << 20,
             max_connections: 512,
             max_connections_per_peer: 64,
-            early_credit: policy.early_credit,
             store_offload: StoreOffload::Auto,
         }
     }
@@ -158,7 +126,7 @@ impl ReceiverConfig {
         self.budget = budget;
         self.high_watermark = budget / 8 * 7;
         self.low_watermark = budget / 2;
-        self.connection_window = budget / 2;
+        self.session.connection_window = budget / 2;
         self
     }
 
@@ -174,8 +142,8 @@ impl ReceiverConfig {
     /// METADATA of 16 streams at the largest METADATA length, so unread bytes stay near the
     /// credit a connection holds (docs/operators.md: the memory bound).
     pub fn receiving_transport(&self) -> TransportSettings {
-        let metadata = u64::from(self.limits.max_metadata_len) * METADATA_IN_QUIC_BUFFERS;
-        let window = self.connection_window.saturating_add(metadata);
+        let metadata = u64::from(self.session.limits.max_metadata_len) * METADATA_IN_QUIC_BUFFERS;
+        let window = self.session.connection_window.saturating_add(metadata);
         let window = u32::try_from(window).unwrap_or(u32::MAX);
         let mut transport = self.transport.clone();
         transport.connection_receive_window = transport.connection_receive_window.min(window);

@@ -234,8 +234,8 @@ async fn the_receiver_cancels_while_making_the_tensor_resident() {
 async fn rule_breakers_get_the_documented_code_while_others_are_served() {
     init_tracing();
     let mut config = receiver_config();
-    config.grant_unit = 1000;
-    config.stream_window = 1000; // each rule breaker holds exactly 1000 bytes of credit
+    config.session.grant_unit = 1000;
+    config.session.stream_window = 1000; // each rule breaker holds exactly 1000 bytes of credit
     let (mut rx, addr) = receiver(config).await;
     let server = tokio::spawn(async move {
         let mut results = Vec::new();
@@ -477,7 +477,7 @@ fn loopback_gets_the_largest_packets_and_other_addresses_probe_up_from_the_safe_
 #[tokio::test]
 async fn a_cancel_flood_closes_the_connection() {
     let mut config = receiver_config();
-    config.max_failed_streams = 5;
+    config.session.max_failed_streams = 5;
     let (mut rx, addr) = receiver(config).await;
     tokio::spawn(async move {
         while let Some(incoming) = rx.next().await {

@@ -196,7 +196,7 @@ async fn a_refused_early_credit_offer_returns_to_the_budget() {
     let Some(Frame::EarlyCredit(offer)) = decoder.next_frame().unwrap() else {
         panic!("the control stream starts with EARLY_CREDIT");
     };
-    assert_eq!(offer.bytes, receiver_config().early_credit);
+    assert_eq!(offer.bytes, receiver_config().session.early_credit);
     assert_eq!(rx.budget().early_offered, offer.bytes);
     control
         .stop(VarInt::from_u32(ErrorCode::UNEXPECTED_FRAME.0))
@@ -216,7 +216,7 @@ async fn a_refused_early_credit_offer_returns_to_the_budget() {
 #[tokio::test]
 async fn a_connection_that_never_opens_a_stream_is_closed() {
     let mut config = receiver_config();
-    config.connection_idle_timeout = Duration::from_millis(500);
+    config.session.idle_timeout = Duration::from_millis(500);
     let (_rx, addr) = receiver(config).await;
     let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
     let closed = tokio::time::timeout(Duration::from_secs(20), raw.closed())
@@ -363,7 +363,7 @@ async fn a_peer_idling_in_accepted_tensors_holds_only_its_share() {
     let mut config = receiver_config()
         .with_budget(8 << 20)
         .with_host_memory_budget(4 << 20);
-    config.stream_window = 1 << 20;
+    config.session.stream_window = 1 << 20;
     config.admission_timeout = Duration::from_secs(20);
     let (rx, addr) = receiver(config).await;
     let host = rx.host_memory_budget();
@@ -474,7 +474,7 @@ async fn a_peer_with_many_connections_holds_only_its_share_of_memory() {
     let mut config = receiver_config()
         .with_budget(64 << 20)
         .with_host_memory_budget(4 << 20);
-    config.stream_window = 1 << 20;
+    config.session.stream_window = 1 << 20;
     // No cap per connection: only the peer's share stands between the hog and the budget.
     config.memory_share_percent = 100;
     config.admission_timeout = Duration::from_secs(60);
@@ -524,9 +524,9 @@ async fn a_peer_with_many_connections_holds_only_its_share_of_credit() {
     let mut config = receiver_config()
         .with_budget(4 << 20)
         .with_host_memory_budget(256 << 20);
-    config.stream_window = 1 << 20;
-    config.grant_unit = 256 << 10;
-    config.connection_window = 4 << 20;
+    config.session.stream_window = 1 << 20;
+    config.session.grant_unit = 256 << 10;
+    config.session.connection_window = 4 << 20;
     config.memory_share_percent = 100;
     config.admission_timeout = Duration::from_secs(60);
     config.progress_timeout = Duration::from_secs(60);

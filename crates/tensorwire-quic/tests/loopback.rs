@@ -60,7 +60,7 @@ async fn a_one_gib_tensor_arrives_intact() {
     let config = receiver_config();
     let window = rx.metrics().largest_stream_window;
     assert!(
-        (config.stream_window..=config.max_stream_window).contains(&window),
+        (config.session.stream_window..=config.session.max_stream_window).contains(&window),
         "largest window {window}"
     );
     tx.close().await;
@@ -274,8 +274,8 @@ async fn a_slow_sink_keeps_held_bytes_within_the_budget() {
     const BUDGET: u64 = 8 << 20;
     const LEN: usize = 96 << 20;
     let mut config = receiver_config().with_budget(BUDGET);
-    config.grant_unit = 1 << 20;
-    config.stream_window = 4 << 20;
+    config.session.grant_unit = 1 << 20;
+    config.session.stream_window = 4 << 20;
     let (mut rx, addr) = receiver(config).await;
     let data = pattern(LEN, 9);
     let expected = data.clone();
@@ -391,8 +391,8 @@ async fn partial_batches_flushed(offload: StoreOffload) {
     const BUDGET: u64 = 3 << 20;
     const LEN: usize = 12 << 20;
     let mut config = receiver_config().with_budget(BUDGET);
-    config.grant_unit = 1 << 20;
-    config.stream_window = 2 << 20;
+    config.session.grant_unit = 1 << 20;
+    config.session.stream_window = 2 << 20;
     config.progress_timeout = Duration::from_secs(3);
     config.store_offload = offload;
     let (mut rx, addr) = receiver(config).await;
@@ -636,8 +636,8 @@ async fn a_send_reports_what_held_it_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunks_cut_short_by_credit_keep_the_checksum() {
     let mut config = receiver_config();
-    config.grant_unit = 300_007;
-    config.stream_window = 300_007;
+    config.session.grant_unit = 300_007;
+    config.session.stream_window = 300_007;
     let (rx, addr) = receiver(config).await;
     let data = pattern((9 << 20) + 12_345, 6);
     let dir = std::env::temp_dir().join(format!("tensorwire-cut-{}", std::process::id()));
@@ -664,7 +664,7 @@ async fn chunks_cut_short_by_credit_keep_the_checksum() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_that_exits_after_close_leaves_no_connection_behind() {
     let mut config = receiver_config();
-    config.connection_idle_timeout = Duration::from_secs(600);
+    config.session.idle_timeout = Duration::from_secs(600);
     config.transport.idle_timeout = Duration::from_secs(600);
     let (rx, addr) = receiver(config).await;
     let mut transport = tensorwire_quic::TransportSettings::jumbo();
@@ -907,7 +907,7 @@ async fn a_small_tensor_arrives_with_its_metadata_when_sent_early() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(offered, Some(receiver_config().early_credit));
+    assert_eq!(offered, Some(receiver_config().session.early_credit));
     for (name, accept) in [("kept", true), ("refused", false)] {
         let send = tx.send(u8_meta(name, 4096), pattern(4096, 5));
         let incoming = rx.next().await.unwrap();
@@ -927,7 +927,7 @@ async fn a_small_tensor_arrives_with_its_metadata_when_sent_early() {
     }
     assert_eq!(
         tx.early_allowance(),
-        Some(receiver_config().early_credit - 8192)
+        Some(receiver_config().session.early_credit - 8192)
     );
     tx.close().await;
     // The connection is gone: its unused early credit is back too.
@@ -945,7 +945,7 @@ async fn a_small_tensor_arrives_with_its_metadata_when_sent_early() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn early_credit_is_topped_up_as_tensors_use_it() {
     let mut config = receiver_config();
-    config.early_credit = 16 << 10;
+    config.session.early_credit = 16 << 10;
     let (mut rx, addr) = receiver(config).await;
     let tx = sender(addr).await;
     // 20 tensors of 4 KiB: five times the offer.

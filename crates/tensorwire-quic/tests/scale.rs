@@ -24,8 +24,8 @@ async fn many_connections_over_several_endpoints_share_one_budget() {
     let budget = 8 << 20;
     let mut config = receiver_config().with_budget(budget);
     config.endpoints = 4;
-    config.grant_unit = 1 << 20;
-    config.stream_window = 2 << 20;
+    config.session.grant_unit = 1 << 20;
+    config.session.stream_window = 2 << 20;
     let (mut rx, addr) = receiver(config).await;
     assert_eq!(rx.endpoint_count(), 4);
     let server = tokio::spawn(async move {

@@ -262,7 +262,7 @@ async fn the_stream_is_read_on_while_a_store_off_its_thread_runs() {
     let mut config = receiver_config();
     config.endpoints = 1;
     config.store_offload = StoreOffload::UpTo(NonZeroUsize::MIN);
-    let window = config.stream_window;
+    let window = config.session.stream_window;
     let (mut rx, addr) = receiver(config).await;
     let tx = sender(addr).await;
     let len = 32 << 20;

@@ -182,11 +182,11 @@ async fn main() -> anyhow::Result<()> {
     config.budget = budget;
     config.high_watermark = budget / 100 * args.high_percent;
     config.low_watermark = budget / 100 * args.low_percent;
-    config.limits.max_tensor_len = args.max_tensor;
-    config.stream_window = args.stream_window;
-    config.max_stream_window = args.max_stream_window;
-    config.grant_unit = args.grant_unit;
-    config.early_credit = args.early_credit_kib.saturating_mul(1024);
+    config.session.limits.max_tensor_len = args.max_tensor;
+    config.session.stream_window = args.stream_window;
+    config.session.max_stream_window = args.max_stream_window;
+    config.session.grant_unit = args.grant_unit;
+    config.session.early_credit = args.early_credit_kib.saturating_mul(1024);
     let host_memory_from = match args.host_memory {
         Some(host_memory) => {
             config.host_memory_budget = host_memory;
@@ -199,11 +199,11 @@ async fn main() -> anyhow::Result<()> {
     };
     config.kept_host_memory = args.kept_host_mib.saturating_mul(1 << 20);
     let share = args.connection_share_percent;
-    config.connection_window = budget / 100 * share;
+    config.session.connection_window = budget / 100 * share;
     config.memory_share_percent = share;
     config.progress_timeout = args.progress_timeout;
     config.admission_timeout = args.admission_timeout;
-    config.connection_idle_timeout = args.connection_idle_timeout;
+    config.session.idle_timeout = args.connection_idle_timeout;
     config.metadata_budget = args.metadata_budget;
     config.max_connections = usize::try_from(args.max_connections).unwrap_or(usize::MAX);
     config.max_connections_per_peer =

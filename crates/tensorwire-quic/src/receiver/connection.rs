@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use quinn::VarInt;
-use tensorwire_proto::{ErrorCode, Party, Session, SessionConfig};
+use tensorwire_proto::{ErrorCode, Party, Session};
 use tensorwire_sink::{Carrier, MemoryBudget, MemoryShares};
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio_util::task::task_tracker::TaskTrackerToken;
@@ -232,17 +232,7 @@ pub(super) async fn serve_streams(
 ) {
     let id = connection.stable_id();
     let config = &shared.config;
-    let policy = SessionConfig {
-        limits: config.limits.clone(),
-        grant_unit: config.grant_unit,
-        stream_window: config.stream_window,
-        max_stream_window: config.max_stream_window,
-        connection_window: config.connection_window,
-        max_failed_streams: config.max_failed_streams,
-        failure_window: config.failure_window,
-        early_credit: config.early_credit,
-        idle_timeout: config.connection_idle_timeout,
-    };
+    let policy = config.session.clone();
     // A `Sender`'s connection already reads the peer's control stream (spec §4.1).
     let reads_control = session.is_none();
     let session = match session {
@@ -289,7 +279,7 @@ pub(super) async fn serve_streams(
     }
     shared.connections.insert(id, state.clone());
     info!("connection established");
-    if config.early_credit > 0 {
+    if config.session.early_credit > 0 {
         let offered = {
             let mut session = state.session();
             shared
@@ -299,7 +289,7 @@ pub(super) async fn serve_streams(
         debug!(offered, "early credit");
         tokio::spawn(offer_early_credit(shared.clone(), state.clone()));
     }
-    let idle_check = config.connection_idle_timeout.min(Duration::from_secs(1));
+    let idle_check = config.session.idle_timeout.min(Duration::from_secs(1));
     // One timer for the connection's life, not one armed and cancelled per stream accepted.
     let mut idle_checks =
         tokio::time::interval_at(tokio::time::Instant::now() + idle_check, idle_check);
@@ -328,7 +318,7 @@ pub(super) async fn serve_streams(
                     warn!(error = %e, "stream refused");
                     continue;
                 }
-                let stream = FrameStream::new(send, recv, shared.config.limits.clone());
+                let stream = FrameStream::new(send, recv, shared.config.session.limits.clone());
                 // Boxed: the task then holds a pointer, not the stream's whole state machine,
                 // which tokio would otherwise move at the spawn and at each change of the
                 // task's stage (a few thousand bytes, three times per tensor).

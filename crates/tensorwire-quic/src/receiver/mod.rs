@@ -131,7 +131,7 @@ impl Shared {
     }
 
     fn new(config: ReceiverConfig) -> Result<Arc<Self>, TransportError> {
-        if config.grant_unit == 0 || config.stream_window == 0 {
+        if config.session.grant_unit == 0 || config.session.stream_window == 0 {
             return Err(TransportError::Config(
                 "grant_unit and stream_window must be at least one byte".into(),
             ));
@@ -261,7 +261,7 @@ impl Receiver {
         runtime: &tokio::runtime::Handle,
         mut config: ReceiverConfig,
     ) -> Result<Self, TransportError> {
-        config.connection_idle_timeout = Duration::MAX;
+        config.session.idle_timeout = Duration::MAX;
         let local = SocketAddr::new(
             connection
                 .local_ip()
