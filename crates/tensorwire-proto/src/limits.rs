@@ -33,7 +33,7 @@ impl Limits {
         let body = (self.max_metadata_len as usize)
             .max(8 + self.max_data_payload as usize)
             .max(6 + self.max_reason_len as usize);
-        crate::frame::HEADER_LEN + body
+        crate::frame::header::HEADER_LEN + body
     }
 }
 

@@ -4,7 +4,8 @@
 
 use bytes::{BufMut, BytesMut};
 
-use super::{Frame, FrameType, wire::Reader};
+use super::header::FrameType;
+use super::wire::Reader;
 use crate::error::ProtocolError;
 
 /// Admits the tensor; DATA may follow once CREDIT grants bytes.
@@ -26,11 +27,5 @@ impl Accept {
 
     pub(crate) fn encode_body(&self, dst: &mut BytesMut) {
         dst.put_u32_le(self.max_data_payload);
-    }
-}
-
-impl From<Accept> for Frame {
-    fn from(f: Accept) -> Frame {
-        Frame::Accept(f)
     }
 }

@@ -4,7 +4,8 @@
 
 use bytes::BytesMut;
 
-use super::{Frame, FrameType, wire};
+use super::header::FrameType;
+use super::wire;
 use crate::error::{ErrorCode, ProtocolError};
 
 /// Abandons the tensor; the stream carries nothing after it.
@@ -36,11 +37,5 @@ impl Cancel {
 
     pub(crate) fn encode_body(&self, dst: &mut BytesMut) {
         wire::encode_reason(self.code, &self.reason, dst);
-    }
-}
-
-impl From<Cancel> for Frame {
-    fn from(f: Cancel) -> Frame {
-        Frame::Cancel(f)
     }
 }

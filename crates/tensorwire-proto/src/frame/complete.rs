@@ -2,8 +2,6 @@
 //!
 //! `type = 0x13 | length = 0`
 
-use super::Frame;
-
 /// Every byte arrived, the checksum matched, and the bytes are durable in the sink (on the
 /// GPU, for a GPU sink). Never sent on mere arrival.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -11,10 +9,4 @@ pub struct Complete;
 
 impl Complete {
     pub(crate) const BODY_LEN: usize = 0;
-}
-
-impl From<Complete> for Frame {
-    fn from(f: Complete) -> Frame {
-        Frame::Complete(f)
-    }
 }

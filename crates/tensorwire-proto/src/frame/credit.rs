@@ -4,7 +4,8 @@
 
 use bytes::{BufMut, BytesMut};
 
-use super::{Frame, FrameType, wire::Reader};
+use super::header::FrameType;
+use super::wire::Reader;
 use crate::error::ProtocolError;
 
 /// Grants the sender this many more payload bytes.
@@ -26,11 +27,5 @@ impl Credit {
 
     pub(crate) fn encode_body(&self, dst: &mut BytesMut) {
         dst.put_u64_le(self.bytes);
-    }
-}
-
-impl From<Credit> for Frame {
-    fn from(f: Credit) -> Frame {
-        Frame::Credit(f)
     }
 }

@@ -5,7 +5,6 @@
 
 use bytes::{BufMut, BytesMut};
 
-use super::Frame;
 use crate::error::{ErrorCode, ProtocolError};
 use crate::limits::Limits;
 use crate::payload::{ByteQueueBody, Payload};
@@ -71,10 +70,4 @@ pub(crate) fn check_len(len: u32, limits: &Limits) -> Result<(), ProtocolError> 
         });
     }
     Ok(())
-}
-
-impl From<Data> for Frame {
-    fn from(f: Data) -> Frame {
-        Frame::Data(f)
-    }
 }

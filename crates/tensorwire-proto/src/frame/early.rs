@@ -3,8 +3,6 @@
 //!
 //! `type = 0x05 | length = 0`
 
-use super::Frame;
-
 /// The tensor is sent early: its `byte_len` is taken from the connection's early allowance,
 /// and DATA and END follow without waiting for ACCEPT. Only right after METADATA.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -12,10 +10,4 @@ pub struct Early;
 
 impl Early {
     pub(crate) const BODY_LEN: usize = 0;
-}
-
-impl From<Early> for Frame {
-    fn from(f: Early) -> Frame {
-        Frame::Early(f)
-    }
 }

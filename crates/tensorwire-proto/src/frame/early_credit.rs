@@ -5,7 +5,8 @@
 
 use bytes::{BufMut, BytesMut};
 
-use super::{Frame, FrameType, wire::Reader};
+use super::header::FrameType;
+use super::wire::Reader;
 use crate::error::ProtocolError;
 
 /// Adds to the sender's early allowance on this connection.
@@ -34,11 +35,5 @@ impl EarlyCredit {
     pub(crate) fn encode_body(&self, dst: &mut BytesMut) {
         dst.put_u64_le(self.bytes);
         dst.put_u32_le(self.max_data_payload);
-    }
-}
-
-impl From<EarlyCredit> for Frame {
-    fn from(f: EarlyCredit) -> Frame {
-        Frame::EarlyCredit(f)
     }
 }

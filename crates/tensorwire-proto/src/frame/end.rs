@@ -4,7 +4,8 @@
 
 use bytes::{BufMut, BytesMut};
 
-use super::{Frame, FrameType, wire::Reader};
+use super::header::FrameType;
+use super::wire::Reader;
 use crate::error::ProtocolError;
 
 /// Every byte has been sent; carries the whole-tensor checksum.
@@ -26,11 +27,5 @@ impl End {
 
     pub(crate) fn encode_body(&self, dst: &mut BytesMut) {
         dst.put_u64_le(self.checksum);
-    }
-}
-
-impl From<End> for Frame {
-    fn from(f: End) -> Frame {
-        Frame::End(f)
     }
 }

@@ -11,7 +11,8 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use super::{Frame, FrameType, wire::Reader};
+use super::header::FrameType;
+use super::wire::Reader;
 use crate::dtype::{ChecksumAlgorithm, DType, Device};
 use crate::error::{ErrorCode, ProtocolError};
 use crate::limits::Limits;
@@ -221,16 +222,4 @@ pub(crate) fn check_len(len: u32, limits: &Limits) -> Result<(), ProtocolError> 
         return Err(too_short());
     }
     Ok(())
-}
-
-impl From<Metadata> for Frame {
-    fn from(f: Metadata) -> Frame {
-        Frame::Metadata(f)
-    }
-}
-
-impl From<TensorMeta> for Frame {
-    fn from(meta: TensorMeta) -> Frame {
-        Frame::Metadata(Metadata { meta })
-    }
 }

@@ -4,7 +4,8 @@
 
 use bytes::BytesMut;
 
-use super::{Frame, FrameType, wire};
+use super::header::FrameType;
+use super::wire;
 use crate::error::{ErrorCode, ProtocolError};
 
 /// Refuses the tensor; the sender must send nothing more on the stream.
@@ -36,11 +37,5 @@ impl Reject {
 
     pub(crate) fn encode_body(&self, dst: &mut BytesMut) {
         wire::encode_reason(self.code, &self.reason, dst);
-    }
-}
-
-impl From<Reject> for Frame {
-    fn from(f: Reject) -> Frame {
-        Frame::Reject(f)
     }
 }

@@ -2,7 +2,7 @@
 
 use bytes::BufMut;
 
-use super::FrameType;
+use super::header::FrameType;
 use crate::error::{ErrorCode, ProtocolError};
 use crate::limits::Limits;
 
