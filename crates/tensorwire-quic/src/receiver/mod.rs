@@ -13,6 +13,7 @@
 mod connection;
 mod incoming;
 mod offload;
+mod state;
 mod tensor;
 
 use std::net::{IpAddr, SocketAddr};
@@ -34,9 +35,10 @@ use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::session::ConnectionSession;
 use crate::transport::CLOSE_DRAIN;
-use connection::{ConnectionState, accept_connections};
+use connection::accept_connections;
 pub use incoming::{IncomingTensor, TensorHandle};
 use offload::Offloader;
+use state::ConnectionState;
 use tensorwire_sink::{MemoryBudget, MemorySnapshot, PeerShares};
 
 /// Incoming tensors waiting for the application before streams wait in turn.

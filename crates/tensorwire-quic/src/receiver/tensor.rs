@@ -17,9 +17,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::connection::ConnectionState;
 use super::incoming::{DECISION_GRACE, Decision, Ended, IncomingTensor, Run};
 use super::offload::{Checksums, OnStored, Receiving, Stores};
+use super::state::ConnectionState;
 use super::{CLOSE_GRACE, Shared};
 use crate::error::TransportError;
 use crate::stream::FrameStream;

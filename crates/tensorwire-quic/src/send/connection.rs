@@ -4,7 +4,6 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::time::Duration;
 
 use tensorwire_proto::TensorMeta;
 use tokio::runtime::Handle;
@@ -13,7 +12,7 @@ use tracing::{Instrument, info_span};
 
 use super::handle::SendHandle;
 use super::report::{SendProgress, SendReport};
-use super::tensor::send_tensor;
+use super::tensor::{SendOptions, Sharing, send_tensor};
 use crate::config::SenderConfig;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
@@ -35,26 +34,6 @@ pub struct ConnectionSender {
     pub(crate) runtime: Handle,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) options: SendOptions,
-}
-
-/// Whether a tensor's DATA waits its turn on the connection
-/// ([`ConnectionSession::take_turn`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Sharing {
-    /// A tensor of more than one DATA frame waits for the large tensors before it on the
-    /// connection to be done with the turn (spec §7.4); a smaller one goes at once.
-    InTurn,
-    /// At once, beside the others: the parts of a split tensor (spec §15). A part waiting
-    /// behind a whole tensor that waits for memory at the receiver, memory held by the
-    /// part's own parent, would wait until that tensor's admission timed out.
-    Alongside,
-}
-
-/// The parts of [`SenderConfig`] each send uses.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct SendOptions {
-    pub(crate) progress_timeout: Duration,
-    pub(crate) chunk_size: u64,
 }
 
 impl ConnectionSender {

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use tensorwire_proto::split::{MAX_PARTS, SplitId, plan_split};
 use tensorwire_proto::{Feature, ProtocolError, TensorMeta, Version};
 
-use super::{SendHandle, Sender};
+use super::handle::SendHandle;
+use super::sender::Sender;
 use crate::config::SenderConfig;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};

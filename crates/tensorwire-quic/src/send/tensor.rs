@@ -10,7 +10,6 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use super::connection::{SendOptions, Sharing};
 use super::report::{SendReport, SendWaits, timed};
 use crate::error::TransportError;
 use crate::metrics::Metrics;
@@ -18,6 +17,26 @@ use crate::session::ConnectionSession;
 use crate::source::Source;
 use crate::source::SourceReader;
 use crate::stream::FrameStream;
+
+/// Whether a tensor's DATA waits its turn on the connection
+/// ([`ConnectionSession::take_turn`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Sharing {
+    /// A tensor of more than one DATA frame waits for the large tensors before it on the
+    /// connection to be done with the turn (spec §7.4); a smaller one goes at once.
+    InTurn,
+    /// At once, beside the others: the parts of a split tensor (spec §15). A part waiting
+    /// behind a whole tensor that waits for memory at the receiver, memory held by the
+    /// part's own parent, would wait until that tensor's admission timed out.
+    Alongside,
+}
+
+/// The parts of [`SenderConfig`](crate::SenderConfig) each send uses.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SendOptions {
+    pub(crate) progress_timeout: Duration,
+    pub(crate) chunk_size: u64,
+}
 
 #[allow(clippy::too_many_arguments)] // One send's parts, passed once from `send`.
 pub(crate) async fn send_tensor(
