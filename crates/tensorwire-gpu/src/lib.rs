@@ -54,6 +54,8 @@ mod destination;
 )]
 pub mod dlpack;
 mod error;
+#[cfg(feature = "cuda")]
+mod memory_pools;
 mod placement;
 mod pool;
 mod receiver;
@@ -77,13 +79,15 @@ pub use cuda::{
 pub use cudarc;
 pub use destination::{DestinationSink, Destinations, HostMemory, Landed};
 pub use error::GpuError;
+#[cfg(feature = "cuda")]
+pub use memory_pools::{GpuMemoryPool, PinnedMemoryPool};
 pub use placement::{DeviceRequest, GpuRequirement, Placement, TensorSink};
 pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 pub use receiver::{GpuReceiverEvent, GpuTensorReceiver, LandError};
 #[cfg(feature = "cuda")]
 pub use sink::{
-    CHECKSUM_ON_DEVICE_FROM, ChecksumOn, DEFAULT_STAGING_POOL, GpuMemoryPool, GpuSink, Handoff,
-    HostFallback, PinnedMemoryPool, PooledGpuReceiver, STAGING_BUFFER,
+    CHECKSUM_ON_DEVICE_FROM, ChecksumOn, DEFAULT_STAGING_POOL, GpuSink, Handoff, HostFallback,
+    PooledGpuReceiver, STAGING_BUFFER,
 };
 pub use status::GpuStatus;
 #[cfg(feature = "test-util")]

@@ -24,7 +24,11 @@ impl GpuStatus {
     pub fn detect() -> GpuStatus {
         #[cfg(feature = "cuda")]
         {
-            crate::cuda::detect()
+            match crate::cuda::detect() {
+                Ok(0) => GpuStatus::NoDevices,
+                Ok(device_count) => GpuStatus::Available { device_count },
+                Err(reason) => GpuStatus::NoCuda(reason),
+            }
         }
         #[cfg(not(feature = "cuda"))]
         {

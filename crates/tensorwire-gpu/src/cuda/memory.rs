@@ -6,7 +6,8 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{result, sys};
 
 use super::share::{self, DeviceMemoryKind, IpcHandle, VmmMapping};
-use super::{GpuDevice, cuda};
+use super::transfer::{check_range, finish_device_copies, read, write};
+use super::{GpuDevice, allocation_error, cuda};
 use crate::error::GpuError;
 use crate::pool::Allocation;
 
@@ -263,74 +264,6 @@ impl DeviceAllocation {
     /// [`overwrite_from_device`](Self::overwrite_from_device)); synchronous.
     pub fn overwrite_from_host(&self, offset: usize, src: &[u8]) -> Result<(), GpuError> {
         write(&self.device, self.ptr, self.len, offset, src)
-    }
-}
-
-/// Waits until device-to-device copies issued on these devices' contexts have completed.
-pub(super) fn finish_device_copies(a: &GpuDevice, b: &GpuDevice) -> Result<(), GpuError> {
-    for device in [a, b] {
-        device.bind()?;
-        result::ctx::synchronize().map_err(cuda("cuCtxSynchronize"))?;
-    }
-    Ok(())
-}
-
-/// Copies `size` bytes at `base + offset` of `device` into `dst`, after pending copies.
-pub(super) fn read(
-    device: &GpuDevice,
-    base: sys::CUdeviceptr,
-    size: usize,
-    offset: usize,
-    dst: &mut [u8],
-) -> Result<(), GpuError> {
-    check_range(offset, dst.len(), size)?;
-    if dst.is_empty() {
-        return Ok(());
-    }
-    device.synchronize_copies()?;
-    // SAFETY: the range was checked to lie inside `size` mapped bytes at `base` (callers pass
-    // their own live mapping); the context is current.
-    unsafe { result::memcpy_dtoh_sync(dst, base + offset as u64) }.map_err(cuda("cuMemcpyDtoH"))
-}
-
-/// Copies `src` to `base + offset` of `device`, after pending copies.
-pub(super) fn write(
-    device: &GpuDevice,
-    base: sys::CUdeviceptr,
-    size: usize,
-    offset: usize,
-    src: &[u8],
-) -> Result<(), GpuError> {
-    check_range(offset, src.len(), size)?;
-    if src.is_empty() {
-        return Ok(());
-    }
-    device.synchronize_copies()?;
-    // SAFETY: as in `read`.
-    unsafe { result::memcpy_htod_sync(base + offset as u64, src) }.map_err(cuda("cuMemcpyHtoD"))
-}
-
-/// Out of memory as its own error, so callers can fall back; anything else names the call.
-pub(super) fn allocation_error(
-    what: &'static str,
-    bytes: usize,
-    call: &'static str,
-) -> impl FnOnce(result::DriverError) -> GpuError {
-    move |e| {
-        if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
-            GpuError::OutOfMemory { what, bytes }
-        } else {
-            cuda(call)(e)
-        }
-    }
-}
-
-pub(crate) fn check_range(offset: usize, len: usize, size: usize) -> Result<(), GpuError> {
-    match offset.checked_add(len) {
-        Some(end) if end <= size => Ok(()),
-        _ => Err(GpuError::Bounds(format!(
-            "bytes [{offset}, {offset}+{len}) outside a {size}-byte buffer"
-        ))),
     }
 }
 

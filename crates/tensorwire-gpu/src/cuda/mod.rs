@@ -14,15 +14,16 @@ pub mod kernel;
 mod memory;
 mod share;
 mod streaming;
+mod transfer;
 mod view;
 
 pub use datagrams::{PinnedDatagramStats, PinnedDatagrams, pinned_datagram_stats};
 pub(crate) use datagrams::{holds as in_pinned_datagram, pin_region as pin_datagram_region};
 pub use device::{DeviceInfo, GpuDevice};
-pub(crate) use memory::check_range;
 pub use memory::{DeviceAllocation, DeviceRange, PinnedAllocation};
 pub use share::{DeviceMemoryKind, IPC_HANDLE_LEN, ImportedMemory, IpcHandle};
 pub(crate) use streaming::stream_into;
+pub(crate) use transfer::check_range;
 pub(crate) use view::UsedBy;
 pub use view::{DeviceSlice, Element};
 
@@ -31,44 +32,55 @@ use std::sync::OnceLock;
 use cudarc::driver::{result, sys};
 
 use crate::error::GpuError;
-use crate::status::GpuStatus;
 
-/// Probes the driver once per process.
-pub(crate) fn detect() -> GpuStatus {
-    static STATUS: OnceLock<GpuStatus> = OnceLock::new();
-    STATUS.get_or_init(probe).clone()
+/// Usable devices (0 when the driver reports none), or why the driver is not usable;
+/// probed once per process.
+pub(crate) fn detect() -> Result<usize, String> {
+    static PROBED: OnceLock<Result<usize, String>> = OnceLock::new();
+    PROBED.get_or_init(probe).clone()
 }
 
-fn probe() -> GpuStatus {
+fn probe() -> Result<usize, String> {
     // SAFETY: only tries to dlopen libcuda under its usual names; calls no driver function.
     if !unsafe { sys::is_culib_present() } {
-        return GpuStatus::NoCuda("libcuda.so not found".into());
+        return Err("libcuda.so not found".into());
     }
     if let Err(e) = result::init() {
         if e.0 == sys::cudaError_enum::CUDA_ERROR_NO_DEVICE {
-            return GpuStatus::NoDevices;
+            return Ok(0);
         }
-        return GpuStatus::NoCuda(format!("cuInit: {e}"));
+        return Err(format!("cuInit: {e}"));
     }
     match result::device::get_count() {
-        Ok(0) => GpuStatus::NoDevices,
-        Ok(n) => GpuStatus::Available {
-            device_count: n.max(0) as usize,
-        },
-        Err(e) => GpuStatus::NoCuda(format!("cuDeviceGetCount: {e}")),
+        Ok(n) => Ok(n.max(0) as usize),
+        Err(e) => Err(format!("cuDeviceGetCount: {e}")),
     }
 }
 
 /// Fails unless the driver is usable; every entry point into this module calls it first.
 pub(crate) fn require_driver() -> Result<usize, GpuError> {
     match detect() {
-        GpuStatus::Available { device_count } => Ok(device_count),
-        GpuStatus::NoDevices => Err(GpuError::NoDevice {
+        Ok(0) => Err(GpuError::NoDevice {
             requested: 0,
             available: 0,
         }),
-        GpuStatus::NoCuda(reason) => Err(GpuError::NoDriver(reason)),
-        GpuStatus::NotCompiled => Err(GpuError::NotCompiled),
+        Ok(device_count) => Ok(device_count),
+        Err(reason) => Err(GpuError::NoDriver(reason)),
+    }
+}
+
+/// Out of memory as its own error, so callers can fall back; anything else names the call.
+pub(crate) fn allocation_error(
+    what: &'static str,
+    bytes: usize,
+    call: &'static str,
+) -> impl FnOnce(result::DriverError) -> GpuError {
+    move |e| {
+        if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+            GpuError::OutOfMemory { what, bytes }
+        } else {
+            cuda(call)(e)
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
 
-use super::{GpuDevice, cuda, memory};
+use super::{GpuDevice, allocation_error, cuda, transfer};
 use crate::buffer::CudaBuffer;
 use crate::error::GpuError;
 
@@ -112,11 +112,7 @@ impl VmmMapping {
         // SAFETY: `handle` and `properties` are live locals; the handle is released in Drop.
         unsafe { sys::cuMemCreate(&mut handle, rounded, &properties, 0) }
             .result()
-            .map_err(memory::allocation_error(
-                "device (VMM)",
-                rounded,
-                "cuMemCreate",
-            ))?;
+            .map_err(allocation_error("device (VMM)", rounded, "cuMemCreate"))?;
         Self::map(handle, rounded, granularity, &[device])
     }
 
@@ -397,12 +393,12 @@ impl ImportedMemory {
 
     /// Copies bytes from `offset` into `dst` (synchronously).
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), GpuError> {
-        memory::read(&self.device, self.ptr, self.len, offset, dst)
+        transfer::read(&self.device, self.ptr, self.len, offset, dst)
     }
 
     /// Copies `src` to byte `offset` (synchronously): the exporting process sees the write.
     pub fn copy_from_host(&self, offset: usize, src: &[u8]) -> Result<(), GpuError> {
-        memory::write(&self.device, self.ptr, self.len, offset, src)
+        transfer::write(&self.device, self.ptr, self.len, offset, src)
     }
 
     /// Copies `dst.len()` bytes from byte `offset` into `dst`, on any GPU of this process that
@@ -410,7 +406,7 @@ impl ImportedMemory {
     /// peer access).
     pub fn copy_to_device(&self, offset: usize, dst: &mut CudaBuffer) -> Result<(), GpuError> {
         let len = dst.len();
-        memory::check_range(offset, len, self.len)?;
+        transfer::check_range(offset, len, self.len)?;
         if len == 0 {
             return Ok(());
         }
@@ -425,7 +421,7 @@ impl ImportedMemory {
             .result()
             .map_err(cuda("cuMemcpy"));
         // A device-to-device cuMemcpy returns before it finishes: wait for it.
-        let finished = memory::finish_device_copies(&self.device, target.device());
+        let finished = transfer::finish_device_copies(&self.device, target.device());
         copied.and(finished)
     }
 }

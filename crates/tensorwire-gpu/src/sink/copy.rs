@@ -10,11 +10,11 @@ use tensorwire_proto::checksum::{crc32c_append, crc32c_of_pieces};
 use tensorwire_sink::{CreditPermit, Divisible, Sink, SinkError, checksum_then_copy_with};
 use tokio::sync::{Notify, oneshot};
 
-use super::factory::PinnedMemoryPool;
 use super::{CHECKSUM_ON_DEVICE_FROM, ChecksumOn, DIRECT_FROM, STAGING_BUFFER, checksum_piece};
 use crate::buffer::CudaBuffer;
 use crate::cuda::{GpuDevice, PinnedAllocation, in_pinned_datagram, stream_into};
 use crate::error::GpuError;
+use crate::memory_pools::PinnedMemoryPool;
 use crate::pool::{Allocation, Pooled};
 
 /// Copies in flight for one sink, and the first error any of them hit.
