@@ -3,12 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
 use tensorwire::proto::{DType, Payload, TensorMeta};
 use tensorwire::quic::{CreditPermit, Sink};
 
 use crate::args::Args;
-use crate::report::{GpuReport, IngestRun, NetworkRun};
+use crate::report::{GpuReport, IngestRun, NetworkRun, SinkIngest};
 use crate::setup::Setup;
 use crate::source::payload;
 use crate::stats::{keep_best, median, rounds_text, spread, spread_text};
@@ -150,16 +149,6 @@ pub(crate) fn pinned_h2d_peak() -> anyhow::Result<f64> {
 /// Bytes each ingest run moves: enough that the run lasts well past its start and its drain
 /// (4 batches of 8 sinks, 2 GiB, took about 50 ms at 41 GB/s, the same order as both).
 pub(crate) const INGEST_BYTES: usize = 8 << 30;
-
-/// What one ingest-from-memory run measured.
-#[derive(Serialize, Debug)]
-pub(crate) struct SinkIngest {
-    pub(crate) gb_per_s: f64,
-    /// Mean host → device copy in MiB.
-    pub(crate) mean_copy_mib: f64,
-    /// Tensors whose destination the device pool could not serve.
-    pub(crate) allocated_outside_pool: u64,
-}
 
 /// `tensors` GPU sinks at once, fed 1 MiB chunks from host memory, [`INGEST_BYTES`] in all
 /// (at least four rounds), no network: the ceiling of the sink (memcpy into pinned staging,

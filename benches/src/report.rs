@@ -3,8 +3,32 @@
 use serde::Serialize;
 
 use crate::args::Args;
-use crate::gpu::SinkIngest;
-use crate::throughput::Rounds;
+use crate::stats::RoundsSummary;
+
+/// What the rounds of every connection count measured.
+#[derive(Default)]
+pub(crate) struct Rounds {
+    /// Each transport's best run per connection count.
+    pub(crate) throughput: Vec<Throughput>,
+    /// (connections, tensorwire's rate / raw quinn's, best of each)
+    pub(crate) ratios: Vec<(usize, f64)>,
+    /// (connections, every round's ratio in the order run)
+    pub(crate) in_order: Vec<(usize, Vec<f64>)>,
+    /// (connections, tensorwire's rate / raw quinn's from a cache-hot 4 MiB buffer)
+    pub(crate) hot_ratios: Vec<(usize, f64)>,
+    /// Whether raw quinn also sent the cache-hot buffer.
+    pub(crate) with_hot: bool,
+}
+
+impl Rounds {
+    /// What each connection count's rounds say, for the table and the JSON alike.
+    pub(crate) fn summaries(&self) -> Vec<(usize, RoundsSummary)> {
+        self.in_order
+            .iter()
+            .map(|(n, rounds)| (*n, RoundsSummary::of(rounds)))
+            .collect()
+    }
+}
 
 #[derive(Serialize, Debug, Clone)]
 pub(crate) struct Throughput {
@@ -28,6 +52,16 @@ pub(crate) struct Latency {
     pub(crate) context_switches_per_message: Option<f64>,
     /// Heap allocations (and reallocations) per message, both ends included.
     pub(crate) allocations_per_message: Option<f64>,
+}
+
+/// What one ingest-from-memory run measured.
+#[derive(Serialize, Debug)]
+pub(crate) struct SinkIngest {
+    pub(crate) gb_per_s: f64,
+    /// Mean host → device copy in MiB.
+    pub(crate) mean_copy_mib: f64,
+    /// Tensors whose destination the device pool could not serve.
+    pub(crate) allocated_outside_pool: u64,
 }
 
 /// One ingest-from-memory run and its two anchors at the same count.

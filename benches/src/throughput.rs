@@ -3,37 +3,12 @@
 
 use crate::args::Args;
 use crate::raw_quinn::raw_quinn;
-use crate::report::Throughput;
+use crate::report::{Rounds, Throughput};
 use crate::setup::Setup;
 use crate::source::{CHUNK, Loaded, RawSource, payload};
-use crate::stats::{RoundsSummary, joined, keep_best, spread_text};
+use crate::stats::{joined, keep_best, spread_text};
 use crate::tcp_tls::tcp_tls;
 use crate::tensorwire_run::{SinkKind, TensorwireRun, tensorwire_run};
-
-/// What the rounds of every connection count measured.
-#[derive(Default)]
-pub(crate) struct Rounds {
-    /// Each transport's best run per connection count.
-    pub(crate) throughput: Vec<Throughput>,
-    /// (connections, tensorwire's rate / raw quinn's, best of each)
-    pub(crate) ratios: Vec<(usize, f64)>,
-    /// (connections, every round's ratio in the order run)
-    pub(crate) in_order: Vec<(usize, Vec<f64>)>,
-    /// (connections, tensorwire's rate / raw quinn's from a cache-hot 4 MiB buffer)
-    pub(crate) hot_ratios: Vec<(usize, f64)>,
-    /// Whether raw quinn also sent the cache-hot buffer.
-    pub(crate) with_hot: bool,
-}
-
-impl Rounds {
-    /// What each connection count's rounds say, for the table and the JSON alike.
-    pub(crate) fn summaries(&self) -> Vec<(usize, RoundsSummary)> {
-        self.in_order
-            .iter()
-            .map(|(n, rounds)| (*n, RoundsSummary::of(rounds)))
-            .collect()
-    }
-}
 
 /// Runs the throughput rounds `args` ask for, `bytes` per connection, raw quinn and TCP + TLS
 /// sending from `source`.
