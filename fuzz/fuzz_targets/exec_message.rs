@@ -2,4 +2,4 @@
 //! re-encode to the bytes it came from.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| tensorwire_proto::fuzzing::exec_round_trip(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| tensorwire_exec::fuzzing::exec_round_trip(data));

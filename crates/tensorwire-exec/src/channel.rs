@@ -31,7 +31,7 @@ pub(crate) struct Job {
     /// Whether the module's bytes come with this job (the worker lacks them).
     pub(crate) module_attached: bool,
     /// How the module's bytes are loaded: the wire code of a
-    /// [`ModuleFormat`](tensorwire_proto::exec::ModuleFormat) (spec §14.2).
+    /// [`ModuleFormat`](tensorwire_gpu::ModuleFormat) (spec §14.2).
     pub(crate) format: u8,
     /// The kernel.
     pub(crate) function: String,

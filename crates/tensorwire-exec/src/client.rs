@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use tensorwire_proto::exec::{
+use crate::message::{
     ArgSpec, ExecLimits, ExecReply, ExecRequest, ExecRole, LaunchShape, ModuleFormat, RequestBody,
     RunRequest, Timings,
 };
+use bytes::Bytes;
 use tensorwire_proto::{DType, ErrorCode, Feature, TensorMeta};
 use tensorwire_quic::{
     IncomingTensor, Receiver, ReceiverConfig, SendHandle, Sender, SenderConfig, ServerTls,

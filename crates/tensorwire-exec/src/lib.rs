@@ -7,6 +7,8 @@
 //! - Server: [`ExecServer::offer`] takes a [`Receiver`](tensorwire_quic::Receiver)'s
 //!   remote-execution tensors and gives the others back; [`refuse_exec`] is what a receiver
 //!   that does not run kernels uses instead. `receiver --allow-exec` is both.
+//! - Messages: [`message`], the request and reply formats carried in U8 tensors (spec §14),
+//!   with the limits a server checks; pure, no IO.
 //! - Worker: [`serve_stdin`], the `tensorwire-exec-worker` program. A kernel that faults or
 //!   overruns ends only its worker; the server replaces it.
 //!
@@ -29,17 +31,20 @@
 mod channel;
 mod client;
 mod error;
+#[cfg(feature = "test-util")]
+#[doc(hidden)]
+pub mod fuzzing;
+pub mod message;
 mod pool;
 mod server;
 mod worker;
 
 pub use client::{ExecClient, Module, Run, RunOutput};
 pub use error::ExecError;
+pub use message::{ExecLimits, ExecReply, LaunchShape, RequestKind, Timings};
 pub use pool::{WorkerCommand, WorkerStats};
 pub use server::{ExecAccess, ExecConfig, ExecServer, ExecStats, refuse_exec};
-pub use tensorwire_proto::exec::{
-    ExecLimits, ExecReply, LaunchShape, ModuleFormat, RequestKind, Timings,
-};
+pub use tensorwire_gpu::ModuleFormat;
 pub use worker::serve_stdin;
 
 /// SHA-256 of `bytes`.

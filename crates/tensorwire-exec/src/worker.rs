@@ -10,9 +10,9 @@ use std::sync::Arc;
 use tensorwire_gpu::kernel::{KernelArg, KernelError, LaunchConfig, LoadedModule, launch};
 use tensorwire_gpu::{GpuDevice, ImportedMemory};
 use tensorwire_proto::ErrorCode;
-use tensorwire_proto::exec::ModuleFormat;
 
 use crate::channel::{Channel, Job, JobArg, Report};
+use crate::message::module_format_of;
 
 /// Modules a worker keeps loaded; the oldest goes first past this.
 const MAX_MODULES: usize = 64;
@@ -89,7 +89,7 @@ fn run(
         std::fs::File::from(fd)
             .read_to_end(&mut bytes)
             .map_err(|e| internal(format!("reading the module: {e}")))?;
-        let format = ModuleFormat::from_code(job.format)
+        let format = module_format_of(job.format)
             .map_err(|e| internal(format!("the job's module format: {e}")))?;
         let loaded = LoadedModule::load(device, &bytes, format).map_err(failed)?;
         modules.retain(|(hash, _)| hash != &job.module);

@@ -10,12 +10,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use tensorwire_exec::message::ExecRole;
 use tensorwire_exec::{
     ExecAccess, ExecClient, ExecConfig, ExecError, ExecReply, ExecServer, Module, ModuleFormat,
     Run, WorkerCommand, refuse_exec,
 };
 use tensorwire_gpu::GpuStatus;
-use tensorwire_proto::exec::ExecRole;
 use tensorwire_proto::{DType, ErrorCode, TensorMeta};
 use tensorwire_quic::{ClientTls, Receiver, ReceiverConfig, Sender, SenderConfig, ServerTls};
 
@@ -166,9 +166,9 @@ async fn every_invalid_request_vector_is_answered_with_its_code() {
 async fn a_request_whose_id_differs_from_its_tensor_is_malformed() {
     let (addr, _server) = exec_server(Duration::from_secs(5)).await;
     let (sender, mut back) = raw_client(addr).await;
-    let request = tensorwire_proto::exec::ExecRequest {
+    let request = tensorwire_exec::message::ExecRequest {
         id: 5,
-        body: tensorwire_proto::exec::RequestBody::Health,
+        body: tensorwire_exec::message::RequestBody::Health,
     };
     let reply = raw_request(&sender, &mut back, 6, request.encode()).await;
     assert_eq!(
@@ -317,7 +317,7 @@ async fn clients_cannot_send_outputs_or_replies_to_a_server() {
         assert_eq!(err.code(), Some(ErrorCode::REJECTED), "{role}: {err}");
     }
     // A role with no id is malformed.
-    let meta = u8_meta(4, "x").with_attribute(tensorwire_proto::exec::ROLE_ATTRIBUTE, "input");
+    let meta = u8_meta(4, "x").with_attribute(tensorwire_exec::message::ROLE_ATTRIBUTE, "input");
     let err = sender
         .send(meta, Bytes::from(vec![0u8; 4]))
         .finished()

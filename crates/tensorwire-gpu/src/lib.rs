@@ -56,6 +56,7 @@ pub mod dlpack;
 mod error;
 #[cfg(feature = "cuda")]
 mod memory_pools;
+mod module_format;
 mod placement;
 mod pool;
 mod receiver;
@@ -81,6 +82,7 @@ pub use destination::{DestinationSink, Destinations, HostMemory, Landed};
 pub use error::GpuError;
 #[cfg(feature = "cuda")]
 pub use memory_pools::{GpuMemoryPool, PinnedMemoryPool};
+pub use module_format::ModuleFormat;
 pub use placement::{DeviceRequest, GpuRequirement, Placement, TensorSink};
 pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 pub use receiver::{GpuReceiverEvent, GpuTensorReceiver, LandError};

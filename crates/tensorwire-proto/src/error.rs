@@ -258,14 +258,16 @@ impl ProtocolError {
         }
     }
 
-    pub(crate) fn malformed(code: ErrorCode, detail: impl Into<String>) -> Self {
+    /// Bytes from the peer that do not parse, answered with `code`.
+    pub fn malformed(code: ErrorCode, detail: impl Into<String>) -> Self {
         Self::Malformed {
             code,
             detail: detail.into(),
         }
     }
 
-    pub(crate) fn violation(code: ErrorCode, detail: impl Into<String>) -> Self {
+    /// A well-formed message from the peer that breaks a rule, answered with `code`.
+    pub fn violation(code: ErrorCode, detail: impl Into<String>) -> Self {
         Self::PeerViolation {
             code,
             detail: detail.into(),

@@ -372,27 +372,6 @@ pub fn session_ops(data: &[u8]) {
     assert_eq!(session.open_streams(), 0);
 }
 
-/// Decodes `data` as a remote-execution request and as a reply (spec §14) under the default
-/// limits; whatever decodes must re-encode to exactly the bytes it came from.
-pub fn exec_round_trip(data: &[u8]) {
-    use crate::exec::{ExecLimits, ExecReply, ExecRequest};
-    let limits = ExecLimits::default();
-    if let Ok(request) = ExecRequest::decode(data, &limits) {
-        assert_eq!(
-            request.encode(),
-            data,
-            "a decoded request re-encodes differently"
-        );
-    }
-    if let Ok(reply) = ExecReply::decode(data, limits.max_request_len) {
-        assert_eq!(
-            reply.encode(),
-            data,
-            "a decoded reply re-encodes differently"
-        );
-    }
-}
-
 /// Version negotiation (spec §3.1): a server of the minor version the first byte names (at
 /// least 1.4) against a client offering the comma-separated identifiers that follow. The
 /// server's choice (the first of its own offers the client offers too) must parse, be no

@@ -56,7 +56,6 @@ mod codec;
 mod credit;
 mod dtype;
 mod error;
-pub mod exec;
 mod flood;
 pub mod frame;
 mod limits;

@@ -67,15 +67,6 @@ fn every_vector_replays_through_every_target() {
 }
 
 #[test]
-fn the_exec_message_corpus_replays_cleanly() {
-    let n = replay(
-        &root().join("fuzz/corpus/exec_message"),
-        tensorwire_proto::fuzzing::exec_round_trip,
-    );
-    assert!(n >= 19, "only {n} corpus inputs: run fuzz/seed.sh");
-}
-
-#[test]
 fn the_version_negotiation_corpus_replays_cleanly() {
     let n = replay(
         &root().join("fuzz/corpus/version_negotiation"),

@@ -3,8 +3,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::message::ExecLimits;
 use tensorwire_gpu::DeviceRequest;
-use tensorwire_proto::exec::ExecLimits;
 use tensorwire_quic::{SenderConfig, ServerTls};
 
 use crate::error::ExecError;

@@ -14,11 +14,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use crate::message::ExecRole;
 use tensorwire_gpu::{
     DeviceMemoryKind, GpuRequirement, HostFallback, Placement, PooledGpuReceiver,
 };
 use tensorwire_proto::ErrorCode;
-use tensorwire_proto::exec::ExecRole;
 use tensorwire_quic::IncomingTensor;
 
 use crate::error::ExecError;

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tensorwire_proto::exec::ModuleFormat;
+use tensorwire_gpu::ModuleFormat;
 
 pub(super) struct CachedModule {
     pub(super) format: ModuleFormat,

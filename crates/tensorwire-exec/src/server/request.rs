@@ -5,8 +5,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
+use crate::message::{ExecReply, ExecRequest, ExecRole, RequestBody, RequestKind, Timings};
 use bytes::Bytes;
-use tensorwire_proto::exec::{ExecReply, ExecRequest, ExecRole, RequestBody, RequestKind, Timings};
 use tensorwire_proto::{DType, ErrorCode, TensorMeta};
 use tensorwire_quic::{ConnectionSender, IncomingTensor};
 
@@ -55,7 +55,7 @@ impl Inner {
                 let message = format!(
                     "the request says id {}, its tensor's {} says {id}",
                     request.id,
-                    tensorwire_proto::exec::ID_ATTRIBUTE
+                    crate::message::ID_ATTRIBUTE
                 );
                 let failure = ExecReply::failure(kind, id, ErrorCode::EXEC_MALFORMED, message);
                 self.send_reply(&reply_to, failure).await;

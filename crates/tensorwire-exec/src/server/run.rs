@@ -7,12 +7,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::message::{ArgSpec, ExecLimits, ExecReply, ExecRole, RequestKind, RunRequest, Timings};
 use bytes::Bytes;
 use tensorwire_gpu::{
     Allocation, CudaBuffer, DeviceAllocation, Placement, PooledGpuReceiver, TensorBuffer,
-};
-use tensorwire_proto::exec::{
-    ArgSpec, ExecLimits, ExecReply, ExecRole, RequestKind, RunRequest, Timings,
 };
 use tensorwire_proto::{DType, Device, ErrorCode, TensorMeta};
 use tensorwire_quic::{ConnectionSender, IncomingTensor};
@@ -24,6 +22,7 @@ use super::mailbox::Failure;
 use super::modules::CachedModule;
 use super::request::ok_reply;
 use crate::channel::{Job, JobArg};
+use crate::message::module_format_code;
 use crate::pool::{Outcome, Submission};
 use crate::{hex, sha256};
 
@@ -397,7 +396,7 @@ fn submission(
         job: Job {
             module: hex(&run.module_sha256),
             module_attached: false,
-            format: module.format.code(),
+            format: module_format_code(module.format),
             function: run.function.clone(),
             grid: launch.grid,
             block: launch.block,

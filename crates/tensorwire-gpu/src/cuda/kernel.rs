@@ -6,8 +6,8 @@ use std::ffi::{CString, c_void};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::ModuleFormat;
 use cudarc::driver::{result, sys};
-use tensorwire_proto::exec::ModuleFormat;
 
 use super::{GpuDevice, ImportedMemory, require_driver};
 use crate::error::GpuError;

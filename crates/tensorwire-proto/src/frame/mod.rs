@@ -14,7 +14,7 @@ mod end;
 pub(crate) mod header;
 mod metadata;
 mod reject;
-pub(crate) mod wire;
+pub mod wire;
 
 pub use accept::Accept;
 pub use cancel::Cancel;

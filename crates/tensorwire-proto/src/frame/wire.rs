@@ -1,4 +1,5 @@
-//! Helpers shared by the frame modules: a bounds-checked body reader and length checks.
+//! A bounds-checked reader of little-endian bodies, for frames and for messages carried in
+//! tensors (such as remote execution's, spec §14), and the length checks frames share.
 
 use bytes::BufMut;
 
@@ -6,19 +7,19 @@ use super::header::FrameType;
 use crate::error::{ErrorCode, ProtocolError};
 use crate::limits::Limits;
 
-/// What a [`Reader`] reads, for its errors: a frame's body, or a remote-execution message
-/// (spec §14), each with its own code for bytes that do not parse.
+/// What a [`Reader`] reads, for its errors: a frame's body, or a message carried in a
+/// tensor, each with its own code for bytes that do not parse.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Subject {
+enum Subject {
     Frame(FrameType),
-    Exec,
+    Message { code: ErrorCode, what: &'static str },
 }
 
 impl Subject {
     fn malformed(self) -> ErrorCode {
         match self {
             Subject::Frame(_) => ErrorCode::FRAME_MALFORMED,
-            Subject::Exec => ErrorCode::EXEC_MALFORMED,
+            Subject::Message { code, .. } => code,
         }
     }
 }
@@ -27,14 +28,14 @@ impl std::fmt::Display for Subject {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Subject::Frame(ty) => write!(f, "{ty} body"),
-            Subject::Exec => f.write_str("remote-execution message"),
+            Subject::Message { what, .. } => f.write_str(what),
         }
     }
 }
 
-/// Reads fixed-width little-endian fields; running short is FRAME_MALFORMED (or
-/// EXEC_MALFORMED, for a remote-execution message).
-pub(crate) struct Reader<'a> {
+/// Reads fixed-width little-endian fields; running short is FRAME_MALFORMED, or a message's
+/// own code ([`Reader::message`]).
+pub struct Reader<'a> {
     buf: &'a [u8],
     subject: Subject,
 }
@@ -47,23 +48,25 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// A reader of a remote-execution request or reply (spec §14).
-    pub(crate) fn exec(buf: &'a [u8]) -> Self {
+    /// A reader of a message carried in a tensor: bytes that do not parse are `code`, and
+    /// errors name the message as `what` (e.g. "remote-execution message").
+    pub fn message(buf: &'a [u8], code: ErrorCode, what: &'static str) -> Self {
         Self {
             buf,
-            subject: Subject::Exec,
+            subject: Subject::Message { code, what },
         }
     }
 
     /// The error for bytes that do not parse here.
-    pub(crate) fn malformed(&self, detail: impl std::fmt::Display) -> ProtocolError {
+    pub fn malformed(&self, detail: impl std::fmt::Display) -> ProtocolError {
         ProtocolError::malformed(
             self.subject.malformed(),
             format!("{}: {detail}", self.subject),
         )
     }
 
-    pub(crate) fn bytes(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
+    /// The next `n` bytes.
+    pub fn bytes(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
         if self.buf.len() < n {
             return Err(self.malformed(format_args!("ends {} bytes early", n - self.buf.len())));
         }
@@ -72,30 +75,35 @@ impl<'a> Reader<'a> {
         Ok(head)
     }
 
-    pub(crate) fn array<const N: usize>(&mut self) -> Result<[u8; N], ProtocolError> {
+    /// The next `N` bytes, as an array.
+    pub fn array<const N: usize>(&mut self) -> Result<[u8; N], ProtocolError> {
         let mut out = [0u8; N];
         out.copy_from_slice(self.bytes(N)?);
         Ok(out)
     }
 
-    pub(crate) fn u8(&mut self) -> Result<u8, ProtocolError> {
+    /// The next `u8` (little-endian).
+    pub fn u8(&mut self) -> Result<u8, ProtocolError> {
         Ok(self.array::<1>()?[0])
     }
 
-    pub(crate) fn u16(&mut self) -> Result<u16, ProtocolError> {
+    /// The next `u16` (little-endian).
+    pub fn u16(&mut self) -> Result<u16, ProtocolError> {
         self.array().map(u16::from_le_bytes)
     }
 
-    pub(crate) fn u32(&mut self) -> Result<u32, ProtocolError> {
+    /// The next `u32` (little-endian).
+    pub fn u32(&mut self) -> Result<u32, ProtocolError> {
         self.array().map(u32::from_le_bytes)
     }
 
-    pub(crate) fn u64(&mut self) -> Result<u64, ProtocolError> {
+    /// The next `u64` (little-endian).
+    pub fn u64(&mut self) -> Result<u64, ProtocolError> {
         self.array().map(u64::from_le_bytes)
     }
 
     /// Reads `n` bytes of UTF-8.
-    pub(crate) fn string(&mut self, n: usize) -> Result<String, ProtocolError> {
+    pub fn string(&mut self, n: usize) -> Result<String, ProtocolError> {
         let raw = self.bytes(n)?;
         match std::str::from_utf8(raw) {
             Ok(s) => Ok(s.to_owned()),
@@ -107,7 +115,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Fails if bytes are left over: a body is exactly as long as its fields.
-    pub(crate) fn finish(self) -> Result<(), ProtocolError> {
+    pub fn finish(self) -> Result<(), ProtocolError> {
         if self.buf.is_empty() {
             Ok(())
         } else {
@@ -172,7 +180,7 @@ pub(crate) fn encode_reason(code: ErrorCode, reason: &str, dst: &mut impl BufMut
 }
 
 /// Cuts `reason` to at most `max` bytes on a character boundary.
-pub(crate) fn truncate_reason(mut reason: String, max: usize) -> String {
+pub fn truncate_reason(mut reason: String, max: usize) -> String {
     if reason.len() > max {
         let mut end = max;
         while !reason.is_char_boundary(end) {

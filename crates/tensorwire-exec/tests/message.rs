@@ -2,14 +2,14 @@
 //! refused with its own code.
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use tensorwire_proto::exec::{
+use tensorwire_exec::fuzzing::exec_round_trip;
+use tensorwire_exec::message::{
     ArgSpec, ExecLimits, ExecReply, ExecRequest, ExecRole, LaunchShape, ModuleFormat, RequestBody,
     RequestKind, RunRequest, Timings,
 };
-use tensorwire_proto::fuzzing::exec_round_trip;
 use tensorwire_proto::{DType, ErrorCode, TensorMeta};
 
 fn exec_dir() -> PathBuf {
@@ -601,14 +601,14 @@ fn roles_are_read_from_attributes() {
     assert_eq!(ExecRole::of(&tagged).unwrap(), Some((ExecRole::Input, 42)));
     let no_id = plain
         .clone()
-        .with_attribute(tensorwire_proto::exec::ROLE_ATTRIBUTE, "reply");
+        .with_attribute(tensorwire_exec::message::ROLE_ATTRIBUTE, "reply");
     assert_eq!(
         ExecRole::of(&no_id).unwrap_err().code(),
         ErrorCode::EXEC_MALFORMED
     );
     let unknown = plain
-        .with_attribute(tensorwire_proto::exec::ROLE_ATTRIBUTE, "launch")
-        .with_attribute(tensorwire_proto::exec::ID_ATTRIBUTE, "1");
+        .with_attribute(tensorwire_exec::message::ROLE_ATTRIBUTE, "launch")
+        .with_attribute(tensorwire_exec::message::ID_ATTRIBUTE, "1");
     assert_eq!(
         ExecRole::of(&unknown).unwrap_err().code(),
         ErrorCode::EXEC_MALFORMED
@@ -626,4 +626,20 @@ fn module_formats_are_sniffed() {
         ModuleFormat::sniff(b"//\n.version 8.0\n"),
         ModuleFormat::Ptx
     );
+}
+
+/// The fuzz target's committed corpus (fuzz/corpus/exec_message), replayed by plain
+/// `cargo test` so CI exercises what fuzzing found.
+#[test]
+fn the_exec_message_corpus_replays_cleanly() {
+    let dir = Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../fuzz/corpus/exec_message"
+    ));
+    let mut count = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        exec_round_trip(&std::fs::read(entry.unwrap().path()).unwrap());
+        count += 1;
+    }
+    assert!(count >= 19, "only {count} corpus inputs: run fuzz/seed.sh");
 }

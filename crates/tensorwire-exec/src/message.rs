@@ -7,10 +7,9 @@
 
 use std::fmt;
 
-use crate::dtype::DType;
-use crate::error::{ErrorCode, ProtocolError};
-use crate::frame::wire::{Reader, truncate_reason};
-use crate::meta::TensorMeta;
+pub use tensorwire_gpu::ModuleFormat;
+use tensorwire_proto::frame::wire::{Reader, truncate_reason};
+use tensorwire_proto::{DType, ErrorCode, MAX_REASON_LEN, ProtocolError, TensorMeta};
 
 /// The version byte that starts every request and reply (spec §14.2).
 pub const EXEC_VERSION: u8 = 1;
@@ -138,57 +137,22 @@ impl fmt::Display for RequestKind {
     }
 }
 
-/// How a module's bytes are to be loaded (spec §14.2).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ModuleFormat {
-    /// PTX text, compiled for the server's GPU when loaded.
-    Ptx,
-    /// A cubin (ELF) for one GPU architecture.
-    Cubin,
-    /// A fatbin holding cubins and/or PTX for several architectures.
-    Fatbin,
-}
-
-impl ModuleFormat {
-    /// The wire code.
-    pub fn code(self) -> u8 {
-        match self {
-            ModuleFormat::Ptx => 1,
-            ModuleFormat::Cubin => 2,
-            ModuleFormat::Fatbin => 3,
-        }
-    }
-
-    /// The format of a wire code; EXEC_MALFORMED for any other.
-    pub fn from_code(code: u8) -> Result<Self, ProtocolError> {
-        match code {
-            1 => Ok(ModuleFormat::Ptx),
-            2 => Ok(ModuleFormat::Cubin),
-            3 => Ok(ModuleFormat::Fatbin),
-            other => Err(malformed(format!("module format {other} is not 1, 2 or 3"))),
-        }
-    }
-
-    /// Guesses the format from a module's first bytes: ELF is a cubin, the fatbin magic a
-    /// fatbin, anything else PTX.
-    pub fn sniff(bytes: &[u8]) -> ModuleFormat {
-        if bytes.starts_with(b"\x7fELF") {
-            ModuleFormat::Cubin
-        } else if bytes.starts_with(&[0x50, 0xed, 0x55, 0xba]) {
-            ModuleFormat::Fatbin
-        } else {
-            ModuleFormat::Ptx
-        }
+/// A module format's wire code (spec §14.2).
+pub(crate) fn module_format_code(format: ModuleFormat) -> u8 {
+    match format {
+        ModuleFormat::Ptx => 1,
+        ModuleFormat::Cubin => 2,
+        ModuleFormat::Fatbin => 3,
     }
 }
 
-impl fmt::Display for ModuleFormat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ModuleFormat::Ptx => "PTX",
-            ModuleFormat::Cubin => "cubin",
-            ModuleFormat::Fatbin => "fatbin",
-        })
+/// The module format of a wire code; EXEC_MALFORMED for any other (spec §14.2).
+pub(crate) fn module_format_of(code: u8) -> Result<ModuleFormat, ProtocolError> {
+    match code {
+        1 => Ok(ModuleFormat::Ptx),
+        2 => Ok(ModuleFormat::Cubin),
+        3 => Ok(ModuleFormat::Fatbin),
+        other => Err(malformed(format!("module format {other} is not 1, 2 or 3"))),
     }
 }
 
@@ -375,7 +339,7 @@ impl ExecRequest {
             return out;
         };
         out.extend_from_slice(&run.module_sha256);
-        out.push(run.module_format.code());
+        out.push(module_format_code(run.module_format));
         out.push(u8::from(run.module_attached));
         out.extend_from_slice(&run.module_len.to_le_bytes());
         for v in run.launch.grid.iter().chain(&run.launch.block) {
@@ -421,7 +385,7 @@ impl ExecRequest {
                 limit: limits.max_request_len,
             });
         }
-        let mut r = Reader::exec(bytes);
+        let mut r = Reader::message(bytes, ErrorCode::EXEC_MALFORMED, "remote-execution message");
         let version = r.u8()?;
         if version != EXEC_VERSION {
             return Err(malformed(format!(
@@ -446,7 +410,7 @@ impl ExecRequest {
 
 fn decode_run(r: &mut Reader<'_>, limits: &ExecLimits) -> Result<RunRequest, ProtocolError> {
     let module_sha256 = r.array::<32>()?;
-    let module_format = ModuleFormat::from_code(r.u8()?)?;
+    let module_format = module_format_of(r.u8()?)?;
     let module_attached = match r.u8()? {
         0 => false,
         1 => true,
@@ -766,7 +730,7 @@ impl ExecReply {
             kind,
             id,
             error: Some(code),
-            message: truncate_reason(message.into(), crate::MAX_REASON_LEN),
+            message: truncate_reason(message.into(), MAX_REASON_LEN),
             timings: Timings::default(),
             attributes: Vec::new(),
         }
@@ -813,7 +777,7 @@ impl ExecReply {
                 limit: max_len,
             });
         }
-        let mut r = Reader::exec(bytes);
+        let mut r = Reader::message(bytes, ErrorCode::EXEC_MALFORMED, "remote-execution message");
         let version = r.u8()?;
         if version != EXEC_VERSION {
             return Err(malformed(format!(
