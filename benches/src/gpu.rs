@@ -225,20 +225,19 @@ pub(crate) async fn gpu_section(
     use tensorwire::gpu::{
         DEFAULT_STAGING_POOL, HostFallback, Placement, PoolConfig, PooledGpuReceiver,
     };
-    let staging = PoolConfig {
-        max_pool_bytes: args
-            .staging_pool_mib
-            .map_or(DEFAULT_STAGING_POOL, |mib| mib << 20),
-        preallocate: true,
-        ..PoolConfig::default()
-    };
+    let mut staging = PoolConfig::default();
+    staging.max_pool_bytes = args
+        .staging_pool_mib
+        .map_or(DEFAULT_STAGING_POOL, |mib| mib << 20);
+    staging.preallocate = true;
     let memory = match args.device_pool_mib {
         0 => PoolConfig::default(),
-        mib => PoolConfig {
-            max_pool_bytes: mib << 20,
-            max_buffer: (mib << 20).max(64 << 20),
-            ..PoolConfig::default()
-        },
+        mib => {
+            let mut config = PoolConfig::default();
+            config.max_pool_bytes = mib << 20;
+            config.max_buffer = (mib << 20).max(64 << 20);
+            config
+        }
     };
     let staging_pool = staging.max_pool_bytes;
     let device_pool_mib = memory.max_pool_bytes >> 20;

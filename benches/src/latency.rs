@@ -86,13 +86,11 @@ impl TensorwireLatency {
             }
             anyhow::Ok(receiver)
         });
-        let sender = Sender::connect(
-            addr,
-            SenderConfig {
-                transport: setup.transport(),
-                ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
-            },
-        )
+        let sender = Sender::connect(addr, {
+            let mut config = SenderConfig::new(tensorwire::quic::ClientTls::Development);
+            config.transport = setup.transport();
+            config
+        })
         .await?;
         for _ in 0..1000 {
             if sender.early_allowance().is_some() {

@@ -39,11 +39,9 @@ impl Setup {
 
     /// The QUIC settings of every run: raw quinn and tensorwire alike.
     pub(crate) fn transport(&self) -> TransportSettings {
-        TransportSettings {
-            endpoint_threads: self.endpoint_threads,
-            ..TransportSettings::default()
-        }
-        .fixed_mtu(self.mtu)
+        let mut settings = TransportSettings::default();
+        settings.endpoint_threads = self.endpoint_threads;
+        settings.fixed_mtu(self.mtu)
     }
 
     /// How a throughput run's client reaches `server`: through a delaying relay with

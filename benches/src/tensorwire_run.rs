@@ -169,11 +169,9 @@ pub(crate) async fn tensorwire_run(
             ca: tensorwire::quic::dev_cert_path(addr.port()),
             identity: None,
         };
-        let config = SenderConfig {
-            transport: setup.transport(),
-            chunk_size: chunk,
-            ..SenderConfig::new(tls)
-        };
+        let mut config = SenderConfig::new(tls);
+        config.transport = setup.transport();
+        config.chunk_size = chunk;
         senders.push(Sender::connect(path, config).await?);
     }
     let meta = TensorMeta::new([tensor_bytes], DType::U8)?.with_name("bench");

@@ -34,14 +34,12 @@ impl TransportArgs {
     /// `addr` (which picks the MTU where none is given).
     pub fn settings(&self, addr: SocketAddr) -> TransportSettings {
         let idle_timeout = Duration::from_secs(self.idle_timeout_s);
-        TransportSettings {
-            congestion: self.congestion,
-            idle_timeout,
-            keep_alive: (idle_timeout / 6).max(Duration::from_millis(250)),
-            endpoint_threads: self.endpoint_threads,
-            ..TransportSettings::default()
-        }
-        .with_mtu(self.mtu, addr)
+        let mut settings = TransportSettings::default();
+        settings.congestion = self.congestion;
+        settings.idle_timeout = idle_timeout;
+        settings.keep_alive = (idle_timeout / 6).max(Duration::from_millis(250));
+        settings.endpoint_threads = self.endpoint_threads;
+        settings.with_mtu(self.mtu, addr)
     }
 }
 

@@ -596,15 +596,13 @@ fn decode_record(record: &[u8]) -> Option<(String, TensorMeta)> {
     let origin = String::from_utf8(rest.get(..origin_len)?.to_vec()).ok()?;
     rest.advance(origin_len);
     // The receiver's own bytes, already judged by its limits: any size they describe.
-    let limits = Limits {
-        max_metadata_len: u32::try_from(rest.len()).ok()?,
-        max_dims: u8::MAX,
-        max_name_len: u16::MAX,
-        max_attributes: u16::MAX,
-        max_attribute_len: u16::MAX,
-        max_tensor_len: u64::MAX,
-        ..Limits::default()
-    };
+    let mut limits = Limits::default();
+    limits.max_metadata_len = u32::try_from(rest.len()).ok()?;
+    limits.max_dims = u8::MAX;
+    limits.max_name_len = u16::MAX;
+    limits.max_attributes = u16::MAX;
+    limits.max_attribute_len = u16::MAX;
+    limits.max_tensor_len = u64::MAX;
     let mut decoder = FrameDecoder::new(limits);
     decoder.push(bytes::Bytes::copy_from_slice(rest));
     match decoder.next_frame() {

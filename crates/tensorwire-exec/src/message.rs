@@ -271,6 +271,7 @@ pub struct ExecRequest {
 
 /// The receiving side's limits on requests (spec §14.4). Each has its own wire code.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ExecLimits {
     /// Largest encoded request, in bytes (EXEC_MALFORMED past it).
     pub max_request_len: u64,

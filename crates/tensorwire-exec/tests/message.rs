@@ -530,10 +530,8 @@ fn every_limit_is_refused_with_its_code() {
         ErrorCode::ARGUMENT_MISMATCH,
     );
     // A request longer than the request limit is refused before it is parsed.
-    let small = ExecLimits {
-        max_request_len: 16,
-        ..ExecLimits::default()
-    };
+    let mut small = ExecLimits::default();
+    small.max_request_len = 16;
     let err = ExecRequest::decode(&run(1, spmv(10, 10)).encode(), &small).unwrap_err();
     assert_eq!(err.code(), ErrorCode::EXEC_MALFORMED);
     // A scalar whose value is not its dtype's size is refused by the checker.

@@ -14,6 +14,7 @@ use crate::error::GpuError;
 
 /// Pool sizing.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolConfig {
     /// Most bytes the pool holds, free and in use together.
     pub max_pool_bytes: usize,

@@ -105,15 +105,13 @@ impl CreditRelease for LocalCredit {
 impl GpuTensorReceiver {
     /// A receiver landing the tensor per `placement`, enforcing `limits`.
     pub fn new(placement: Placement, limits: Limits) -> Self {
-        let config = SessionConfig {
-            limits: limits.clone(),
-            grant_unit: u64::MAX,
-            stream_window: u64::MAX,
-            connection_window: u64::MAX,
-            // One tensor fed in memory: no control stream, no early data.
-            early_credit: 0,
-            ..SessionConfig::default()
-        };
+        let mut config = SessionConfig::default();
+        config.limits = limits.clone();
+        config.grant_unit = u64::MAX;
+        config.stream_window = u64::MAX;
+        config.connection_window = u64::MAX;
+        // One tensor fed in memory: no control stream, no early data.
+        config.early_credit = 0;
         let mut session = Session::new(config, std::time::Instant::now());
         let _ = session.open_stream(STREAM);
         let credit = CreditTracker::new(u64::MAX, u64::MAX, u64::MAX / 2)

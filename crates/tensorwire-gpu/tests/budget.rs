@@ -30,13 +30,11 @@ async fn pair_with(adjust: impl FnOnce(&mut ReceiverConfig)) -> (Receiver, Sende
     adjust(&mut config);
     let rx = Receiver::bind(config).await.unwrap();
     let addr = rx.local_addr().unwrap();
-    let tx = Sender::connect(
-        addr,
-        SenderConfig {
-            transport: TransportSettings::jumbo(),
-            ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
-        },
-    )
+    let tx = Sender::connect(addr, {
+        let mut config = SenderConfig::new(tensorwire_quic::ClientTls::Development);
+        config.transport = TransportSettings::jumbo();
+        config
+    })
     .await
     .unwrap();
     (rx, tx)

@@ -106,10 +106,8 @@ async fn stream_into(
 
 /// A sender connected to a development receiver at `addr`, with jumbo packets.
 async fn sender_to(addr: std::net::SocketAddr) -> Sender {
-    let config = SenderConfig {
-        transport: TransportSettings::jumbo(),
-        ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
-    };
+    let mut config = SenderConfig::new(tensorwire_quic::ClientTls::Development);
+    config.transport = TransportSettings::jumbo();
     Sender::connect(addr, config).await.unwrap()
 }
 
@@ -369,17 +367,13 @@ mod on_gpu {
         let Some(_) = gpus("tensors_outside_the_device_pool_land_and_are_counted") else {
             return;
         };
-        let staging = PoolConfig {
-            max_pool_bytes: 4 * STAGING_BUFFER,
-            preallocate: true,
-            ..PoolConfig::default()
-        };
+        let mut staging = PoolConfig::default();
+        staging.max_pool_bytes = 4 * STAGING_BUFFER;
+        staging.preallocate = true;
         // One 8 MiB buffer in all.
-        let memory = PoolConfig {
-            max_pool_bytes: 8 << 20,
-            max_buffer: 8 << 20,
-            ..PoolConfig::default()
-        };
+        let mut memory = PoolConfig::default();
+        memory.max_pool_bytes = 8 << 20;
+        memory.max_buffer = 8 << 20;
         let gpu = PooledGpuReceiver::new(0, staging, memory).unwrap();
         let (fits, too_large) = ((5 << 20) + 1, (9 << 20) + 3);
         assert_eq!(gpu.allocations_outside_pool(), 0);
@@ -590,12 +584,11 @@ mod on_gpu {
             return;
         };
         let device = GpuDevice::open(0).unwrap();
-        let one_buffer = PoolConfig {
-            max_pool_bytes: STAGING_BUFFER,
-            min_buffer: STAGING_BUFFER,
-            max_buffer: STAGING_BUFFER,
-            preallocate: true,
-        };
+        let mut one_buffer = PoolConfig::default();
+        one_buffer.max_pool_bytes = STAGING_BUFFER;
+        one_buffer.min_buffer = STAGING_BUFFER;
+        one_buffer.max_buffer = STAGING_BUFFER;
+        one_buffer.preallocate = true;
         let staging = PinnedMemoryPool::for_device(&device, one_buffer).unwrap();
         for round in 0..3u64 {
             let len = 48 << 20;
@@ -640,12 +633,11 @@ mod on_gpu {
             return;
         };
         let device = GpuDevice::open(0).unwrap();
-        let two_buffers = PoolConfig {
-            max_pool_bytes: 2 * STAGING_BUFFER,
-            min_buffer: STAGING_BUFFER,
-            max_buffer: STAGING_BUFFER,
-            preallocate: true,
-        };
+        let mut two_buffers = PoolConfig::default();
+        two_buffers.max_pool_bytes = 2 * STAGING_BUFFER;
+        two_buffers.min_buffer = STAGING_BUFFER;
+        two_buffers.max_buffer = STAGING_BUFFER;
+        two_buffers.preallocate = true;
         let staging = PinnedMemoryPool::for_device(&device, two_buffers).unwrap();
         let len = 6 << 20;
         let mut sinks = Vec::new();
@@ -703,11 +695,9 @@ mod on_gpu {
         let Some(_) = gpus("more_tensors_than_staging_buffers_all_complete") else {
             return;
         };
-        let two_buffers = PoolConfig {
-            max_pool_bytes: 2 * STAGING_BUFFER,
-            preallocate: true,
-            ..PoolConfig::default()
-        };
+        let mut two_buffers = PoolConfig::default();
+        two_buffers.max_pool_bytes = 2 * STAGING_BUFFER;
+        two_buffers.preallocate = true;
         let gpu = PooledGpuReceiver::new(0, two_buffers, PoolConfig::default()).unwrap();
         let placement = Placement::Gpu(gpu.clone());
         let tensors: Vec<_> = (0..16)

@@ -130,10 +130,8 @@ async fn land_over(transport: TransportSettings, min_pinned: u64) {
             (landed, receiver)
         }
     });
-    let config = SenderConfig {
-        transport,
-        ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
-    };
+    let mut config = SenderConfig::new(tensorwire_quic::ClientTls::Development);
+    config.transport = transport;
     let sender = Sender::connect(addr, config).await.unwrap();
     for (i, data) in tensors.iter().enumerate() {
         let meta = TensorMeta::new([data.len() as u64], DType::U8)

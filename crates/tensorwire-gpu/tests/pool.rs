@@ -75,12 +75,11 @@ fn buffers_come_back_and_are_reused() {
 
 #[test]
 fn the_pool_never_exceeds_its_limit() {
-    let config = PoolConfig {
-        max_pool_bytes: 4 << 20,
-        min_buffer: 1 << 20,
-        max_buffer: 4 << 20,
-        preallocate: false,
-    };
+    let mut config = PoolConfig::default();
+    config.max_pool_bytes = 4 << 20;
+    config.min_buffer = 1 << 20;
+    config.max_buffer = 4 << 20;
+    config.preallocate = false;
     let (pool, _) = pool(config);
     let held: Vec<_> = (0..4).map(|_| pool.acquire(1 << 20).unwrap()).collect();
     let err = pool.acquire(1 << 20).unwrap_err();
@@ -119,12 +118,11 @@ fn a_failed_allocation_returns_its_reservation() {
 
 #[test]
 fn preallocation_fills_the_pool_up_front() {
-    let config = PoolConfig {
-        max_pool_bytes: 8 << 20,
-        min_buffer: 1 << 20,
-        max_buffer: 2 << 20,
-        preallocate: true,
-    };
+    let mut config = PoolConfig::default();
+    config.max_pool_bytes = 8 << 20;
+    config.min_buffer = 1 << 20;
+    config.max_buffer = 2 << 20;
+    config.preallocate = true;
     let (pool, allocations) = pool(config);
     assert_eq!(
         allocations.load(Ordering::SeqCst),
@@ -144,9 +142,10 @@ fn preallocation_fills_the_pool_up_front() {
     assert!(
         MemoryPool::new(
             "bad",
-            PoolConfig {
-                min_buffer: 0,
-                ..PoolConfig::default()
+            {
+                let mut config = PoolConfig::default();
+                config.min_buffer = 0;
+                config
             },
             |_| Ok(HostBlock(vec![]))
         )
@@ -156,12 +155,11 @@ fn preallocation_fills_the_pool_up_front() {
 
 #[tokio::test]
 async fn an_exhausted_pool_makes_acquire_wait_until_a_buffer_returns() {
-    let config = PoolConfig {
-        max_pool_bytes: 1 << 20,
-        min_buffer: 1 << 20,
-        max_buffer: 1 << 20,
-        preallocate: false,
-    };
+    let mut config = PoolConfig::default();
+    config.max_pool_bytes = 1 << 20;
+    config.min_buffer = 1 << 20;
+    config.max_buffer = 1 << 20;
+    config.preallocate = false;
     let (pool, _) = pool(config);
     let held = pool.acquire(1 << 20).unwrap();
     let waiter = {

@@ -74,6 +74,7 @@ use crate::socket::{Packets, listen};
 
 /// Who may connect and how much they may hold.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ShareConfig {
     /// Uids allowed to connect (`SO_PEERCRED`); default: this process's effective uid.
     pub allowed_uids: Vec<u32>,

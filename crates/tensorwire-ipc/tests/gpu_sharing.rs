@@ -178,12 +178,11 @@ fn nine_tensors_in_one_pool_allocation_read_back_exactly_in_another_process() {
     let path = socket_path("nine");
     let service = ShareService::start(&path, ShareConfig::default()).unwrap();
     let device = GpuDevice::open(0).unwrap();
-    let config = PoolConfig {
-        max_pool_bytes: 1 << 20,
-        min_buffer: 1 << 20,
-        max_buffer: 1 << 20,
-        preallocate: false,
-    };
+    let mut config = PoolConfig::default();
+    config.max_pool_bytes = 1 << 20;
+    config.min_buffer = 1 << 20;
+    config.max_buffer = 1 << 20;
+    config.preallocate = false;
     let pool = GpuMemoryPool::for_device(&device, config).unwrap();
     let mut buffer = CudaBuffer::from_pool(pool.acquire(1 << 20).unwrap(), 1 << 20);
     buffer.fill(0).unwrap();
@@ -252,10 +251,8 @@ fn a_consumers_in_place_multiply_is_seen_by_the_producer() {
 fn update_seen_by_a_mapping(on_existing: tensorwire_ipc::OnExisting, len: usize) -> String {
     use std::io::{BufRead, BufReader};
     let path = socket_path(&format!("update-{on_existing:?}"));
-    let config = ShareConfig {
-        on_existing,
-        ..ShareConfig::default()
-    };
+    let mut config = ShareConfig::default();
+    config.on_existing = on_existing;
     let service = ShareService::start(&path, config).unwrap();
     let device = GpuDevice::open(0).unwrap();
     let buffer = |seed: u64| {

@@ -140,10 +140,8 @@ fn a_consumer_killed_mid_lease_loses_it_and_a_deferred_delete_completes() {
 #[test]
 fn leases_defer_deletes_and_are_limited_per_consumer() {
     let path = socket_path("leases");
-    let config = ShareConfig {
-        max_leases_per_process: 2,
-        ..ShareConfig::default()
-    };
+    let mut config = ShareConfig::default();
+    config.max_leases_per_process = 2;
     let service = ShareService::start(&path, config).unwrap();
     let _ = publish(&service, "a", 64);
     let _ = publish(&service, "b", 64);
@@ -285,10 +283,8 @@ fn malformed_requests_get_errors_and_the_service_goes_on() {
 #[test]
 fn peers_of_another_uid_are_refused() {
     let path = socket_path("peercred");
-    let config = ShareConfig {
-        allowed_uids: vec![rustix::process::geteuid().as_raw() + 4242],
-        ..ShareConfig::default()
-    };
+    let mut config = ShareConfig::default();
+    config.allowed_uids = vec![rustix::process::geteuid().as_raw() + 4242];
     let _service = ShareService::start(&path, config).unwrap();
     assert_eq!(
         refused_code(ShareClient::connect(&path)),
@@ -366,11 +362,9 @@ fn a_process_of_another_uid_cannot_reach_the_socket() {
 #[test]
 fn consumer_connections_are_bounded() {
     let path = socket_path("connections");
-    let config = ShareConfig {
-        max_connections: 5,
-        max_connections_per_process: 3,
-        ..ShareConfig::default()
-    };
+    let mut config = ShareConfig::default();
+    config.max_connections = 5;
+    config.max_connections_per_process = 3;
     let service = ShareService::start(&path, config).unwrap();
     let _ = publish(&service, "weights", 10);
     let held: Vec<_> = (0..3)
@@ -394,10 +388,8 @@ fn consumer_connections_are_bounded() {
 #[test]
 fn silent_refused_connections_do_not_delay_the_next_consumer() {
     let path = socket_path("silent-refused");
-    let config = ShareConfig {
-        max_connections: 2,
-        ..ShareConfig::default()
-    };
+    let mut config = ShareConfig::default();
+    config.max_connections = 2;
     let service = ShareService::start(&path, config).unwrap();
     let _ = publish(&service, "weights", 10);
     let held: Vec<_> = (0..2).map(|_| Raw::connect(&path)).collect();

@@ -12,10 +12,8 @@ use tensorwire_ipc::{EventKind, IpcError, OnExisting, ShareClient, ShareConfig, 
 use tensorwire_proto::{DType, ErrorCode, TensorMeta};
 
 fn service(name: &str, on_existing: OnExisting) -> ShareService {
-    let config = ShareConfig {
-        on_existing,
-        ..ShareConfig::default()
-    };
+    let mut config = ShareConfig::default();
+    config.on_existing = on_existing;
     ShareService::start(socket_path(name), config).unwrap()
 }
 

@@ -6,6 +6,7 @@
 /// allocated, so a peer can make a receiver hold at most about `max_frame_len()` bytes of
 /// undecoded input per stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Limits {
     /// Largest METADATA body in bytes.
     pub max_metadata_len: u32,

@@ -30,6 +30,7 @@ pub type StreamId = u64;
 
 /// The receiver's policy for one connection.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct SessionConfig {
     /// Limits checked on every frame (spec §8).
     pub limits: Limits,

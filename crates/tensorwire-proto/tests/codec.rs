@@ -89,7 +89,8 @@ proptest! {
         points.extend([0, wire.len()]);
         points.sort_unstable();
         // Random shapes reach terabytes; the size policy is tested elsewhere.
-        let limits = Limits { max_tensor_len: u64::MAX, ..Limits::default() };
+        let mut limits = Limits::default();
+        limits.max_tensor_len = u64::MAX;
         let mut decoder = FrameDecoder::new(limits);
         let mut decoded = Vec::new();
         for w in points.windows(2) {
@@ -194,11 +195,9 @@ fn oversized_headers_are_refused_before_their_body_arrives() {
 
 #[test]
 fn a_smaller_configured_limit_is_enforced() {
-    let limits = Limits {
-        max_data_payload: 1024,
-        max_dims: 2,
-        ..Limits::default()
-    };
+    let mut limits = Limits::default();
+    limits.max_data_payload = 1024;
+    limits.max_dims = 2;
     let mut decoder = FrameDecoder::new(limits.clone());
     decoder.push(Frame::from(Data::new(0, vec![1u8; 1025])).to_bytes());
     assert_eq!(

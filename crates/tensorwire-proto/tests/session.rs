@@ -228,11 +228,9 @@ fn data_arrives_on(
 /// not while granted bytes are still to arrive, and not once every byte is granted.
 #[test]
 fn a_tensor_is_out_of_credit_when_its_granted_bytes_all_arrived() {
-    let config = SessionConfig {
-        grant_unit: 1 << 20,
-        stream_window: 1 << 20,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.grant_unit = 1 << 20;
+    config.stream_window = 1 << 20;
     // Pauses at the first grant: the tracker gives nothing more until bytes are released.
     let mut credit = CreditTracker::new(2 << 20, 1 << 20, 0).unwrap();
     let mut session = Session::new(config, epoch());
@@ -268,11 +266,9 @@ fn a_tensor_is_out_of_credit_when_its_granted_bytes_all_arrived() {
 
 #[test]
 fn grants_come_in_units_up_to_the_stream_window() {
-    let config = SessionConfig {
-        grant_unit: 4 << 20,
-        stream_window: 10 << 20,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.grant_unit = 4 << 20;
+    config.stream_window = 10 << 20;
     let mut credit = CreditTracker::new(1 << 30, 1 << 30, 1 << 29).unwrap();
     let mut session = Session::new(config, epoch());
     session.open_stream(7).unwrap();
@@ -331,11 +327,9 @@ fn grants_come_in_units_up_to_the_stream_window() {
 /// and all credit comes back.
 #[test]
 fn many_tensors_on_many_connections_stay_within_one_budget() {
-    let config = SessionConfig {
-        grant_unit: 256 << 10,
-        stream_window: 1 << 20,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.grant_unit = 256 << 10;
+    config.stream_window = 1 << 20;
     let budget = 3 << 20;
     let credit = CreditTracker::new(budget, 2 << 20, 1 << 20).unwrap();
     let mut rx = Receiver::new(3, &config, credit);
@@ -367,11 +361,9 @@ fn many_tensors_on_many_connections_stay_within_one_budget() {
 /// A tensor cancelled mid-transfer gives back its unreceived credit; the others complete.
 #[test]
 fn a_cancelled_tensor_returns_its_credit_and_others_complete() {
-    let config = SessionConfig {
-        grant_unit: 64 << 10,
-        stream_window: 256 << 10,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.grant_unit = 64 << 10;
+    config.stream_window = 256 << 10;
     let credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
     let mut rx = Receiver::new(1, &config, credit);
     rx.send(0, "stays", 700 << 10, 1);
@@ -392,11 +384,9 @@ fn a_cancelled_tensor_returns_its_credit_and_others_complete() {
 /// and the budget refills with time.
 #[test]
 fn the_failure_budget_runs_dry_under_a_cancel_flood() {
-    let config = SessionConfig {
-        max_failed_streams: 3,
-        failure_window: Duration::from_secs(3),
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.max_failed_streams = 3;
+    config.failure_window = Duration::from_secs(3);
     let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
     let start = epoch();
     let mut session = Session::new(config, start);
@@ -428,11 +418,9 @@ fn the_failure_budget_runs_dry_under_a_cancel_flood() {
 /// cancelling peer's still gets CANCEL_FLOOD.
 #[test]
 fn a_budget_run_dry_by_timeouts_closes_with_progress_timeout() {
-    let config = SessionConfig {
-        max_failed_streams: 2,
-        failure_window: Duration::from_secs(60),
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.max_failed_streams = 2;
+    config.failure_window = Duration::from_secs(60);
     let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
     let now = epoch();
     let mut session = Session::new(config, now);
@@ -461,10 +449,8 @@ fn the_idle_timer_runs_only_while_no_stream_is_open_and_closes_the_connection() 
     let start = epoch();
     let idle = Duration::from_secs(60);
     let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
-    let config = SessionConfig {
-        idle_timeout: idle,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.idle_timeout = idle;
     let mut session = Session::new(config, start);
     assert_eq!(session.poll_timeout(), Some(start + idle));
     assert_eq!(
@@ -492,10 +478,8 @@ fn the_idle_timer_runs_only_while_no_stream_is_open_and_closes_the_connection() 
 #[test]
 fn an_idle_timeout_of_forever_never_fires() {
     let start = epoch();
-    let config = SessionConfig {
-        idle_timeout: Duration::MAX,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.idle_timeout = Duration::MAX;
     let mut session = Session::new(config, start);
     assert_eq!(session.poll_timeout(), None);
     assert_eq!(
@@ -644,12 +628,10 @@ impl Peer {
 /// session per end owns both directions, and all credit comes back.
 #[test]
 fn both_ends_send_on_one_connection_under_each_others_credit() {
-    let config = SessionConfig {
-        grant_unit: 64 << 10,
-        stream_window: 128 << 10,
-        connection_window: 192 << 10,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.grant_unit = 64 << 10;
+    config.stream_window = 128 << 10;
+    config.connection_window = 192 << 10;
     let mut a = Peer::new(&config);
     let mut b = Peer::new(&config);
     // Like QUIC: the connecting side's streams are even, the accepting side's odd.
@@ -691,12 +673,10 @@ fn both_ends_send_on_one_connection_under_each_others_credit() {
 /// credit, whatever the tracker has left; arriving bytes reopen it.
 #[test]
 fn a_connection_holds_at_most_its_window_of_credit() {
-    let config = SessionConfig {
-        grant_unit: 1 << 20,
-        stream_window: 1 << 20,
-        connection_window: 2 << 20,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.grant_unit = 1 << 20;
+    config.stream_window = 1 << 20;
+    config.connection_window = 2 << 20;
     let mut credit = CreditTracker::new(64 << 20, 64 << 20, 32 << 20).unwrap();
     let mut session = Session::new(config, epoch());
     let mut senders = Vec::new();
@@ -746,10 +726,8 @@ fn a_connection_holds_at_most_its_window_of_credit() {
 /// the allowance goes the usual way. All credit, early credit included, comes back.
 #[test]
 fn a_small_tensor_goes_in_one_round_trip_with_early_credit() {
-    let config = SessionConfig {
-        early_credit: 64 << 10,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.early_credit = 64 << 10;
     let mut sender = Peer::new(&config);
     let mut receiver = Peer::new(&config);
     assert_eq!(
@@ -815,10 +793,8 @@ fn a_small_tensor_goes_in_one_round_trip_with_early_credit() {
 /// is spent all the same, and the offer is topped up once half of it was used.
 #[test]
 fn a_rejected_early_tensor_returns_its_bytes_and_the_offer_is_topped_up() {
-    let config = SessionConfig {
-        early_credit: 64 << 10,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.early_credit = 64 << 10;
     let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
     let mut session = Session::new(config, epoch());
     assert_eq!(session.offer_early_credit(&mut credit), 64 << 10);
@@ -860,10 +836,8 @@ fn a_rejected_early_tensor_returns_its_bytes_and_the_offer_is_topped_up() {
 /// unused never keep granting paused; a tensor sent early past the offer is refused.
 #[test]
 fn early_credit_stays_under_the_low_watermark_and_bounds_early_tensors() {
-    let config = SessionConfig {
-        early_credit: 1 << 20,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.early_credit = 1 << 20;
     let mut credit = CreditTracker::new(4 << 20, 2 << 20, 512 << 10).unwrap();
     let mut session = Session::new(config.clone(), epoch());
     assert_eq!(session.offer_early_credit(&mut credit), 512 << 10);
@@ -966,12 +940,10 @@ fn send_over(path: &SimulatedPath, max_stream_window: u64) -> (f64, u64) {
 /// A session granting 1 MiB units from 2 MiB windows growing to `max_stream_window`, and
 /// a tracker that never pauses it.
 fn window_session(max_stream_window: u64) -> (Session, CreditTracker) {
-    let config = SessionConfig {
-        grant_unit: 1 << 20,
-        stream_window: 2 << 20,
-        max_stream_window,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.grant_unit = 1 << 20;
+    config.stream_window = 2 << 20;
+    config.max_stream_window = max_stream_window;
     let credit = CreditTracker::new(1 << 30, 1 << 30, 1 << 29).unwrap();
     (Session::new(config, epoch()), credit)
 }
@@ -1144,12 +1116,10 @@ fn the_next_tensor_starts_at_the_window_its_connection_grew_to() {
 #[test]
 fn a_window_needs_a_round_trip_to_grow() {
     let mut credit = CreditTracker::new(1 << 30, 1 << 30, 1 << 29).unwrap();
-    let config = SessionConfig {
-        grant_unit: 1 << 20,
-        stream_window: 2 << 20,
-        max_stream_window: 64 << 20,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.grant_unit = 1 << 20;
+    config.stream_window = 2 << 20;
+    config.max_stream_window = 64 << 20;
     let start = epoch();
     let mut session = Session::new(config, start);
     session.open_stream(7).unwrap();

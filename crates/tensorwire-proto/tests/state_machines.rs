@@ -20,10 +20,8 @@ fn meta(len: u64) -> TensorMeta {
 
 /// A pair whose receiver takes DATA of at most 1000 bytes.
 fn small_chunks(len: usize) -> Pair {
-    let limits = Limits {
-        max_data_payload: 1000,
-        ..Limits::default()
-    };
+    let mut limits = Limits::default();
+    limits.max_data_payload = 1000;
     let credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
     Pair::with_limits(meta(len as u64), pattern(len, 5), limits, credit)
 }
@@ -107,10 +105,8 @@ fn small_grants_pace_the_sender() {
 
 #[test]
 fn a_slow_sink_holds_at_most_the_budget() {
-    let limits = Limits {
-        max_data_payload: 1000,
-        ..Limits::default()
-    };
+    let mut limits = Limits::default();
+    limits.max_data_payload = 1000;
     let credit = CreditTracker::new(4000, 3000, 1000).unwrap();
     let mut pair = Pair::with_limits(meta(20_000), pattern(20_000, 1), limits, credit);
     pair.sink_is_instant = false;
@@ -681,10 +677,8 @@ fn ranges_with_checksums_owed_count_for_overlap_and_gaps() {
     let overlap = rx.handle_checked(later(500, 1000)).map(drop);
     assert_eq!(code_of(&overlap), ErrorCode::DATA_OVERLAP);
 
-    let limits = Limits {
-        max_ranges: 2,
-        ..Limits::default()
-    };
+    let mut limits = Limits::default();
+    limits.max_ranges = 2;
     let mut rx = TensorReceiver::new(limits);
     rx.handle_frame(meta(5000).into()).unwrap();
     rx.accept().unwrap();

@@ -175,10 +175,8 @@ fn run_sequence(bytes: Bytes, credit: u64) -> Result<(), ProtocolError> {
 
 /// Spec §7.6: a connection's session that offered `early_credit` bytes, accepting after END.
 fn run_early_sequence(bytes: Bytes, early_credit: u64) -> Result<(), ProtocolError> {
-    let config = SessionConfig {
-        early_credit,
-        ..SessionConfig::default()
-    };
+    let mut config = SessionConfig::default();
+    config.early_credit = early_credit;
     let mut credit = CreditTracker::new(1 << 30, 1 << 30, 1 << 29)?;
     #[allow(clippy::disallowed_methods)] // No timeouts are exercised: any instant will do.
     let now = std::time::Instant::now();

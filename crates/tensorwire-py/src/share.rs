@@ -126,10 +126,8 @@ impl ShareService {
         let on_existing = on_existing
             .parse::<tensorwire::ipc::OnExisting>()
             .map_err(|e| PyValueError::new_err(format!("on_existing {on_existing:?}: {e}")))?;
-        let config = tensorwire::ipc::ShareConfig {
-            on_existing,
-            ..tensorwire::ipc::ShareConfig::default()
-        };
+        let mut config = tensorwire::ipc::ShareConfig::default();
+        config.on_existing = on_existing;
         let inner = tensorwire::ipc::ShareService::start(&path, config)
             .map_err(|e| error(py, format!("{}: {e}", path.display()), None, None))?;
         Ok(Self { inner })

@@ -12,8 +12,10 @@ use crate::steering::Steering;
 use crate::tls::{ClientTls, ServerTls};
 use crate::transport::TransportSettings;
 
-/// Everything a [`Receiver`](crate::Receiver) needs.
+/// Everything a [`Receiver`](crate::Receiver) needs. Start from [`Self::new`] and set the
+/// fields you change: settings added later do not break that code.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ReceiverConfig {
     /// Address to listen on.
     pub listen: SocketAddr,
@@ -93,10 +95,8 @@ impl ReceiverConfig {
     /// failure budget and early credit ([`SessionConfig::default`]), one endpoint per core.
     pub fn new(listen: SocketAddr, tls: ServerTls) -> Self {
         let budget = 256 << 20;
-        let session = SessionConfig {
-            connection_window: budget / 2,
-            ..SessionConfig::default()
-        };
+        let mut session = SessionConfig::default();
+        session.connection_window = budget / 2;
         Self {
             listen,
             endpoints: default_endpoints(),
@@ -174,8 +174,10 @@ fn default_host_memory_budget() -> u64 {
     MemoryLimit::of_this_process().bytes / 4
 }
 
-/// Everything a [`Sender`](crate::Sender) needs.
+/// Everything a [`Sender`](crate::Sender) needs. Start from [`Self::new`] and set the fields
+/// you change: settings added later do not break that code.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct SenderConfig {
     /// Certificates.
     pub tls: ClientTls,

@@ -36,6 +36,7 @@ pub(crate) const CLOSE_DRAIN: Duration = Duration::from_millis(100);
 
 /// QUIC transport settings shared by senders and receivers.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct TransportSettings {
     /// UDP payload size to start with. [`MIN_MTU`] is safe anywhere; larger packets cost
     /// less CPU per byte: a jumbo-frame LAN carries its link MTU less 28, and loopback up to

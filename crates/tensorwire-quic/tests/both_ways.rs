@@ -21,9 +21,10 @@ async fn the_accepting_side_sends_tensors_back_on_the_same_connection() {
 
     let request = tx.send(u8_meta("request", 4096), pattern(4096, 1));
     let incoming = rx.next().await.unwrap();
-    let reply = incoming.reply_sender(&SenderConfig {
-        transport: TransportSettings::jumbo(),
-        ..SenderConfig::new(ClientTls::Development)
+    let reply = incoming.reply_sender(&{
+        let mut config = SenderConfig::new(ClientTls::Development);
+        config.transport = TransportSettings::jumbo();
+        config
     });
     assert_eq!(reply.peer(), incoming.peer());
     let (meta, bytes) = land_host(incoming).await;

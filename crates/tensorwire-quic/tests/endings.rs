@@ -404,11 +404,9 @@ async fn a_wrong_certificate_is_refused_with_a_clear_error() {
     std::fs::create_dir_all(&dir).unwrap();
     let ca = dir.join("other.pem");
     std::fs::write(&ca, &other.pem).unwrap();
-    let config = SenderConfig {
-        tls: ClientTls::Pem { ca, identity: None },
-        transport: TransportSettings::jumbo(),
-        ..SenderConfig::new(ClientTls::Development)
-    };
+    let mut config = SenderConfig::new(ClientTls::Development);
+    config.tls = ClientTls::Pem { ca, identity: None };
+    config.transport = TransportSettings::jumbo();
     let err = Sender::connect(addr, config)
         .await
         .err()
@@ -442,11 +440,9 @@ fn an_mtu_outside_what_udp_carries_is_refused() {
         fixed(mtu).validate().unwrap();
     }
     // A start above the largest size could never be sent.
-    let start_above = TransportSettings {
-        mtu: 9000,
-        max_mtu: 6000,
-        ..TransportSettings::default()
-    };
+    let mut start_above = TransportSettings::default();
+    start_above.mtu = 9000;
+    start_above.max_mtu = 6000;
     let err = start_above.validate().unwrap_err().to_string();
     assert!(err.contains("9000") && err.contains("6000"), "{err}");
 }

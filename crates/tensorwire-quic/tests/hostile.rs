@@ -314,14 +314,13 @@ impl tensorwire_quic::Sink for HoardingSink {
 async fn an_accepted_tensor_without_credit_times_out_at_the_sender() {
     let config = receiver_config().with_budget(1 << 20);
     let (mut rx, addr) = receiver(config).await;
-    let tx = tensorwire_quic::Sender::connect(
-        addr,
-        tensorwire_quic::SenderConfig {
-            transport: tensorwire_quic::TransportSettings::jumbo(),
-            progress_timeout: Duration::from_millis(1500),
-            ..tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development)
-        },
-    )
+    let tx = tensorwire_quic::Sender::connect(addr, {
+        let mut config =
+            tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development);
+        config.transport = tensorwire_quic::TransportSettings::jumbo();
+        config.progress_timeout = Duration::from_millis(1500);
+        config
+    })
     .await
     .unwrap();
     let hog = tx.send(u8_meta("hog", 4 << 20), pattern(4 << 20, 1));

@@ -94,10 +94,9 @@ async fn tensors_arrive_with_packets_up_to_the_largest_udp_payload() {
             (meta, tensorwire_quic::proto::checksum::crc32c(&bytes))
         });
         let sent = async {
-            let config = tensorwire_quic::SenderConfig {
-                transport: with_mtu(sender_mtu),
-                ..tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development)
-            };
+            let mut config =
+                tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development);
+            config.transport = with_mtu(sender_mtu);
             let tx = tensorwire_quic::Sender::connect(addr, config)
                 .await
                 .unwrap();
@@ -143,10 +142,8 @@ async fn path_mtu_discovery_settles_on_what_the_path_carries() {
             ca: tensorwire_quic::dev_cert_path(addr.port()),
             identity: None,
         };
-        let config = tensorwire_quic::SenderConfig {
-            transport: defaults,
-            ..tensorwire_quic::SenderConfig::new(tls)
-        };
+        let mut config = tensorwire_quic::SenderConfig::new(tls);
+        config.transport = defaults;
         let tx = tensorwire_quic::Sender::connect(relay, config)
             .await
             .unwrap();
@@ -677,10 +674,9 @@ async fn a_sender_that_exits_after_close_leaves_no_connection_behind() {
     let (close, closing) = std::sync::mpsc::channel::<()>();
     let sender_thread = std::thread::spawn(move || {
         sender_runtime.block_on(async {
-            let config = tensorwire_quic::SenderConfig {
-                transport,
-                ..tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development)
-            };
+            let mut config =
+                tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development);
+            config.transport = transport;
             let tx = tensorwire_quic::Sender::connect(addr, config)
                 .await
                 .unwrap();

@@ -68,15 +68,13 @@ async fn receiver(pki: &Pki, client_ca: Option<&Path>) -> Receiver {
 }
 
 fn sender_config(pki: &Pki, identity: Option<&str>) -> SenderConfig {
-    SenderConfig {
-        tls: ClientTls::Pem {
-            ca: pki.path("ca.pem"),
-            identity: identity
-                .map(|n| (pki.path(&format!("{n}.pem")), pki.path(&format!("{n}.key")))),
-        },
-        transport: TransportSettings::jumbo(),
-        ..SenderConfig::new(ClientTls::Development)
-    }
+    let mut config = SenderConfig::new(ClientTls::Development);
+    config.tls = ClientTls::Pem {
+        ca: pki.path("ca.pem"),
+        identity: identity.map(|n| (pki.path(&format!("{n}.pem")), pki.path(&format!("{n}.key")))),
+    };
+    config.transport = TransportSettings::jumbo();
+    config
 }
 
 /// The error a refused client sees: at connect, or, since a TLS 1.3 client may finish its

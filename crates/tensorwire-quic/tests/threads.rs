@@ -61,10 +61,9 @@ impl Sink for PayloadThreadSink {
 }
 
 fn transport(threads: EndpointThreads) -> TransportSettings {
-    TransportSettings {
-        endpoint_threads: threads,
-        ..TransportSettings::jumbo()
-    }
+    let mut settings = TransportSettings::jumbo();
+    settings.endpoint_threads = threads;
+    settings
 }
 
 /// A receiver of `endpoints` endpoints and a sender connected to it, all on `threads`.
@@ -73,13 +72,11 @@ async fn receiver_and_sender(threads: EndpointThreads, endpoints: usize) -> (Rec
     config.transport = transport(threads);
     config.endpoints = endpoints;
     let (rx, addr) = receiver(config).await;
-    let tx = Sender::connect(
-        addr,
-        SenderConfig {
-            transport: transport(threads),
-            ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
-        },
-    )
+    let tx = Sender::connect(addr, {
+        let mut config = SenderConfig::new(tensorwire_quic::ClientTls::Development);
+        config.transport = transport(threads);
+        config
+    })
     .await
     .unwrap();
     (rx, tx)

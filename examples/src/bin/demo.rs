@@ -115,13 +115,11 @@ async fn main() -> anyhow::Result<()> {
         anyhow::Ok((landed, receiver))
     });
 
-    let sender = Sender::connect(
-        addr,
-        SenderConfig {
-            transport,
-            ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
-        },
-    )
+    let sender = Sender::connect(addr, {
+        let mut config = SenderConfig::new(tensorwire::quic::ClientTls::Development);
+        config.transport = transport;
+        config
+    })
     .await?;
     let payloads: Vec<(TensorMeta, Bytes)> = set
         .iter()

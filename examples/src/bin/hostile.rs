@@ -76,11 +76,9 @@ async fn main() -> anyhow::Result<()> {
         },
         None => ClientTls::Development,
     };
-    let config = SenderConfig {
-        tls,
-        transport: TransportSettings::jumbo(),
-        ..SenderConfig::new(ClientTls::Development)
-    };
+    let mut config = SenderConfig::new(ClientTls::Development);
+    config.tls = tls;
+    config.transport = TransportSettings::jumbo();
     let crypto = tensorwire::quic::tls::client_crypto(&config.tls, args.connect.port())?;
     let mut client = quinn::ClientConfig::new(crypto);
     client.transport_config(config.transport.transport_config()?);

@@ -258,10 +258,8 @@ async fn main() -> anyhow::Result<()> {
     };
     let share = match &args.share {
         Some(path) => {
-            let config = ShareConfig {
-                on_existing: args.on_existing,
-                ..ShareConfig::default()
-            };
+            let mut config = ShareConfig::default();
+            config.on_existing = args.on_existing;
             let service = ShareService::start(path, config)
                 .with_context(|| format!("--share {}", path.display()))?;
             Some(std::sync::Arc::new(service))

@@ -121,13 +121,11 @@ async fn send(
             item.meta = item.meta.clone().with_device(device);
         }
     }
-    let config = SenderConfig {
-        tls: args.tls.tls(),
-        transport: args.transport.settings(args.connect),
-        server_name: args.tls.server_name.clone(),
-        progress_timeout: args.progress_timeout,
-        ..SenderConfig::new(tensorwire::quic::ClientTls::Development)
-    };
+    let mut config = SenderConfig::new(tensorwire::quic::ClientTls::Development);
+    config.tls = args.tls.tls();
+    config.transport = args.transport.settings(args.connect);
+    config.server_name = args.tls.server_name.clone();
+    config.progress_timeout = args.progress_timeout;
     let sender = SenderPool::connect(args.connect, config, connections)
         .await
         .with_context(|| format!("connecting to {}", args.connect))?;

@@ -49,6 +49,7 @@ impl ExecAccess {
 
 /// How the server runs kernels.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ExecConfig {
     /// Who may run kernels.
     pub access: ExecAccess,

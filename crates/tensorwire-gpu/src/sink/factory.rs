@@ -60,11 +60,9 @@ impl PooledGpuReceiver {
         kind: DeviceMemoryKind,
     ) -> Result<Self, GpuError> {
         let device = GpuDevice::open(ordinal)?;
-        let staging = PoolConfig {
-            min_buffer: STAGING_BUFFER,
-            max_buffer: STAGING_BUFFER,
-            ..staging
-        };
+        let mut staging = staging;
+        staging.min_buffer = STAGING_BUFFER;
+        staging.max_buffer = STAGING_BUFFER;
         let staging = PinnedMemoryPool::for_device(&device, staging)?;
         let memory = GpuMemoryPool::for_device_with_kind(&device, memory, kind)?;
         // The checksum kernel loads now rather than at the first large tensor: the driver

@@ -34,10 +34,8 @@ pub async fn receiver(config: ReceiverConfig) -> (Receiver, SocketAddr) {
 
 /// Connects a sender with development trust and jumbo MTU.
 pub async fn sender(addr: SocketAddr) -> Sender {
-    let config = SenderConfig {
-        transport: TransportSettings::jumbo(),
-        ..SenderConfig::new(tensorwire_quic::ClientTls::Development)
-    };
+    let mut config = SenderConfig::new(tensorwire_quic::ClientTls::Development);
+    config.transport = TransportSettings::jumbo();
     Sender::connect(addr, config).await.unwrap()
 }
 
