@@ -156,7 +156,7 @@ pub(crate) const INGEST_BYTES: usize = 8 << 30;
 /// one ends, not once a whole round has. Each copy takes one staging buffer, and a sink
 /// copies a buffer before it is full when the pool runs out: the mean copy size shows it.
 pub(crate) async fn ingest_from_memory(
-    pools: &tensorwire::gpu::PooledGpuReceiver,
+    pools: &tensorwire::gpu::GpuSinkFactory,
     tensors: usize,
     tensor_bytes: usize,
 ) -> anyhow::Result<SinkIngest> {
@@ -223,7 +223,7 @@ pub(crate) async fn gpu_section(
     runs: usize,
 ) -> anyhow::Result<GpuReport> {
     use tensorwire::gpu::{
-        DEFAULT_STAGING_POOL, HostFallback, Placement, PoolConfig, PooledGpuReceiver,
+        DEFAULT_STAGING_POOL, GpuSinkFactory, HostFallback, Placement, PoolConfig,
     };
     let mut staging = PoolConfig::default();
     staging.max_pool_bytes = args
@@ -243,7 +243,7 @@ pub(crate) async fn gpu_section(
     let device_pool_mib = memory.max_pool_bytes >> 20;
     // A GPU measurement never lands a tensor in host memory instead.
     let pools =
-        PooledGpuReceiver::new(0, staging, memory)?.with_host_fallback(HostFallback::Forbidden);
+        GpuSinkFactory::new(0, staging, memory)?.with_host_fallback(HostFallback::Forbidden);
     let gpu = Placement::Gpu(pools.clone());
     let pinned_h2d_gb_per_s = pinned_h2d_peak()?;
     // Warm-up, with the most sinks measured: fills the pools.

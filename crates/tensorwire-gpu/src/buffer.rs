@@ -8,7 +8,7 @@ use crate::error::GpuError;
 #[derive(Debug)]
 pub enum TensorBuffer {
     /// Host memory.
-    Cpu(Bytes),
+    Host(Bytes),
     /// Device memory.
     Cuda(CudaBuffer),
 }
@@ -16,12 +16,12 @@ pub enum TensorBuffer {
 impl TensorBuffer {
     /// Host bytes.
     pub fn cpu(bytes: impl Into<Bytes>) -> Self {
-        TensorBuffer::Cpu(bytes.into())
+        TensorBuffer::Host(bytes.into())
     }
 
     /// `len` zeroed host bytes.
     pub fn cpu_zeros(len: usize) -> Self {
-        TensorBuffer::Cpu(vec![0u8; len].into())
+        TensorBuffer::Host(vec![0u8; len].into())
     }
 
     /// `len` bytes on CUDA device `device`; fails if that cannot be had.
@@ -44,7 +44,7 @@ impl TensorBuffer {
     /// Length in bytes.
     pub fn len(&self) -> usize {
         match self {
-            TensorBuffer::Cpu(bytes) => bytes.len(),
+            TensorBuffer::Host(bytes) => bytes.len(),
             TensorBuffer::Cuda(buffer) => buffer.len(),
         }
     }
@@ -55,8 +55,8 @@ impl TensorBuffer {
     }
 
     /// Whether the bytes are in host memory.
-    pub fn is_cpu(&self) -> bool {
-        matches!(self, TensorBuffer::Cpu(_))
+    pub fn is_host(&self) -> bool {
+        matches!(self, TensorBuffer::Host(_))
     }
 
     /// Whether the bytes are on a GPU.
@@ -67,7 +67,7 @@ impl TensorBuffer {
     /// Where the bytes live, for people: "host memory" or "cuda:0 (NVIDIA H200)".
     pub fn location(&self) -> String {
         match self {
-            TensorBuffer::Cpu(_) => "host memory".to_owned(),
+            TensorBuffer::Host(_) => "host memory".to_owned(),
             TensorBuffer::Cuda(buffer) => buffer.location(),
         }
     }
@@ -75,7 +75,7 @@ impl TensorBuffer {
     /// A host copy of the bytes (free for host buffers).
     pub fn to_host(&self) -> Result<Bytes, GpuError> {
         match self {
-            TensorBuffer::Cpu(bytes) => Ok(bytes.clone()),
+            TensorBuffer::Host(bytes) => Ok(bytes.clone()),
             TensorBuffer::Cuda(buffer) => buffer.copy_to_host().map(Bytes::from),
         }
     }
@@ -84,7 +84,7 @@ impl TensorBuffer {
     pub fn to_gpu(&self, device: usize) -> Result<TensorBuffer, GpuError> {
         let mut copy = CudaBuffer::allocate(self.len(), device)?;
         match self {
-            TensorBuffer::Cpu(bytes) => copy.copy_from_host(bytes)?,
+            TensorBuffer::Host(bytes) => copy.copy_from_host(bytes)?,
             TensorBuffer::Cuda(buffer) => buffer.copy_to(&mut copy)?,
         }
         Ok(TensorBuffer::Cuda(copy))
@@ -92,7 +92,7 @@ impl TensorBuffer {
 
     /// A host-memory copy of this buffer.
     pub fn to_cpu(&self) -> Result<TensorBuffer, GpuError> {
-        self.to_host().map(TensorBuffer::Cpu)
+        self.to_host().map(TensorBuffer::Host)
     }
 
     /// Overwrites the bytes with `src`, which must be exactly as long.
@@ -105,7 +105,7 @@ impl TensorBuffer {
             )));
         }
         match self {
-            TensorBuffer::Cpu(bytes) => *bytes = Bytes::copy_from_slice(src),
+            TensorBuffer::Host(bytes) => *bytes = Bytes::copy_from_slice(src),
             TensorBuffer::Cuda(buffer) => buffer.copy_from_host(src)?,
         }
         Ok(())
@@ -284,7 +284,7 @@ mod with_cuda {
         }
 
         /// The ordinal of the device it lives on.
-        pub fn device_id(&self) -> usize {
+        pub fn ordinal(&self) -> usize {
             self.allocation().device().ordinal()
         }
 
@@ -408,7 +408,7 @@ mod with_cuda {
         pub fn overwrite(&self, offset: usize, src: &crate::TensorBuffer) -> Result<(), GpuError> {
             check_range(offset, src.len(), self.len)?;
             match src {
-                crate::TensorBuffer::Cpu(bytes) => {
+                crate::TensorBuffer::Host(bytes) => {
                     self.allocation().overwrite_from_host(offset, bytes)
                 }
                 crate::TensorBuffer::Cuda(from) => {
@@ -460,7 +460,7 @@ mod without_cuda {
         }
 
         /// The ordinal of the device it lives on.
-        pub fn device_id(&self) -> usize {
+        pub fn ordinal(&self) -> usize {
             match self.never {}
         }
 

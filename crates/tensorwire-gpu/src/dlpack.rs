@@ -232,7 +232,7 @@ impl crate::buffer::TensorBuffer {
             )));
         }
         let (data, device) = match &self {
-            crate::buffer::TensorBuffer::Cpu(host) => (
+            crate::buffer::TensorBuffer::Host(host) => (
                 host.as_ptr() as u64,
                 DLDevice {
                     device_type: KDL_CPU,
@@ -243,7 +243,7 @@ impl crate::buffer::TensorBuffer {
                 gpu.device_ptr(),
                 DLDevice {
                     device_type: KDL_CUDA,
-                    device_id: i32::try_from(gpu.device_id())
+                    device_id: i32::try_from(gpu.ordinal())
                         .map_err(|_| GpuError::Bounds("device ordinal exceeds i32".into()))?,
                 },
             ),

@@ -7,7 +7,7 @@
 //! - [`TensorBuffer`] / [`CudaBuffer`]: tensor bytes in host or device memory.
 //! - [`MemoryPool`], [`PinnedMemoryPool`], [`GpuMemoryPool`]: size-class pools, so nothing is
 //!   allocated or registered on the data path after warm-up.
-//! - [`GpuSink`] (from a [`PooledGpuReceiver`]) implements `tensorwire_sink::Sink`; credit for
+//! - [`GpuSink`] (from a [`GpuSinkFactory`]) implements `tensorwire_sink::Sink`; credit for
 //!   a chunk is granted again only after its copy to the device has completed, and COMPLETE
 //!   is sent only after the last copy has.
 //! - [`Placement`] picks GPU or host for a receiver and hands out [`TensorSink`]s;
@@ -88,8 +88,8 @@ pub use pool::{Allocation, MemoryPool, PoolConfig, PoolStats, Pooled};
 pub use receiver::{GpuReceiverEvent, GpuTensorReceiver, LandError};
 #[cfg(feature = "cuda")]
 pub use sink::{
-    CHECKSUM_ON_DEVICE_FROM, ChecksumOn, DEFAULT_STAGING_POOL, GpuSink, Handoff, HostFallback,
-    PooledGpuReceiver, STAGING_BUFFER,
+    CHECKSUM_ON_DEVICE_FROM, ChecksumOn, DEFAULT_STAGING_POOL, GpuSink, GpuSinkFactory, Handoff,
+    HostFallback, STAGING_BUFFER,
 };
 pub use status::GpuStatus;
 #[cfg(feature = "test-util")]

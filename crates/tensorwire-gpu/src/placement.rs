@@ -48,7 +48,7 @@ impl std::str::FromStr for DeviceRequest {
 pub enum Placement {
     /// A GPU, with its pools.
     #[cfg(feature = "cuda")]
-    Gpu(crate::sink::PooledGpuReceiver),
+    Gpu(crate::sink::GpuSinkFactory),
     /// Host memory; `reason` says why not a GPU.
     Host {
         /// Why tensors land in host memory.
@@ -153,7 +153,7 @@ impl Placement {
             GpuRequirement::Required => crate::sink::HostFallback::Forbidden,
             GpuRequirement::Preferred => crate::sink::HostFallback::Allowed,
         };
-        crate::sink::PooledGpuReceiver::with_defaults_of_kind(ordinal, kind)
+        crate::sink::GpuSinkFactory::with_defaults_of_kind(ordinal, kind)
             .map(|gpu| Placement::Gpu(gpu.with_host_fallback(fallback)))
     }
 
@@ -281,7 +281,7 @@ impl Placement {
 /// Where one tensor goes.
 enum Target {
     #[cfg(feature = "cuda")]
-    Gpu(crate::sink::PooledGpuReceiver, crate::sink::HostFallback),
+    Gpu(crate::sink::GpuSinkFactory, crate::sink::HostFallback),
     Host,
 }
 
@@ -355,7 +355,7 @@ impl Sink for TensorSink {
             TensorSink::Host(sink) => sink
                 .finish()
                 .await
-                .map(|bytes: Bytes| TensorBuffer::Cpu(bytes)),
+                .map(|bytes: Bytes| TensorBuffer::Host(bytes)),
         }
     }
 }

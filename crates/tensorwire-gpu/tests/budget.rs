@@ -91,7 +91,7 @@ async fn device_hints_are_honoured_or_refused() {
     let buffer = land(&mut rx, &placement, Duration::from_secs(5))
         .await
         .unwrap();
-    assert!(buffer.is_cpu(), "landed in {}", buffer.location());
+    assert!(buffer.is_host(), "landed in {}", buffer.location());
     assert_eq!(buffer.to_host().unwrap(), pattern(3 << 20, 2));
     host.finished().await.unwrap();
 

@@ -39,7 +39,7 @@ fn without_a_gpu_buffers_fall_back_to_host_memory() {
         "{err}"
     );
     let buffer = TensorBuffer::try_allocate_gpu(1000, 0);
-    assert!(buffer.is_cpu());
+    assert!(buffer.is_host());
     assert_eq!(buffer.len(), 1000);
     assert_eq!(buffer.location(), "host memory");
 }
@@ -80,7 +80,7 @@ fn host_buffers_copy_and_convert() {
     buffer.copy_from_slice(&[1, 2, 3, 4]).unwrap();
     assert_eq!(&buffer.to_host().unwrap()[..], &[1, 2, 3, 4]);
     assert!(buffer.copy_from_slice(&[1]).is_err());
-    assert!(buffer.to_cpu().unwrap().is_cpu());
+    assert!(buffer.to_cpu().unwrap().is_host());
 }
 
 /// Fills a GPU sink's destination with 0xAB first, so bytes that never landed show.
@@ -221,8 +221,8 @@ mod on_gpu {
     use tensorwire_gpu::gpus_or_skip as gpus;
 
     use tensorwire_gpu::{
-        CHECKSUM_ON_DEVICE_FROM, ChecksumOn, CudaBuffer, GpuDevice, GpuSink, PinnedMemoryPool,
-        PoolConfig, PooledGpuReceiver, STAGING_BUFFER,
+        CHECKSUM_ON_DEVICE_FROM, ChecksumOn, CudaBuffer, GpuDevice, GpuSink, GpuSinkFactory,
+        PinnedMemoryPool, PoolConfig, STAGING_BUFFER,
     };
     use tensorwire_proto::Payload;
     use tensorwire_quic::{CreditPermit, Sink};
@@ -286,7 +286,7 @@ mod on_gpu {
         let TensorBuffer::Cuda(on_one) = &b else {
             panic!("not on a GPU")
         };
-        assert_eq!(on_one.device_id(), 1);
+        assert_eq!(on_one.ordinal(), 1);
         assert!(b.to_host().unwrap() == data);
     }
 
@@ -321,7 +321,7 @@ mod on_gpu {
         let Some(_) = gpus("out_of_order_chunks_land_exactly") else {
             return;
         };
-        let gpu = PooledGpuReceiver::with_defaults(0).unwrap();
+        let gpu = GpuSinkFactory::with_defaults(0).unwrap();
         let len = (13 << 20) + 17;
         let data = random(len, 3);
         let meta = TensorMeta::new([len as u64], DType::U8).unwrap();
@@ -344,7 +344,7 @@ mod on_gpu {
     }
 
     /// Lands `len` random bytes (from `seed`) through `gpu` in 1 MiB writes; checks them.
-    async fn land(gpu: &PooledGpuReceiver, len: usize, seed: u64) -> CudaBuffer {
+    async fn land(gpu: &GpuSinkFactory, len: usize, seed: u64) -> CudaBuffer {
         let data = random(len, seed);
         let meta = TensorMeta::new([len as u64], DType::U8).unwrap();
         let mut sink = gpu.sink(&meta).unwrap();
@@ -374,7 +374,7 @@ mod on_gpu {
         let mut memory = PoolConfig::default();
         memory.max_pool_bytes = 8 << 20;
         memory.max_buffer = 8 << 20;
-        let gpu = PooledGpuReceiver::new(0, staging, memory).unwrap();
+        let gpu = GpuSinkFactory::new(0, staging, memory).unwrap();
         let (fits, too_large) = ((5 << 20) + 1, (9 << 20) + 3);
         assert_eq!(gpu.allocations_outside_pool(), 0);
         drop(land(&gpu, too_large, 1).await);
@@ -402,7 +402,7 @@ mod on_gpu {
         let Some(_) = gpus("a_sink_checksums_what_it_copies_in_the_same_pass") else {
             return;
         };
-        let gpu = PooledGpuReceiver::with_defaults(0).unwrap();
+        let gpu = GpuSinkFactory::with_defaults(0).unwrap();
         let len = (9 << 20) + 5;
         let data = random(len, 11);
         let meta = TensorMeta::new([len as u64], DType::U8).unwrap();
@@ -443,7 +443,7 @@ mod on_gpu {
         let Some(_) = gpus("the_device_checksums_a_landed_tensor_as_the_host_does") else {
             return;
         };
-        let gpu = PooledGpuReceiver::with_defaults(0).unwrap();
+        let gpu = GpuSinkFactory::with_defaults(0).unwrap();
         assert_eq!(gpu.checksum_on(), ChecksumOn::Device);
         for (i, len) in [
             CHECKSUM_ON_DEVICE_FROM,
@@ -525,7 +525,7 @@ mod on_gpu {
         else {
             return;
         };
-        let gpu = PooledGpuReceiver::with_defaults(0).unwrap();
+        let gpu = GpuSinkFactory::with_defaults(0).unwrap();
         let mut config = ReceiverConfig::new(
             "127.0.0.1:0".parse().unwrap(),
             tensorwire_quic::ServerTls::Development,
@@ -698,7 +698,7 @@ mod on_gpu {
         let mut two_buffers = PoolConfig::default();
         two_buffers.max_pool_bytes = 2 * STAGING_BUFFER;
         two_buffers.preallocate = true;
-        let gpu = PooledGpuReceiver::new(0, two_buffers, PoolConfig::default()).unwrap();
+        let gpu = GpuSinkFactory::new(0, two_buffers, PoolConfig::default()).unwrap();
         let placement = Placement::Gpu(gpu.clone());
         let tensors: Vec<_> = (0..16)
             .map(|i| {
@@ -750,7 +750,7 @@ mod on_gpu {
         let Some(_) = gpus("the_parts_of_a_split_tensor_land_in_one_device_buffer_at_once") else {
             return;
         };
-        let gpu = Arc::new(PooledGpuReceiver::with_defaults(0).unwrap());
+        let gpu = Arc::new(GpuSinkFactory::with_defaults(0).unwrap());
         let (rows, row) = (37u64, (1u64 << 20) + 3);
         let whole = TensorMeta::new([rows, row], DType::U8).unwrap();
         let data = Arc::new(random((rows * row) as usize, 21));

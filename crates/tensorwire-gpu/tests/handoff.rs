@@ -81,7 +81,7 @@ fn a_host_buffer_exports_as_dlpack_with_no_copy_and_its_deleter_frees_it() {
     let dropped = Arc::new(AtomicBool::new(false));
     let host = Bytes::from_owner(Watched(bytes.clone(), dropped.clone()));
     let address = host.as_ptr() as u64;
-    let tensor = TensorBuffer::Cpu(host)
+    let tensor = TensorBuffer::Host(host)
         .into_dlpack(DType::F32, &[2, 3])
         .unwrap();
     let mut seen = Vec::new();
@@ -300,9 +300,9 @@ mod gpu {
     use tensorwire_gpu::cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
     use tensorwire_gpu::cudarc::driver::{CudaContext, CudaStream, DevicePtr};
     use tensorwire_gpu::dlpack::KDL_CUDA;
-    use tensorwire_gpu::{GpuError, PooledGpuReceiver, TensorSink, gpus_or_skip};
+    use tensorwire_gpu::{GpuError, GpuSinkFactory, TensorSink, gpus_or_skip};
 
-    fn gpu_placement() -> (Placement, PooledGpuReceiver) {
+    fn gpu_placement() -> (Placement, GpuSinkFactory) {
         let placement =
             Placement::choose(DeviceRequest::Cuda(0), GpuRequirement::Required).unwrap();
         let Placement::Gpu(gpu) = &placement else {

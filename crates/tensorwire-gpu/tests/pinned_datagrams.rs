@@ -7,7 +7,7 @@
 use std::alloc::System;
 
 use bytes::Bytes;
-use tensorwire_gpu::{PinnedDatagrams, PooledGpuReceiver, gpus_or_skip, pinned_datagram_stats};
+use tensorwire_gpu::{GpuSinkFactory, PinnedDatagrams, gpus_or_skip, pinned_datagram_stats};
 use tensorwire_proto::testing::pattern as random;
 use tensorwire_proto::{DType, TensorMeta};
 use tensorwire_quic::{Receiver, ReceiverConfig, Sender, SenderConfig, TransportSettings};
@@ -99,7 +99,7 @@ fn a_forked_child_allocates_outside_the_region() {
 /// One receiver and sender over `transport`, at least `min_pinned` datagrams received into
 /// pinned memory: see the test above.
 async fn land_over(transport: TransportSettings, min_pinned: u64) {
-    let gpu = PooledGpuReceiver::with_defaults(0).unwrap();
+    let gpu = GpuSinkFactory::with_defaults(0).unwrap();
     let pinned = pinned_datagram_stats();
     assert_eq!(pinned.capacity, 64 << 20, "the receiver pinned the region");
     let mut config = ReceiverConfig::new(

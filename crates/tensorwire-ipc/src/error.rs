@@ -1,6 +1,6 @@
 //! Errors of the sharing layer.
 
-use crate::message::ErrorCode;
+use crate::message::RefusalCode;
 
 /// Why a sharing operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -19,7 +19,7 @@ pub enum IpcError {
     #[error("producer refused: {code:?}: {message}")]
     Refused {
         /// The error code (spec/ipc.md §2).
-        code: ErrorCode,
+        code: RefusalCode,
         /// The producer's explanation.
         message: String,
     },

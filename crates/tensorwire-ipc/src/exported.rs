@@ -167,7 +167,7 @@ impl Exported {
     pub(crate) fn overwrite(&self, new: &tensorwire_gpu::TensorBuffer) -> Result<(), IpcError> {
         match self {
             Exported::Host(memory) => match new {
-                tensorwire_gpu::TensorBuffer::Cpu(bytes) => memory.write_at(0, bytes),
+                tensorwire_gpu::TensorBuffer::Host(bytes) => memory.write_at(0, bytes),
                 #[cfg(feature = "cuda")]
                 gpu => memory.write_at(0, &gpu.to_host()?),
                 #[cfg(not(feature = "cuda"))]

@@ -48,8 +48,8 @@ mod socket;
 pub use client::{ShareClient, SharedTensor, Watch};
 pub use error::IpcError;
 pub use message::{
-    Descriptor, DeviceFields, ErrorBody, ErrorCode, Event, EventKind, Export, GpuInfo, Info,
-    MAX_MESSAGE, PROTOCOL_VERSION, Reply, Request, SecretHandle, TensorFields,
+    Descriptor, DeviceFields, ErrorBody, Event, EventKind, Export, GpuInfo, Info, MAX_MESSAGE,
+    PROTOCOL_VERSION, RefusalCode, Reply, Request, SecretHandle, TensorFields,
 };
 pub use service::{
     OnExisting, PublishedTensor, ShareConfig, ShareService, UpdateRefused, local_gpus,

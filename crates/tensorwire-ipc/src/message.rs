@@ -219,12 +219,14 @@ impl std::fmt::Debug for SecretHandle {
     }
 }
 
-/// An error reply's code (spec/ipc.md §2). Open: unknown codes are kept.
+/// Why a producer refused a request: an error reply's code (spec/ipc.md §2), a short string
+/// such as `not_found`. Open: unknown codes are kept. (Tensor streams carry numeric codes,
+/// [`tensorwire_proto::ErrorCode`].)
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct ErrorCode(pub String);
+pub struct RefusalCode(pub String);
 
-impl ErrorCode {
+impl RefusalCode {
     /// The request could not be parsed or is not allowed here.
     pub fn bad_request() -> Self {
         Self("bad_request".into())
@@ -264,7 +266,7 @@ impl ErrorCode {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
     /// The code.
-    pub code: ErrorCode,
+    pub code: RefusalCode,
     /// What went wrong, for people.
     pub message: String,
 }
@@ -310,7 +312,7 @@ impl Reply {
     }
 
     /// A failure.
-    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+    pub fn error(code: RefusalCode, message: impl Into<String>) -> Self {
         Self::refusal(ErrorBody {
             code,
             message: message.into(),

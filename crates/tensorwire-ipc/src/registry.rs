@@ -9,7 +9,7 @@ use tensorwire_proto::TensorMeta;
 use uuid::Uuid;
 
 use crate::exported::Exported;
-use crate::message::{Descriptor, ErrorBody, ErrorCode, Event, EventKind, Info, TensorFields};
+use crate::message::{Descriptor, ErrorBody, Event, EventKind, Info, RefusalCode, TensorFields};
 
 /// A consumer connection's id.
 pub(crate) type ClientId = u64;
@@ -53,7 +53,7 @@ pub(crate) struct Registry {
 /// Why a request was refused, as its error reply carries it.
 pub(crate) type Refusal = ErrorBody;
 
-fn refuse(code: ErrorCode, message: impl Into<String>) -> Refusal {
+fn refuse(code: RefusalCode, message: impl Into<String>) -> Refusal {
     ErrorBody {
         code,
         message: message.into(),
@@ -127,11 +127,11 @@ impl Registry {
             .names
             .get(name)
             .copied()
-            .ok_or_else(|| refuse(ErrorCode::not_found(), format!("no tensor {name:?}")))?;
+            .ok_or_else(|| refuse(RefusalCode::not_found(), format!("no tensor {name:?}")))?;
         let entry = self
             .tensors
             .get_mut(&id)
-            .ok_or_else(|| refuse(ErrorCode::internal(), "entry vanished"))?;
+            .ok_or_else(|| refuse(RefusalCode::internal(), "entry vanished"))?;
         entry.generation += 1;
         entry.landed_unix_us = landed_unix_us;
         let generation = entry.generation;
@@ -229,7 +229,7 @@ impl Registry {
     pub(crate) fn lookup(&self, tensor: &str) -> Result<Info, Refusal> {
         let id = self
             .resolve(tensor)
-            .ok_or_else(|| refuse(ErrorCode::not_found(), format!("no tensor {tensor:?}")))?;
+            .ok_or_else(|| refuse(RefusalCode::not_found(), format!("no tensor {tensor:?}")))?;
         Ok(Self::info(id, &self.tensors[&id]))
     }
 
@@ -243,7 +243,7 @@ impl Registry {
         let id = self
             .resolve(tensor)
             .filter(|id| !self.tensors[id].deleting)
-            .ok_or_else(|| refuse(ErrorCode::not_found(), format!("no tensor {tensor:?}")))?;
+            .ok_or_else(|| refuse(RefusalCode::not_found(), format!("no tensor {tensor:?}")))?;
         let held = self
             .leases
             .values()
@@ -251,7 +251,7 @@ impl Registry {
             .count();
         if held >= self.max_leases_per_process {
             return Err(refuse(
-                ErrorCode::lease_limit(),
+                RefusalCode::lease_limit(),
                 format!(
                     "process {process} holds {held} leases over all its connections; the \
                      limit is {}",
@@ -262,12 +262,12 @@ impl Registry {
         let entry = self
             .tensors
             .get_mut(&id)
-            .ok_or_else(|| refuse(ErrorCode::internal(), "entry vanished"))?;
+            .ok_or_else(|| refuse(RefusalCode::internal(), "entry vanished"))?;
         // Exported at publish time and cached: this only fails if the driver broke since.
         let handle = entry
             .memory
             .handle()
-            .map_err(|e| refuse(ErrorCode::internal(), e.to_string()))?;
+            .map_err(|e| refuse(RefusalCode::internal(), e.to_string()))?;
         entry.leases += 1;
         let lease = self.next_lease;
         self.next_lease += 1;
@@ -296,7 +296,7 @@ impl Registry {
             Some(l) if l.client == client => {}
             _ => {
                 return Err(refuse(
-                    ErrorCode::not_found(),
+                    RefusalCode::not_found(),
                     format!("no lease {lease} held by this consumer"),
                 ));
             }
@@ -321,11 +321,11 @@ impl Registry {
     pub(crate) fn delete(&mut self, tensor: &str) -> Result<bool, Refusal> {
         let id = self
             .resolve(tensor)
-            .ok_or_else(|| refuse(ErrorCode::not_found(), format!("no tensor {tensor:?}")))?;
+            .ok_or_else(|| refuse(RefusalCode::not_found(), format!("no tensor {tensor:?}")))?;
         let entry = self
             .tensors
             .get(&id)
-            .ok_or_else(|| refuse(ErrorCode::internal(), "entry vanished"))?;
+            .ok_or_else(|| refuse(RefusalCode::internal(), "entry vanished"))?;
         let (live, deferred) = (!entry.deleting, entry.leases > 0);
         if live {
             self.emit(EventKind::Deleted, id);

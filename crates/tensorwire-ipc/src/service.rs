@@ -15,7 +15,7 @@ use crate::error::IpcError;
 use crate::exported::Exported;
 use crate::memory::SharedMemory;
 use crate::message::{
-    ErrorBody, ErrorCode, Export, GpuInfo, Info, PROTOCOL_VERSION, Reply, Request,
+    ErrorBody, Export, GpuInfo, Info, PROTOCOL_VERSION, RefusalCode, Reply, Request,
 };
 use crate::registry::{ClientId, Registry, Watcher};
 
@@ -165,7 +165,7 @@ const REFUSALS_QUEUED: usize = 64;
 const REFUSAL_WAIT: Duration = Duration::from_millis(250);
 
 /// A refused connection, its code and why.
-type Refusal = (Packets, ErrorCode, String);
+type Refusal = (Packets, RefusalCode, String);
 
 /// Tells refused peers why, off the accept loop and all at once. Each peer's first request
 /// is read before the answer (closing with unread data would reset the connection, and the
@@ -398,7 +398,7 @@ impl ShareService {
         buffer: tensorwire_gpu::TensorBuffer,
     ) -> Result<PublishedTensor, IpcError> {
         match buffer {
-            tensorwire_gpu::TensorBuffer::Cpu(bytes) => self.publish_host(meta, &bytes),
+            tensorwire_gpu::TensorBuffer::Host(bytes) => self.publish_host(meta, &bytes),
             #[cfg(feature = "cuda")]
             tensorwire_gpu::TensorBuffer::Cuda(buffer) => {
                 self.publish_device(meta, Arc::new(buffer), 0)
@@ -423,7 +423,7 @@ impl ShareService {
         if let Some((current, _)) = &current {
             self.update_refusal(meta, current)
                 .map_err(|refused| IpcError::Refused {
-                    code: ErrorCode::bad_request(),
+                    code: RefusalCode::bad_request(),
                     message: refused.message,
                 })?;
         }
@@ -540,7 +540,7 @@ fn accept_loop(
             // Full: this one is closed with no reason rather than delay the next.
             let _ = refuse.try_send((
                 packets,
-                ErrorCode::forbidden(),
+                RefusalCode::forbidden(),
                 format!("{who} may not connect"),
             ));
             continue;
@@ -548,7 +548,7 @@ fn accept_loop(
         let process = peer.map_or(0, |cred| cred.pid.as_raw_nonzero().get() as u32);
         if let Err(why) = shared.admit_connection(process) {
             tracing::warn!(process, %why, "refusing a consumer connection");
-            let _ = refuse.try_send((packets, ErrorCode::too_many_connections(), why));
+            let _ = refuse.try_send((packets, RefusalCode::too_many_connections(), why));
             continue;
         }
         let client = shared.next_client.fetch_add(1, Ordering::Relaxed);
@@ -586,7 +586,13 @@ fn serve_client(shared: &Shared, packets: Packets, client: ClientId, process: u3
             Ok(Some(received)) => received,
             Ok(None) => break,
             Err(IpcError::BadMessage(why)) => {
-                if send(&packets, &Reply::error(ErrorCode::bad_request(), why), None).is_err() {
+                if send(
+                    &packets,
+                    &Reply::error(RefusalCode::bad_request(), why),
+                    None,
+                )
+                .is_err()
+                {
                     break;
                 }
                 continue;
@@ -599,7 +605,7 @@ fn serve_client(shared: &Shared, packets: Packets, client: ClientId, process: u3
             Err(e) => {
                 if send(
                     &packets,
-                    &Reply::error(ErrorCode::bad_request(), e.to_string()),
+                    &Reply::error(RefusalCode::bad_request(), e.to_string()),
                     None,
                 )
                 .is_err()
@@ -624,14 +630,14 @@ fn serve_client(shared: &Shared, packets: Packets, client: ClientId, process: u3
             (Request::Hello { version }, _) => send(
                 &packets,
                 &Reply::error(
-                    ErrorCode::unsupported_version(),
+                    RefusalCode::unsupported_version(),
                     format!("version {version}; this producer speaks {PROTOCOL_VERSION}"),
                 ),
                 None,
             ),
             (_, false) => send(
                 &packets,
-                &Reply::error(ErrorCode::bad_request(), "send hello first"),
+                &Reply::error(RefusalCode::bad_request(), "send hello first"),
                 None,
             ),
             (request, true) => handle(shared, &packets, request, (client, process)),
@@ -656,7 +662,7 @@ fn open(
     let mut registry = shared.registry();
     let opened = loop {
         match registry.open(tensor, client, process) {
-            Err(mut refusal) if refusal.code == ErrorCode::not_found() => {
+            Err(mut refusal) if refusal.code == RefusalCode::not_found() => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() || shared.stopping.load(Ordering::SeqCst) {
                     if let Some(wait) = wait {
@@ -685,7 +691,7 @@ fn open(
             let _ = shared.registry().release(lease, client);
             return send(
                 packets,
-                &Reply::error(ErrorCode::internal(), e.to_string()),
+                &Reply::error(RefusalCode::internal(), e.to_string()),
                 None,
             );
         }
@@ -724,7 +730,7 @@ fn watch(shared: &Shared, packets: &Packets, prefix: String) -> Result<(), IpcEr
             Err(RecvTimeoutError::Disconnected) => {
                 if overflowed.load(Ordering::SeqCst) {
                     let why = format!("more than {WATCH_QUEUE} events were waiting to be read");
-                    let _ = send(packets, &Reply::error(ErrorCode::overflow(), why), None);
+                    let _ = send(packets, &Reply::error(RefusalCode::overflow(), why), None);
                 }
                 return Ok(());
             }
@@ -778,7 +784,7 @@ fn handle(
                 ),
                 Err(e) => send(
                     packets,
-                    &Reply::error(ErrorCode::internal(), e.to_string()),
+                    &Reply::error(RefusalCode::internal(), e.to_string()),
                     None,
                 ),
             };

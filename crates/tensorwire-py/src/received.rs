@@ -69,8 +69,8 @@ pub(crate) fn capsule(
 impl ReceivedTensor {
     pub(crate) fn new(meta: TensorMeta, buffer: TensorBuffer, peer: SocketAddr) -> Self {
         let (location, data_ptr) = match &buffer {
-            TensorBuffer::Cuda(cuda) => ((KDL_CUDA, cuda.device_id() as i32), cuda.device_ptr()),
-            TensorBuffer::Cpu(bytes) => ((KDL_CPU, 0), bytes.as_ptr() as u64),
+            TensorBuffer::Cuda(cuda) => ((KDL_CUDA, cuda.ordinal() as i32), cuda.device_ptr()),
+            TensorBuffer::Host(bytes) => ((KDL_CPU, 0), bytes.as_ptr() as u64),
         };
         Self {
             meta,

@@ -38,7 +38,7 @@ impl SharedBuffer {
     /// `cuda:N`.
     #[getter]
     fn device(&self) -> String {
-        format!("cuda:{}", self.buffer.device_id())
+        format!("cuda:{}", self.buffer.ordinal())
     }
 
     /// The device address of its first byte.
@@ -54,7 +54,7 @@ impl SharedBuffer {
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
-        (KDL_CUDA, self.buffer.device_id() as i32)
+        (KDL_CUDA, self.buffer.ordinal() as i32)
     }
 
     /// A view for a framework (the memory lives while any view, this object or a

@@ -414,7 +414,7 @@ struct Received {
 fn on_gpu(buffer: TensorBuffer) -> anyhow::Result<CudaBuffer> {
     match buffer {
         TensorBuffer::Cuda(buffer) => Ok(buffer),
-        TensorBuffer::Cpu(_) => bail!("landed in host memory"),
+        TensorBuffer::Host(_) => bail!("landed in host memory"),
     }
 }
 

@@ -15,9 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::message::ExecRole;
-use tensorwire_gpu::{
-    DeviceMemoryKind, GpuRequirement, HostFallback, Placement, PooledGpuReceiver,
-};
+use tensorwire_gpu::{DeviceMemoryKind, GpuRequirement, GpuSinkFactory, HostFallback, Placement};
 use tensorwire_proto::ErrorCode;
 use tensorwire_quic::IncomingTensor;
 
@@ -54,7 +52,7 @@ pub struct ExecServer {
 struct Inner {
     config: ExecConfig,
     /// The GPU and its pools, or why there is none.
-    gpu: Result<PooledGpuReceiver, String>,
+    gpu: Result<GpuSinkFactory, String>,
     workers: Option<Arc<WorkerPool>>,
     modules: Mutex<ModuleCache>,
     mailboxes: Arc<Mailboxes>,
@@ -107,10 +105,7 @@ impl ExecServer {
         Self::build(config, gpu)
     }
 
-    fn build(
-        config: ExecConfig,
-        gpu: Result<PooledGpuReceiver, String>,
-    ) -> Result<Self, ExecError> {
+    fn build(config: ExecConfig, gpu: Result<GpuSinkFactory, String>) -> Result<Self, ExecError> {
         if config.workers == 0 {
             return Err(ExecError::Config("at least one worker is needed".into()));
         }

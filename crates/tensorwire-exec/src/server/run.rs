@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crate::message::{ArgSpec, ExecLimits, ExecReply, ExecRole, RequestKind, RunRequest, Timings};
 use bytes::Bytes;
 use tensorwire_gpu::{
-    Allocation, CudaBuffer, DeviceAllocation, Placement, PooledGpuReceiver, TensorBuffer,
+    Allocation, CudaBuffer, DeviceAllocation, GpuSinkFactory, Placement, TensorBuffer,
 };
 use tensorwire_proto::{DType, Device, ErrorCode, TensorMeta};
 use tensorwire_quic::{ConnectionSender, IncomingTensor};
@@ -138,7 +138,7 @@ impl Inner {
     async fn land(
         self: &Arc<Self>,
         run: &RunRequest,
-        gpu: &PooledGpuReceiver,
+        gpu: &GpuSinkFactory,
         rx: &mut mpsc::UnboundedReceiver<IncomingTensor>,
     ) -> Result<Landed, Failure> {
         let mut expected_inputs = run.input_count();
@@ -259,10 +259,10 @@ impl Inner {
                     TensorBuffer::Cuda(buffer) => {
                         Ok(Arrived::Input(meta.name().to_owned(), buffer))
                     }
-                    TensorBuffer::Cpu(bytes) if bytes.is_empty() => {
+                    TensorBuffer::Host(bytes) if bytes.is_empty() => {
                         Ok(Arrived::Empty(meta.name().to_owned()))
                     }
-                    TensorBuffer::Cpu(_) => Err((
+                    TensorBuffer::Host(_) => Err((
                         ErrorCode::INTERNAL,
                         format!("input {} landed in host memory", meta.name()),
                     )),
@@ -293,7 +293,7 @@ impl Inner {
     async fn allocate_outputs(
         &self,
         run: &RunRequest,
-        gpu: &PooledGpuReceiver,
+        gpu: &GpuSinkFactory,
     ) -> Result<Vec<Option<CudaBuffer>>, Failure> {
         let mut outputs = Vec::new();
         for arg in &run.args {

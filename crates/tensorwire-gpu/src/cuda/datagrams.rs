@@ -43,7 +43,7 @@ const DEFAULT_CAPACITY: usize = 256 << 20;
 ///     tensorwire_gpu::PinnedDatagrams::new(std::alloc::System);
 /// ```
 ///
-/// A [`PooledGpuReceiver`](crate::PooledGpuReceiver) pins the region when it opens its
+/// A [`GpuSinkFactory`](crate::GpuSinkFactory) pins the region when it opens its
 /// device (its capacity, 256 MiB by default, is then locked in host memory for the life of
 /// the process), and its sinks copy payloads received there to the device with no copy into
 /// staging. Until then, and in a process without a GPU, every allocation comes from `A`.

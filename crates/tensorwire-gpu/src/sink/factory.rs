@@ -1,4 +1,4 @@
-//! [`PooledGpuReceiver`]: one device's staging and device pools, budget and checksum kernel,
+//! [`GpuSinkFactory`]: one device's staging and device pools, budget and checksum kernel,
 //! which makes a [`GpuSink`](super::GpuSink) for each tensor.
 
 use std::sync::Arc;
@@ -18,7 +18,7 @@ use crate::pool::{PoolConfig, PoolStats};
 /// A receiver's GPU side: one device, a pinned staging pool and a device memory pool, from
 /// which each incoming tensor gets a [`GpuSink`].
 #[derive(Clone)]
-pub struct PooledGpuReceiver {
+pub struct GpuSinkFactory {
     pub(crate) device: Arc<GpuDevice>,
     pub(crate) staging: PinnedMemoryPool,
     pub(crate) memory: GpuMemoryPool,
@@ -44,7 +44,7 @@ pub enum HostFallback {
 /// The default device-memory budget: this share of the memory free when the device opens.
 pub(crate) const DEFAULT_BUDGET_OF_FREE: (usize, usize) = (3, 4);
 
-impl PooledGpuReceiver {
+impl GpuSinkFactory {
     /// Opens CUDA device `ordinal` with the given pool sizes; staging buffers are all
     /// [`STAGING_BUFFER`] bytes, the only size the sink asks for.
     pub fn new(ordinal: usize, staging: PoolConfig, memory: PoolConfig) -> Result<Self, GpuError> {
@@ -189,10 +189,10 @@ impl PooledGpuReceiver {
     /// A sink into `dest` (the application's registered memory, say) through this
     /// receiver's staging pool; `dest` must be on this receiver's device.
     pub fn sink_into(&self, dest: CudaBuffer) -> Result<GpuSink, GpuError> {
-        if dest.device_id() != self.device.ordinal() {
+        if dest.ordinal() != self.device.ordinal() {
             return Err(GpuError::InvalidConfig(format!(
                 "a cuda:{} destination for a cuda:{} receiver",
-                dest.device_id(),
+                dest.ordinal(),
                 self.device.ordinal()
             )));
         }

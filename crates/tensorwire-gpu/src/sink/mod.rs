@@ -8,7 +8,7 @@ mod copy;
 mod factory;
 
 pub use copy::{GpuSink, Handoff};
-pub use factory::{HostFallback, PooledGpuReceiver};
+pub use factory::{GpuSinkFactory, HostFallback};
 
 /// Staging buffer size: a host-to-device copy pays a fixed cost, which copies this large
 /// spread thin enough to run near the link's rate (benches/results/LOG.md).
