@@ -34,7 +34,7 @@ async fn serve(
     route: impl Fn(tensorwire_quic::IncomingTensor) + Send + 'static,
 ) -> SocketAddr {
     let mut config = ReceiverConfig::new("127.0.0.1:0".parse().unwrap(), tls);
-    config.admission_timeout = admission;
+    config.session.admission_timeout = admission;
     let mut receiver = Receiver::bind(config).await.unwrap();
     let addr = receiver.local_addr().unwrap();
     tokio::spawn(async move {

@@ -113,7 +113,7 @@ impl GpuTensorReceiver {
         // One tensor fed in memory: no control stream, no early data.
         config.early_credit = 0;
         let mut session = Session::new(config, std::time::Instant::now());
-        let _ = session.open_stream(STREAM);
+        let _ = session.open_stream(STREAM, std::time::Instant::now());
         let credit = CreditTracker::new(u64::MAX, u64::MAX, u64::MAX / 2)
             .unwrap_or_else(|_| unreachable!("0 < low <= high <= budget"));
         Self {
@@ -147,7 +147,7 @@ impl GpuTensorReceiver {
         let session = &mut self.session;
         let event = match self
             .credit
-            .with(|credit| session.handle_frame(STREAM, frame, credit))
+            .with(|credit| session.handle_frame(STREAM, frame, credit, std::time::Instant::now()))
         {
             Err(ProtocolError::Remote { reason, .. }) => {
                 self.sink = None;
@@ -158,7 +158,7 @@ impl GpuTensorReceiver {
         match event {
             IncomingEvent::Metadata(meta) => {
                 self.sink = Some(self.placement.sink(&meta)?);
-                self.session.accept(STREAM)?;
+                self.session.accept(STREAM, std::time::Instant::now())?;
                 let session = &mut self.session;
                 // Fed from memory: no path, so the window (all of the tensor) stays.
                 let clock = GrantClock::without_path(std::time::Instant::now());

@@ -25,8 +25,8 @@ async fn pair_with(adjust: impl FnOnce(&mut ReceiverConfig)) -> (Receiver, Sende
     )
     .with_budget(64 << 20);
     config.transport = TransportSettings::jumbo();
-    config.progress_timeout = Duration::from_secs(60);
-    config.admission_timeout = Duration::from_secs(60);
+    config.session.progress_timeout = Duration::from_secs(60);
+    config.session.admission_timeout = Duration::from_secs(60);
     adjust(&mut config);
     let rx = Receiver::bind(config).await.unwrap();
     let addr = rx.local_addr().unwrap();
@@ -202,7 +202,7 @@ mod on_gpu {
             *config = config.clone().with_budget(BUDGET);
             config.session.grant_unit = 1 << 20;
             config.session.stream_window = 2 << 20;
-            config.progress_timeout = Duration::from_secs(5);
+            config.session.progress_timeout = Duration::from_secs(5);
         })
         .await;
         let data = Bytes::from(pattern(LEN, 5));

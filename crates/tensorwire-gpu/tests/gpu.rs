@@ -123,7 +123,7 @@ async fn stream_stored(
     )
     .with_budget(64 << 20);
     config.transport = TransportSettings::jumbo();
-    config.progress_timeout = Duration::from_secs(20);
+    config.session.progress_timeout = Duration::from_secs(20);
     config.store_offload = offload;
     let mut receiver = Receiver::bind(config).await.unwrap();
     let addr = receiver.local_addr().unwrap();

@@ -237,6 +237,9 @@ pub fn session_ops(data: &[u8]) {
         failure_window: Duration::from_secs(1),
         early_credit: 2048,
         idle_timeout: Duration::from_secs(1),
+        // Short, so that ops (each moves the clock up to 255 ms) reach both.
+        progress_timeout: Duration::from_millis(400),
+        admission_timeout: Duration::from_millis(600),
     };
     let connection_window = config.connection_window;
     let max_stream_window = config.max_stream_window;
@@ -259,9 +262,9 @@ pub fn session_ops(data: &[u8]) {
     let mut decoder = FrameDecoder::new(limits);
     decoder.push(Bytes::copy_from_slice(frames));
     let receiving = |slot: usize| (slot as u64) < SESSION_STREAMS / 2;
-    let open = |session: &mut Session, slot: usize, id: StreamId| {
+    let open = |session: &mut Session, slot: usize, id: StreamId, now: Instant| {
         if receiving(slot) {
-            let _ = session.open_stream(id);
+            let _ = session.open_stream(id, now);
         } else if let Ok(tensor) = crate::TensorSender::new(sent_meta.clone()) {
             let _ = session.start_sending(id, tensor);
         }
@@ -271,7 +274,7 @@ pub fn session_ops(data: &[u8]) {
     let mut held = vec![0u64; SESSION_STREAMS as usize];
     let mut next_id = SESSION_STREAMS;
     for (slot, &id) in ids.iter().enumerate() {
-        open(&mut session, slot, id);
+        open(&mut session, slot, id, now);
     }
     let filler = Bytes::from(vec![0x5a; SENT_TENSOR_LEN as usize]);
     for &k in ops {
@@ -289,7 +292,7 @@ pub fn session_ops(data: &[u8]) {
                     Ok(Some(frame)) if !incoming => drop(session.handle_reply(id, frame)),
                     Ok(Some(frame)) => {
                         if let Ok(IncomingEvent::Data(d)) =
-                            session.handle_frame(id, frame, &mut credit)
+                            session.handle_frame(id, frame, &mut credit, now)
                         {
                             held[slot] += d.payload.len() as u64;
                         }
@@ -297,7 +300,7 @@ pub fn session_ops(data: &[u8]) {
                     _ => {}
                 }
             }
-            (3, true) => drop(session.accept(id)),
+            (3, true) => drop(session.accept(id, now)),
             (3, false) => {
                 let len = session
                     .next_chunk_len(id)
@@ -328,9 +331,24 @@ pub fn session_ops(data: &[u8]) {
                 let _ = credit.release(std::mem::take(&mut held[slot]));
                 let _ = session.close_stream(id, &mut credit, now);
                 ids[slot] = next_id;
-                open(&mut session, slot, next_id);
+                open(&mut session, slot, next_id, now);
                 next_id += 1;
             }
+        }
+        // Spec §10.1: a wait that has run out ends its tensor, and only then.
+        if let Some(deadline) = session.stream_deadline(id) {
+            let expired = session.handle_stream_timeout(id, now);
+            assert_eq!(
+                expired.is_some(),
+                now >= deadline,
+                "a stream timed out off its deadline"
+            );
+            if let Some(e) = expired {
+                assert_eq!(e.code(), ErrorCode::PROGRESS_TIMEOUT);
+            }
+        }
+        if let Some(first) = session.poll_timeout() {
+            assert!(session.stream_deadline(id).is_none_or(|d| d >= first));
         }
         assert_eq!(
             credit.held(),
@@ -356,8 +374,8 @@ pub fn session_ops(data: &[u8]) {
         );
         while session.poll_control_frame().is_some() {}
         assert!(session.sent(id) <= SENT_TENSOR_LEN);
-        // Spec §10: streams are open, so the connection is not idle however long it runs.
-        assert_eq!(session.poll_timeout(), None);
+        // Spec §10: streams are open, so the connection is not idle however long it runs;
+        // what the session waits for is its streams'.
         assert_eq!(session.handle_timeout(now), None);
         while session.poll_frame(id).is_some() {}
     }

@@ -68,6 +68,7 @@ mod receiver;
 mod sender;
 mod session;
 pub mod split;
+mod stream_clock;
 mod version;
 mod window;
 

@@ -13,13 +13,15 @@ use crate::limits::Limits;
 use crate::meta::TensorMeta;
 use crate::receiver::{CheckedFrame, ReceiverEvent, ReceiverState, TensorReceiver};
 use crate::sender::{CheckedChunk, SenderEvent, SenderState, TensorSender};
+use crate::stream_clock::{StreamClock, Wait};
 use crate::window::{GrantClock, SendPace, StreamWindow};
 
 /// One tensor of the connection, in the direction its stream runs.
 #[derive(Debug)]
 enum Tensor {
-    /// The peer opened the stream and sends the tensor to us, within its window.
-    Incoming(TensorReceiver, StreamWindow),
+    /// The peer opened the stream and sends the tensor to us, within its window, on its
+    /// clock.
+    Incoming(TensorReceiver, StreamWindow, StreamClock),
     /// We opened the stream and send the tensor to the peer.
     Outgoing(TensorSender, SendPace),
 }
@@ -61,12 +63,20 @@ pub struct SessionConfig {
     /// PROGRESS_TIMEOUT (spec §10, §10.1): it keeps itself alive but carries nothing, and
     /// holds a connection slot. `Duration::MAX` never closes it.
     pub idle_timeout: Duration,
+    /// A stream whose peer owes a frame (METADATA, DATA within the credit it holds, or END)
+    /// and sends none for this long is cancelled with PROGRESS_TIMEOUT (spec §10.1). A
+    /// stream waiting for this receiver's credit or sink owes nothing. `Duration::MAX`: never.
+    pub progress_timeout: Duration,
+    /// How long a tensor's METADATA may wait for the application's accept or reject before
+    /// it is refused with PROGRESS_TIMEOUT (spec §10.1). `Duration::MAX`: never.
+    pub admission_timeout: Duration,
 }
 
 impl Default for SessionConfig {
     /// The reference implementation's policy: 4 MiB grants, an 8 MiB window per tensor
     /// growing to 16 MiB on long paths, 128 MiB per connection, 1000 failed streams per
-    /// 10 s, 1 MiB of early credit, connections closed after 60 s with no stream.
+    /// 10 s, 1 MiB of early credit, connections closed after 60 s with no stream, 30 s for a
+    /// peer's frame and for the application's decision.
     fn default() -> Self {
         Self {
             limits: Limits::default(),
@@ -78,6 +88,8 @@ impl Default for SessionConfig {
             failure_window: Duration::from_secs(10),
             early_credit: 1 << 20,
             idle_timeout: Duration::from_secs(60),
+            progress_timeout: Duration::from_secs(30),
+            admission_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -242,8 +254,8 @@ impl Session {
         credit.leave(self.party);
     }
 
-    /// The peer opened stream `id`.
-    pub fn open_stream(&mut self, id: StreamId) -> Result<(), ProtocolError> {
+    /// The peer opened stream `id` at `now`.
+    pub fn open_stream(&mut self, id: StreamId, now: Instant) -> Result<(), ProtocolError> {
         let tensor = TensorReceiver::new(self.config.limits.clone());
         // Spec §7.1: a window grown on this connection's path is where the next one starts.
         let start = self
@@ -251,7 +263,10 @@ impl Session {
             .min(self.config.max_stream_window)
             .max(self.config.stream_window);
         let window = StreamWindow::new(start);
-        self.open(id, Tensor::Incoming(tensor, window))
+        self.open(
+            id,
+            Tensor::Incoming(tensor, window, StreamClock::opened(now)),
+        )
     }
 
     /// We opened stream `id` to send `tensor` on it; its METADATA is queued.
@@ -364,7 +379,7 @@ impl Session {
 
     fn incoming(&mut self, id: StreamId) -> Result<&mut TensorReceiver, ProtocolError> {
         match self.tensors.get_mut(&id) {
-            Some(Tensor::Incoming(tensor, _)) => Ok(tensor),
+            Some(Tensor::Incoming(tensor, _, _)) => Ok(tensor),
             Some(Tensor::Outgoing(..)) => Err(ProtocolError::Misuse(
                 "a receiving call on a tensor we send",
             )),
@@ -387,14 +402,16 @@ impl Session {
     /// moves its bytes from in flight to held in `credit`, in the same step.
     ///
     /// An error closes the tensor and queues the REJECT or CANCEL that says why (unless the
-    /// peer ended it); the driver then calls [`close_stream`](Self::close_stream).
+    /// peer ended it); the driver then calls [`close_stream`](Self::close_stream). The frame
+    /// arrived at `now`: it restarts the stream's progress timeout.
     pub fn handle_frame(
         &mut self,
         id: StreamId,
         frame: Frame,
         credit: &mut CreditTracker,
+        now: Instant,
     ) -> Result<IncomingEvent, ProtocolError> {
-        self.handle_checked(id, CheckedFrame::new(frame), credit)
+        self.handle_checked(id, CheckedFrame::new(frame), credit, now)
     }
 
     /// As [`handle_frame`](Self::handle_frame), for a frame whose DATA checksum the driver
@@ -404,9 +421,28 @@ impl Session {
         id: StreamId,
         frame: CheckedFrame,
         credit: &mut CreditTracker,
+        now: Instant,
+    ) -> Result<IncomingEvent, ProtocolError> {
+        let event = self.handle_incoming(id, frame, credit)?;
+        if let Some(Tensor::Incoming(_, _, clock)) = self.tensors.get_mut(&id) {
+            match event {
+                IncomingEvent::Metadata(_) => clock.metadata_arrived(now),
+                IncomingEvent::Early | IncomingEvent::Data(_) | IncomingEvent::End => {
+                    clock.progressed(now)
+                }
+            }
+        }
+        Ok(event)
+    }
+
+    fn handle_incoming(
+        &mut self,
+        id: StreamId,
+        frame: CheckedFrame,
+        credit: &mut CreditTracker,
     ) -> Result<IncomingEvent, ProtocolError> {
         let tensor = match self.tensors.get_mut(&id) {
-            Some(Tensor::Incoming(tensor, _)) => tensor,
+            Some(Tensor::Incoming(tensor, _, _)) => tensor,
             Some(Tensor::Outgoing(..)) => {
                 return Err(ProtocolError::Misuse(
                     "an answer on our own tensor's stream: pass it to handle_reply",
@@ -463,7 +499,7 @@ impl Session {
     /// closes the tensor.
     pub fn record_payload_crc(&mut self, id: StreamId, crc: u32) -> Result<(), ProtocolError> {
         match self.tensors.get_mut(&id) {
-            Some(Tensor::Incoming(tensor, _)) => tensor.record_payload_crc(crc),
+            Some(Tensor::Incoming(tensor, _, _)) => tensor.record_payload_crc(crc),
             _ => Err(ProtocolError::Misuse("no incoming tensor on that stream")),
         }
     }
@@ -492,9 +528,13 @@ impl Session {
         })
     }
 
-    /// Admits the tensor on stream `id`; queues ACCEPT.
-    pub fn accept(&mut self, id: StreamId) -> Result<(), ProtocolError> {
-        self.incoming(id)?.accept()
+    /// Admits the tensor on stream `id` at `now`; queues ACCEPT.
+    pub fn accept(&mut self, id: StreamId, now: Instant) -> Result<(), ProtocolError> {
+        self.incoming(id)?.accept()?;
+        if let Some(Tensor::Incoming(_, _, clock)) = self.tensors.get_mut(&id) {
+            clock.progressed(now);
+        }
+        Ok(())
     }
 
     /// Refuses the tensor on stream `id`; queues REJECT.
@@ -511,7 +551,7 @@ impl Session {
     /// CANCEL otherwise). A tensor that already ended is left as it is.
     pub fn cancel(&mut self, id: StreamId, code: ErrorCode, reason: impl Into<String>) {
         match self.tensors.get_mut(&id) {
-            Some(Tensor::Incoming(tensor, _)) => {
+            Some(Tensor::Incoming(tensor, _, _)) => {
                 let _ = tensor.cancel(code, reason);
             }
             Some(Tensor::Outgoing(tensor, _)) => {
@@ -533,7 +573,7 @@ impl Session {
     /// be smaller): a window with less than a unit free waits for more bytes to arrive, so
     /// CREDIT goes out once per unit, not once per DATA.
     fn stream_wants(&self, id: StreamId) -> u64 {
-        let Some(Tensor::Incoming(tensor, window)) = self.tensors.get(&id) else {
+        let Some(Tensor::Incoming(tensor, window, _)) = self.tensors.get(&id) else {
             return 0;
         };
         if tensor.state() != ReceiverState::Receiving {
@@ -552,7 +592,7 @@ impl Session {
     /// it grew; `None` for any other stream.
     pub fn stream_window(&self, id: StreamId) -> Option<u64> {
         match self.tensors.get(&id) {
-            Some(Tensor::Incoming(_, window)) => Some(window.size()),
+            Some(Tensor::Incoming(_, window, _)) => Some(window.size()),
             _ => None,
         }
     }
@@ -562,7 +602,7 @@ impl Session {
     /// (to copy them with later ones) must release them now, not wait for more (spec §7.1).
     pub fn out_of_credit(&self, id: StreamId) -> bool {
         match self.tensors.get(&id) {
-            Some(Tensor::Incoming(tensor, _)) => {
+            Some(Tensor::Incoming(tensor, _, _)) => {
                 tensor.state() == ReceiverState::Receiving
                     && tensor.ungranted() > 0
                     && tensor.revocable_credit() == 0
@@ -586,7 +626,7 @@ impl Session {
             rtt: self.path_rtt(clock.rtt),
         };
         let max_window = self.config.max_stream_window;
-        if let Some(Tensor::Incoming(tensor, window)) = self.tensors.get_mut(&id) {
+        if let Some(Tensor::Incoming(tensor, window, _)) = self.tensors.get_mut(&id) {
             window.tune(tensor.received(), path, max_window);
             self.grown_window = self.grown_window.max(window.size());
         }
@@ -595,7 +635,7 @@ impl Session {
             return 0;
         }
         let granted = credit.grant(self.party, want);
-        let Some(Tensor::Incoming(tensor, window)) = self.tensors.get_mut(&id) else {
+        let Some(Tensor::Incoming(tensor, window, stream_clock)) = self.tensors.get_mut(&id) else {
             let _ = credit.revoke(self.party, granted);
             return 0;
         };
@@ -604,6 +644,8 @@ impl Session {
         let _ = credit.revoke(self.party, granted - used);
         if used > 0 {
             window.granted(clock.now, tensor.received());
+            // The peer can send again from now: it is timed from now (spec §10.1).
+            stream_clock.progressed(clock.now);
         }
         self.outstanding += used;
         used
@@ -648,7 +690,7 @@ impl Session {
     /// The next frame to send on stream `id`.
     pub fn poll_frame(&mut self, id: StreamId) -> Option<Frame> {
         match self.tensors.get_mut(&id)? {
-            Tensor::Incoming(tensor, _) => tensor.poll_frame(),
+            Tensor::Incoming(tensor, _, _) => tensor.poll_frame(),
             Tensor::Outgoing(tensor, _) => tensor.poll_frame(),
         }
     }
@@ -656,7 +698,7 @@ impl Session {
     /// The tensor's metadata (of a peer's tensor, once received).
     pub fn meta(&self, id: StreamId) -> Option<&TensorMeta> {
         match self.tensors.get(&id)? {
-            Tensor::Incoming(tensor, _) => tensor.meta(),
+            Tensor::Incoming(tensor, _, _) => tensor.meta(),
             Tensor::Outgoing(tensor, _) => Some(tensor.meta()),
         }
     }
@@ -664,7 +706,7 @@ impl Session {
     /// Why the tensor on `id` closed, if it did without completing.
     pub fn ending(&self, id: StreamId) -> Option<&ProtocolError> {
         match self.tensors.get(&id)? {
-            Tensor::Incoming(tensor, _) => tensor.ending(),
+            Tensor::Incoming(tensor, _, _) => tensor.ending(),
             Tensor::Outgoing(tensor, _) => tensor.ending(),
         }
     }
@@ -672,7 +714,7 @@ impl Session {
     /// Payload bytes received on `id` so far (a peer's tensor).
     pub fn received(&self, id: StreamId) -> u64 {
         match self.tensors.get(&id) {
-            Some(Tensor::Incoming(tensor, _)) => tensor.received(),
+            Some(Tensor::Incoming(tensor, _, _)) => tensor.received(),
             _ => 0,
         }
     }
@@ -734,7 +776,7 @@ impl Session {
         now: Instant,
     ) -> StreamClosed {
         let tensor = match self.remove(id, now) {
-            Some(Tensor::Incoming(tensor, _)) => tensor,
+            Some(Tensor::Incoming(tensor, _, _)) => tensor,
             Some(Tensor::Outgoing(tensor, _)) => return outcome_of_sending(&tensor),
             None => return StreamClosed::Failed,
         };
@@ -783,18 +825,66 @@ impl Session {
         self.tensors.len()
     }
 
-    /// When the session next needs the time (spec §10.1): the connection's idle deadline
-    /// while no tensor stream is open; `None` while one is, or where the timeout is off.
-    /// Sleep until then and call [`handle_timeout`](Self::handle_timeout); a stream closing
-    /// moves the deadline, so ask again after one does.
+    /// When the session next needs the time (spec §10.1): the earliest of the connection's
+    /// idle deadline (while no tensor stream is open) and every incoming stream's
+    /// [`stream_deadline`](Self::stream_deadline); `None` where nothing is timed. Sleep until
+    /// then and call [`handle_timeout`](Self::handle_timeout) and, for streams,
+    /// [`handle_stream_timeout`](Self::handle_stream_timeout); every call may move it.
     pub fn poll_timeout(&self) -> Option<Instant> {
+        let streams = self
+            .tensors
+            .keys()
+            .filter_map(|&id| self.stream_deadline(id));
+        self.idle_deadline().into_iter().chain(streams).min()
+    }
+
+    fn idle_deadline(&self) -> Option<Instant> {
         self.idle_since?.checked_add(self.config.idle_timeout)
+    }
+
+    /// When incoming stream `id`'s wait ends (spec §10.1): the peer's progress timeout while
+    /// it owes a frame, the admission timeout while the application owes a decision; `None`
+    /// while the stream waits only for this receiver (its credit or its sink), for a stream
+    /// we send, or where the timeout is off.
+    pub fn stream_deadline(&self, id: StreamId) -> Option<Instant> {
+        self.stream_wait(id).map(|(deadline, _)| deadline)
+    }
+
+    fn stream_wait(&self, id: StreamId) -> Option<(Instant, Wait)> {
+        match self.tensors.get(&id) {
+            Some(Tensor::Incoming(tensor, _, clock)) => clock.deadline(
+                tensor,
+                self.config.progress_timeout,
+                self.config.admission_timeout,
+            ),
+            _ => None,
+        }
+    }
+
+    /// Acts on the time for incoming stream `id`: once its
+    /// [`stream_deadline`](Self::stream_deadline) has passed, ends the tensor (queuing the
+    /// REJECT or CANCEL, with PROGRESS_TIMEOUT) and returns why; the driver then closes the
+    /// stream. `None` while the wait has not ended.
+    pub fn handle_stream_timeout(&mut self, id: StreamId, now: Instant) -> Option<ProtocolError> {
+        let (deadline, wait) = self.stream_wait(id)?;
+        if now < deadline {
+            return None;
+        }
+        let after = match wait {
+            Wait::Peer => self.config.progress_timeout,
+            Wait::Decision => self.config.admission_timeout,
+        };
+        let err = wait.expired(after);
+        if let ProtocolError::Local { code, reason } = &err {
+            self.cancel(id, *code, reason.clone());
+        }
+        Some(err)
     }
 
     /// Acts on the time: once the connection has had no tensor stream for the idle timeout,
     /// says to close it, with PROGRESS_TIMEOUT and why (spec §10).
     pub fn handle_timeout(&mut self, now: Instant) -> Option<ConnectionEnd> {
-        match self.poll_timeout() {
+        match self.idle_deadline() {
             Some(deadline) if now >= deadline => Some(ConnectionEnd {
                 code: ErrorCode::PROGRESS_TIMEOUT,
                 reason: format!(

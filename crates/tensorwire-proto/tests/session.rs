@@ -70,7 +70,7 @@ impl Receiver {
 
     fn send(&mut self, conn: usize, name: &str, len: usize, seed: u64) {
         let id = self.flows.len() as StreamId;
-        self.sessions[conn].open_stream(id).unwrap();
+        self.sessions[conn].open_stream(id, epoch()).unwrap();
         let m = meta(name, len);
         self.flows.push(Flow {
             conn,
@@ -112,8 +112,8 @@ impl Receiver {
             while let Some(frame) = flow.sender.poll_frame() {
                 moved = true;
                 let frame = Frame::decode_one(&frame.to_bytes());
-                match session.handle_frame(flow.id, frame, &mut self.credit) {
-                    Ok(IncomingEvent::Metadata(_)) => session.accept(flow.id).unwrap(),
+                match session.handle_frame(flow.id, frame, &mut self.credit, epoch()) {
+                    Ok(IncomingEvent::Metadata(_)) => session.accept(flow.id, epoch()).unwrap(),
                     Ok(IncomingEvent::Data(data)) => {
                         let at = data.offset as usize;
                         data.payload
@@ -219,7 +219,9 @@ fn data_arrives_on(
         payload: Bytes::from(vec![7u8; len]).into(),
     };
     *offset += len as u64;
-    let event = session.handle_frame(id, Frame::Data(data), credit).unwrap();
+    let event = session
+        .handle_frame(id, Frame::Data(data), credit, epoch())
+        .unwrap();
     assert!(matches!(event, IncomingEvent::Data(_)));
 }
 
@@ -234,12 +236,12 @@ fn a_tensor_is_out_of_credit_when_its_granted_bytes_all_arrived() {
     // Pauses at the first grant: the tracker gives nothing more until bytes are released.
     let mut credit = CreditTracker::new(2 << 20, 1 << 20, 0).unwrap();
     let mut session = Session::new(config, epoch());
-    session.open_stream(7).unwrap();
+    session.open_stream(7, epoch()).unwrap();
     session
-        .handle_frame(7, meta("t", 2 << 20).into(), &mut credit)
+        .handle_frame(7, meta("t", 2 << 20).into(), &mut credit, epoch())
         .unwrap();
     assert!(!session.out_of_credit(7), "not accepted yet");
-    session.accept(7).unwrap();
+    session.accept(7, epoch()).unwrap();
     assert!(session.out_of_credit(7), "accepted, nothing granted");
     assert_eq!(session.grant(7, &mut credit, no_path()), 1 << 20);
     let mut offset = 0;
@@ -271,14 +273,14 @@ fn grants_come_in_units_up_to_the_stream_window() {
     config.stream_window = 10 << 20;
     let mut credit = CreditTracker::new(1 << 30, 1 << 30, 1 << 29).unwrap();
     let mut session = Session::new(config, epoch());
-    session.open_stream(7).unwrap();
+    session.open_stream(7, epoch()).unwrap();
     let event = session
-        .handle_frame(7, meta("big", 100 << 20).into(), &mut credit)
+        .handle_frame(7, meta("big", 100 << 20).into(), &mut credit, epoch())
         .unwrap();
     assert!(matches!(event, IncomingEvent::Metadata(_)));
     assert!(!session.wants_credit(7), "no credit before ACCEPT");
     assert_eq!(session.grant(7, &mut credit, no_path()), 0);
-    session.accept(7).unwrap();
+    session.accept(7, epoch()).unwrap();
     let grants: Vec<u64> = (0..3)
         .map(|_| session.grant(7, &mut credit, no_path()))
         .collect();
@@ -391,10 +393,14 @@ fn the_failure_budget_runs_dry_under_a_cancel_flood() {
     let start = epoch();
     let mut session = Session::new(config, start);
     let mut cancel_one = |session: &mut Session, id: StreamId, now: Instant| {
-        session.open_stream(id).unwrap();
-        let _ = session.handle_frame(id, meta("m", 10).into(), &mut credit);
+        session.open_stream(id, epoch()).unwrap();
+        let _ = session.handle_frame(id, meta("m", 10).into(), &mut credit, epoch());
         let cancel = Frame::from(Cancel::new(ErrorCode::CANCELLED, "flood"));
-        assert!(session.handle_frame(id, cancel, &mut credit).is_err());
+        assert!(
+            session
+                .handle_frame(id, cancel, &mut credit, epoch())
+                .is_err()
+        );
         session.close_stream(id, &mut credit, now)
     };
     for id in 0..3 {
@@ -425,8 +431,8 @@ fn a_budget_run_dry_by_timeouts_closes_with_progress_timeout() {
     let now = epoch();
     let mut session = Session::new(config, now);
     let mut end_one = |session: &mut Session, id: StreamId, code: ErrorCode| {
-        session.open_stream(id).unwrap();
-        let _ = session.handle_frame(id, meta("m", 10).into(), &mut credit);
+        session.open_stream(id, epoch()).unwrap();
+        let _ = session.handle_frame(id, meta("m", 10).into(), &mut credit, epoch());
         session.cancel(id, code, "no frame within 30 s");
         session.close_stream(id, &mut credit, now)
     };
@@ -451,6 +457,8 @@ fn the_idle_timer_runs_only_while_no_stream_is_open_and_closes_the_connection() 
     let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
     let mut config = SessionConfig::default();
     config.idle_timeout = idle;
+    // Streams' own timers are tested below.
+    config.progress_timeout = Duration::MAX;
     let mut session = Session::new(config, start);
     assert_eq!(session.poll_timeout(), Some(start + idle));
     assert_eq!(
@@ -459,7 +467,7 @@ fn the_idle_timer_runs_only_while_no_stream_is_open_and_closes_the_connection() 
     );
 
     // An open stream stops the timer, however long it stays open.
-    session.open_stream(1).unwrap();
+    session.open_stream(1, start).unwrap();
     assert_eq!(session.poll_timeout(), None);
     assert_eq!(session.handle_timeout(start + 10 * idle), None);
 
@@ -497,7 +505,7 @@ fn idle_time_counts_only_while_no_stream_is_open() {
         session.idle_for(start + Duration::from_secs(5)),
         Duration::from_secs(5)
     );
-    session.open_stream(1).unwrap();
+    session.open_stream(1, epoch()).unwrap();
     assert_eq!(
         session.idle_for(start + Duration::from_secs(50)),
         Duration::ZERO
@@ -513,8 +521,8 @@ fn idle_time_counts_only_while_no_stream_is_open() {
 #[test]
 fn a_stream_cannot_be_opened_twice() {
     let mut session = Session::new(SessionConfig::default(), epoch());
-    session.open_stream(1).unwrap();
-    assert!(session.open_stream(1).is_err());
+    session.open_stream(1, epoch()).unwrap();
+    assert!(session.open_stream(1, epoch()).is_err());
 }
 
 /// One end of a connection: its session, its receiver-wide tracker, the tensors it sends and
@@ -591,7 +599,7 @@ impl Peer {
         let first = matches!(frame, Frame::Early(_))
             || matches!(frame, Frame::Metadata(_)) && !self.landed.contains_key(&id);
         if first {
-            self.session.open_stream(id).unwrap();
+            self.session.open_stream(id, epoch()).unwrap();
             self.landed.insert(id, Vec::new());
         }
         if !self.landed.contains_key(&id) {
@@ -607,10 +615,10 @@ impl Peer {
         }
         match self
             .session
-            .handle_frame(id, frame, &mut self.credit)
+            .handle_frame(id, frame, &mut self.credit, epoch())
             .unwrap()
         {
-            IncomingEvent::Metadata(_) => self.session.accept(id).unwrap(),
+            IncomingEvent::Metadata(_) => self.session.accept(id, epoch()).unwrap(),
             IncomingEvent::Data(data) => {
                 let n = data.payload.len() as u64;
                 let mut bytes = vec![0; data.payload.len()];
@@ -681,11 +689,13 @@ fn a_connection_holds_at_most_its_window_of_credit() {
     let mut session = Session::new(config, epoch());
     let mut senders = Vec::new();
     for id in 0..4 {
-        session.open_stream(id).unwrap();
+        session.open_stream(id, epoch()).unwrap();
         let mut sender = TensorSender::new(meta("t", 4 << 20)).unwrap();
         let metadata = sender.poll_frame().unwrap();
-        session.handle_frame(id, metadata, &mut credit).unwrap();
-        session.accept(id).unwrap();
+        session
+            .handle_frame(id, metadata, &mut credit, epoch())
+            .unwrap();
+        session.accept(id, epoch()).unwrap();
         while let Some(frame) = session.poll_frame(id) {
             sender.handle_frame(frame).unwrap();
         }
@@ -708,7 +718,7 @@ fn a_connection_holds_at_most_its_window_of_credit() {
     sender.send_data(Bytes::from(vec![7; 512 << 10])).unwrap();
     let data = sender.poll_frame().unwrap();
     assert!(matches!(
-        session.handle_frame(0, data, &mut credit).unwrap(),
+        session.handle_frame(0, data, &mut credit, epoch()).unwrap(),
         IncomingEvent::Data(_)
     ));
     assert_eq!(session.connection_window_left(), 512 << 10);
@@ -802,10 +812,13 @@ fn a_rejected_early_tensor_returns_its_bytes_and_the_offer_is_topped_up() {
     let mut sender = TensorSender::new(meta("t", 40 << 10)).unwrap();
     sender.send_early(16 << 10).unwrap();
     sender.send_data(pattern(16 << 10, 3).into()).unwrap();
-    session.open_stream(0).unwrap();
+    session.open_stream(0, epoch()).unwrap();
     let mut held = 0;
     while let Some(frame) = sender.poll_frame() {
-        if let IncomingEvent::Data(d) = session.handle_frame(0, frame, &mut credit).unwrap() {
+        if let IncomingEvent::Data(d) = session
+            .handle_frame(0, frame, &mut credit, epoch())
+            .unwrap()
+        {
             held += d.payload.len() as u64;
         }
     }
@@ -851,14 +864,14 @@ fn early_credit_stays_under_the_low_watermark_and_bounds_early_tensors() {
 
     let mut sender = TensorSender::new(meta("big", 600 << 10)).unwrap();
     sender.send_early(1 << 20).unwrap();
-    session.open_stream(0).unwrap();
+    session.open_stream(0, epoch()).unwrap();
     let early = sender.poll_frame().unwrap();
     assert!(matches!(
-        session.handle_frame(0, early, &mut credit),
+        session.handle_frame(0, early, &mut credit, epoch()),
         Ok(IncomingEvent::Early)
     ));
     let err = session
-        .handle_frame(0, sender.poll_frame().unwrap(), &mut credit)
+        .handle_frame(0, sender.poll_frame().unwrap(), &mut credit, epoch())
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::CREDIT_VIOLATION);
     assert!(matches!(session.poll_frame(0), Some(Frame::Reject(_))));
@@ -958,11 +971,11 @@ fn send_one_over(
     const LEN: u64 = 64 << 20;
     const CHUNK: u64 = 256 << 10;
     let start = epoch();
-    session.open_stream(id).unwrap();
+    session.open_stream(id, epoch()).unwrap();
     session
-        .handle_frame(id, meta("t", LEN as usize).into(), credit)
+        .handle_frame(id, meta("t", LEN as usize).into(), credit, epoch())
         .unwrap();
-    session.accept(id).unwrap();
+    session.accept(id, epoch()).unwrap();
     let path_rtt = Duration::from_secs_f64(2.0 * path.one_way_s);
     let loaded_rtt = path
         .rtt_under_load_s
@@ -1100,14 +1113,14 @@ fn the_next_tensor_starts_at_the_window_its_connection_grew_to() {
     let long = SimulatedPath::new(0.005);
     let (mut session, mut credit) = window_session(16 << 20);
     let (first_s, _) = send_one_over(&long, &mut session, &mut credit, 7);
-    session.open_stream(9).unwrap();
+    session.open_stream(9, epoch()).unwrap();
     assert_eq!(session.stream_window(9), Some(16 << 20));
     let _ = session.close_stream(9, &mut credit, epoch());
     let (second_s, _) = send_one_over(&long, &mut session, &mut credit, 11);
     assert!(second_s < first_s, "second {second_s} s, first {first_s} s");
     assert_eq!(credit.outstanding(), 0, "every credit back");
     let (mut fresh, _) = window_session(16 << 20);
-    fresh.open_stream(7).unwrap();
+    fresh.open_stream(7, epoch()).unwrap();
     assert_eq!(fresh.stream_window(7), Some(2 << 20));
 }
 
@@ -1122,13 +1135,13 @@ fn a_window_needs_a_round_trip_to_grow() {
     config.max_stream_window = 64 << 20;
     let start = epoch();
     let mut session = Session::new(config, start);
-    session.open_stream(7).unwrap();
+    session.open_stream(7, epoch()).unwrap();
     assert_eq!(session.stream_window(7), Some(2 << 20));
     assert_eq!(session.stream_window(8), None, "no such stream");
     session
-        .handle_frame(7, meta("t", 64 << 20).into(), &mut credit)
+        .handle_frame(7, meta("t", 64 << 20).into(), &mut credit, epoch())
         .unwrap();
-    session.accept(7).unwrap();
+    session.accept(7, epoch()).unwrap();
     let mut offset = 0;
     for step in 0..32u32 {
         // A unit arrives in a nanosecond: as fast as can be, but no round trip to judge by.
@@ -1251,4 +1264,155 @@ fn queues_on_the_connection_do_not_pass_the_turn_early() {
     for (left, done) in turns {
         assert_eq!(done, left <= 1, "{left} MiB left");
     }
+}
+
+/// A session whose timeouts are `progress` and `admission`, its tracker, and stream 7 opened
+/// at `start`.
+fn timed_session(
+    start: Instant,
+    progress: Duration,
+    admission: Duration,
+) -> (Session, CreditTracker) {
+    let mut config = SessionConfig::default();
+    config.progress_timeout = progress;
+    config.admission_timeout = admission;
+    config.grant_unit = 1 << 20;
+    config.stream_window = 1 << 20;
+    let credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
+    let mut session = Session::new(config, start);
+    session.open_stream(7, start).unwrap();
+    (session, credit)
+}
+
+/// Spec §10.1: the peer owes METADATA from the stream's start; silence for the progress
+/// timeout ends the stream with PROGRESS_TIMEOUT and queues the REJECT that says so; a frame
+/// restarts the clock.
+#[test]
+fn a_peer_that_owes_a_frame_has_the_progress_timeout_to_send_it() {
+    let start = epoch();
+    let progress = Duration::from_secs(30);
+    let (mut session, mut credit) = timed_session(start, progress, Duration::from_secs(5));
+    assert_eq!(session.stream_deadline(7), Some(start + progress));
+    assert_eq!(session.poll_timeout(), Some(start + progress));
+    assert!(
+        session
+            .handle_stream_timeout(7, start + progress / 2)
+            .is_none()
+    );
+
+    // METADATA: now the application owes its decision, within the admission timeout.
+    let arrived = start + progress / 2;
+    session
+        .handle_frame(7, meta("t", 3 << 20).into(), &mut credit, arrived)
+        .unwrap();
+    let admission_ends = arrived + Duration::from_secs(5);
+    assert_eq!(session.stream_deadline(7), Some(admission_ends));
+    assert!(
+        session
+            .handle_stream_timeout(7, admission_ends - Duration::from_millis(1))
+            .is_none()
+    );
+    let err = session
+        .handle_stream_timeout(7, admission_ends)
+        .expect("the decision is late");
+    assert_eq!(err.code(), ErrorCode::PROGRESS_TIMEOUT);
+    assert!(err.to_string().contains("decision"), "{err}");
+    match session.poll_frame(7) {
+        Some(Frame::Reject(reject)) => assert_eq!(reject.code, ErrorCode::PROGRESS_TIMEOUT),
+        other => panic!("expected REJECT, got {other:?}"),
+    }
+    assert_eq!(
+        session.stream_deadline(7),
+        None,
+        "an ended stream waits for nobody"
+    );
+}
+
+/// Spec §10.1: after ACCEPT the peer is timed only while it holds credit (or owes END); while
+/// the stream waits for this receiver's credit nobody is timed, and a grant restarts the
+/// peer's clock.
+#[test]
+fn an_accepted_stream_times_the_peer_only_while_it_holds_credit() {
+    let start = epoch();
+    let progress = Duration::from_secs(30);
+    let (mut session, mut credit) = timed_session(start, progress, Duration::from_secs(30));
+    session
+        .handle_frame(7, meta("t", 2 << 20).into(), &mut credit, start)
+        .unwrap();
+    let accepted = start + Duration::from_secs(10);
+    session.accept(7, accepted).unwrap();
+    // Accepted, no credit yet: the peer owes nothing.
+    assert_eq!(session.stream_deadline(7), None);
+    assert!(
+        session
+            .handle_stream_timeout(7, accepted + 10 * progress)
+            .is_none()
+    );
+
+    // A grant much later: the peer has the progress timeout from then.
+    let granted_at = accepted + 10 * progress;
+    let granted = session.grant(7, &mut credit, GrantClock::without_path(granted_at));
+    assert_eq!(granted, 1 << 20);
+    assert_eq!(session.stream_deadline(7), Some(granted_at + progress));
+
+    // Every granted byte arrives: the tracker has no more to give (it pauses at its high
+    // watermark), so the stream waits for us, untimed.
+    let mut offset = 0;
+    let data = tensorwire_proto::frame::Data {
+        offset,
+        payload: Bytes::from(vec![7u8; 1 << 20]).into(),
+    };
+    offset += 1 << 20;
+    let arrived = granted_at + Duration::from_secs(1);
+    session
+        .handle_frame(7, Frame::Data(data), &mut credit, arrived)
+        .unwrap();
+    assert_eq!(
+        session.grant(7, &mut credit, GrantClock::without_path(arrived)),
+        0
+    );
+    assert_eq!(session.stream_deadline(7), None);
+
+    // Released and granted again; then silence past the timeout ends it with a CANCEL.
+    credit.release(1 << 20).unwrap();
+    let regranted = arrived + Duration::from_secs(100);
+    assert!(session.grant(7, &mut credit, GrantClock::without_path(regranted)) > 0);
+    assert_eq!(session.stream_deadline(7), Some(regranted + progress));
+    let err = session
+        .handle_stream_timeout(7, regranted + progress)
+        .expect("the peer is late");
+    assert_eq!(err.code(), ErrorCode::PROGRESS_TIMEOUT);
+    assert!(err.to_string().contains("frame from the peer"), "{err}");
+    // After the ACCEPT and CREDIT queued before it.
+    let last = std::iter::from_fn(|| session.poll_frame(7)).last();
+    match last {
+        Some(Frame::Cancel(cancel)) => assert_eq!(cancel.code, ErrorCode::PROGRESS_TIMEOUT),
+        other => panic!("expected CANCEL last, got {other:?}"),
+    }
+    assert_eq!(offset, 1 << 20);
+}
+
+/// The session's next deadline is the earliest of its streams' (and the idle timer's, while
+/// no stream is open); a timeout of `Duration::MAX` never fires.
+#[test]
+fn poll_timeout_is_the_earliest_wait_and_forever_is_never() {
+    let start = epoch();
+    let (mut session, _credit) =
+        timed_session(start, Duration::from_secs(30), Duration::from_secs(5));
+    session
+        .open_stream(9, start + Duration::from_secs(3))
+        .unwrap();
+    assert_eq!(
+        session.poll_timeout(),
+        Some(start + Duration::from_secs(30))
+    );
+
+    let (mut forever, _credit) = timed_session(start, Duration::MAX, Duration::MAX);
+    forever.open_stream(9, start).unwrap();
+    assert_eq!(forever.poll_timeout(), None);
+    assert!(
+        forever
+            .handle_stream_timeout(7, start + Duration::from_secs(1 << 40))
+            .is_none()
+    );
 }

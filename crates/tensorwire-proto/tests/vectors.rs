@@ -186,15 +186,15 @@ fn run_early_sequence(bytes: Bytes, early_credit: u64) -> Result<(), ProtocolErr
         session.poll_control_frame(),
         Some(Frame::EarlyCredit(_))
     ));
-    session.open_stream(0)?;
+    session.open_stream(0, now)?;
     let mut decoder = FrameDecoder::new(Limits::default());
     decoder.push(bytes);
     let mut held = 0;
     while let Some(frame) = decoder.next_frame()? {
-        match session.handle_frame(0, frame, &mut credit)? {
+        match session.handle_frame(0, frame, &mut credit, now)? {
             IncomingEvent::Data(data) => held += data.payload.len() as u64,
             IncomingEvent::End => {
-                session.accept(0)?;
+                session.accept(0, now)?;
                 credit.release(std::mem::take(&mut held))?;
                 session.mark_resident(0)?;
             }

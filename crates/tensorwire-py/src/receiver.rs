@@ -76,7 +76,7 @@ impl Receiver {
         config.high_watermark = config.budget / 100 * 87;
         config.low_watermark = config.budget / 2;
         config.session.connection_window = config.budget / 2;
-        config.admission_timeout = wait;
+        config.session.admission_timeout = wait;
         config.transport = TransportSettings::default().with_mtu(mtu, listen);
         if let Some(mib) = host_memory_mib {
             config.host_memory_budget = mib << 20;

@@ -42,13 +42,9 @@ pub struct ReceiverConfig {
     pub high_watermark: u64,
     /// Granting resumes when outstanding bytes fall to this.
     pub low_watermark: u64,
-    /// A stream with no frame for this long is cancelled with PROGRESS_TIMEOUT.
-    pub progress_timeout: Duration,
-    /// How long an incoming tensor may wait for the application's accept or reject.
-    pub admission_timeout: Duration,
     /// Host memory that tensors accepted with [`IncomingTensor::accept_host`] may hold at
     /// once, landed and not yet dropped by the application (spec §7.5). A tensor that does
-    /// not fit waits up to [`Self::admission_timeout`], then is rejected with
+    /// not fit waits up to the admission timeout ([`SessionConfig::admission_timeout`]), then is rejected with
     /// RESOURCE_EXHAUSTED. Default: a quarter of what the process may use, its control
     /// group's limit where that is below physical memory ([`MemoryLimit`]).
     ///
@@ -107,8 +103,6 @@ impl ReceiverConfig {
             budget,
             high_watermark: budget / 8 * 7,
             low_watermark: budget / 2,
-            progress_timeout: Duration::from_secs(30),
-            admission_timeout: Duration::from_secs(30),
             host_memory_budget: default_host_memory_budget(),
             kept_host_memory: 1 << 30,
             memory_share_percent: 50,

@@ -334,7 +334,7 @@ async fn unknown_frames_and_garbage_are_refused_before_metadata() {
 #[tokio::test]
 async fn a_stalled_sender_times_out_and_its_credit_returns() {
     let mut config = receiver_config();
-    config.progress_timeout = Duration::from_millis(300);
+    config.session.progress_timeout = Duration::from_millis(300);
     let (mut rx, addr) = receiver(config).await;
     let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
     let server = tokio::spawn(async move {
@@ -372,7 +372,7 @@ async fn a_stalled_sender_times_out_and_its_credit_returns() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vanished_sender_fails_the_tensor_and_returns_its_credit() {
     let mut config = receiver_config();
-    config.progress_timeout = Duration::from_millis(500);
+    config.session.progress_timeout = Duration::from_millis(500);
     let (rx, tx, send, handle) = tensor_in_flight(config).await;
     tx.close().await;
     let err = handle.finished().await.unwrap_err();

@@ -240,7 +240,7 @@ async fn a_connection_that_never_opens_a_stream_is_closed() {
 async fn host_memory_is_admitted_against_its_budget() {
     let mut config = receiver_config();
     config.host_memory_budget = 1 << 20;
-    config.admission_timeout = Duration::from_millis(300);
+    config.session.admission_timeout = Duration::from_millis(300);
     let (mut rx, addr) = receiver(config).await;
     let tx = sender(addr).await;
 
@@ -363,7 +363,7 @@ async fn a_peer_idling_in_accepted_tensors_holds_only_its_share() {
         .with_budget(8 << 20)
         .with_host_memory_budget(4 << 20);
     config.session.stream_window = 1 << 20;
-    config.admission_timeout = Duration::from_secs(20);
+    config.session.admission_timeout = Duration::from_secs(20);
     let (rx, addr) = receiver(config).await;
     let host = rx.host_memory_budget();
     let (app, mut landed) = accept_everything(rx);
@@ -476,8 +476,8 @@ async fn a_peer_with_many_connections_holds_only_its_share_of_memory() {
     config.session.stream_window = 1 << 20;
     // No cap per connection: only the peer's share stands between the hog and the budget.
     config.memory_share_percent = 100;
-    config.admission_timeout = Duration::from_secs(60);
-    config.progress_timeout = Duration::from_secs(60);
+    config.session.admission_timeout = Duration::from_secs(60);
+    config.session.progress_timeout = Duration::from_secs(60);
     let (rx, addr) = receiver(config).await;
     let host = rx.host_memory_budget();
     let good = sender(addr).await;
@@ -527,8 +527,8 @@ async fn a_peer_with_many_connections_holds_only_its_share_of_credit() {
     config.session.grant_unit = 256 << 10;
     config.session.connection_window = 4 << 20;
     config.memory_share_percent = 100;
-    config.admission_timeout = Duration::from_secs(60);
-    config.progress_timeout = Duration::from_secs(60);
+    config.session.admission_timeout = Duration::from_secs(60);
+    config.session.progress_timeout = Duration::from_secs(60);
     let (rx, addr) = receiver(config).await;
     let good = sender(addr).await;
     eventually(&rx, "the first peer's connection", |rx| {
@@ -618,7 +618,7 @@ async fn undecided_metadata_is_held_within_its_budget() {
     let mut config = receiver_config();
     config.metadata_budget = 100_000;
     config.memory_share_percent = 100;
-    config.admission_timeout = Duration::from_millis(500);
+    config.session.admission_timeout = Duration::from_millis(500);
     let (mut rx, addr) = receiver(config).await;
     let conn = raw_connection(addr, b"tensorwire/1.4").await.unwrap();
     // About 32.5 KB each: three fit, a fourth does not.

@@ -155,7 +155,7 @@ async fn assert_closed_for_flood(suite: &Suite, conn: &quinn::Connection, failed
 async fn the_receiver_survives_every_flood_within_its_budgets() {
     init_tracing();
     let mut config = receiver_config().with_host_memory_budget(4 << 30);
-    config.progress_timeout = Duration::from_secs(2);
+    config.session.progress_timeout = Duration::from_secs(2);
     config.session.idle_timeout = Duration::from_millis(500);
     let (mut rx, addr) = receiver(config).await;
     let host = rx.host_memory_budget();

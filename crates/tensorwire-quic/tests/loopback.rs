@@ -390,7 +390,7 @@ async fn partial_batches_flushed(offload: StoreOffload) {
     let mut config = receiver_config().with_budget(BUDGET);
     config.session.grant_unit = 1 << 20;
     config.session.stream_window = 2 << 20;
-    config.progress_timeout = Duration::from_secs(3);
+    config.session.progress_timeout = Duration::from_secs(3);
     config.store_offload = offload;
     let (mut rx, addr) = receiver(config).await;
     let flushes = Arc::new(AtomicUsize::new(0));

@@ -82,7 +82,8 @@ struct Args {
     /// (at most an eighth of the host memory budget, and counted in it; 0 keeps none).
     #[arg(long = "kept-host-mib", default_value_t = 1024)]
     kept_host_mib: u64,
-    /// Seconds a stream may go without a frame before it is cancelled (PROGRESS_TIMEOUT).
+    /// Seconds a sender that owes a frame (it holds credit, or has sent no METADATA yet) may go
+    /// without one before its tensor is cancelled (PROGRESS_TIMEOUT).
     #[arg(long = "progress-timeout-s", default_value = "30", value_parser = seconds)]
     progress_timeout: Duration,
     /// Seconds a tensor may wait for memory and admission before it is rejected.
@@ -201,8 +202,8 @@ async fn main() -> anyhow::Result<()> {
     let share = args.connection_share_percent;
     config.session.connection_window = budget / 100 * share;
     config.memory_share_percent = share;
-    config.progress_timeout = args.progress_timeout;
-    config.admission_timeout = args.admission_timeout;
+    config.session.progress_timeout = args.progress_timeout;
+    config.session.admission_timeout = args.admission_timeout;
     config.session.idle_timeout = args.connection_idle_timeout;
     config.metadata_budget = args.metadata_budget;
     config.max_connections = usize::try_from(args.max_connections).unwrap_or(usize::MAX);

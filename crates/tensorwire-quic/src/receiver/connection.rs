@@ -174,7 +174,7 @@ pub(super) async fn serve_streams(
             Ok((send, recv)) => {
                 let stream_id = VarInt::from(send.id()).into_inner();
                 let span = info_span!("tensor", stream = %send.id());
-                if let Err(e) = state.session().open_stream(stream_id) {
+                if let Err(e) = state.session().open_stream(stream_id, Instant::now()) {
                     warn!(error = %e, "stream refused");
                     continue;
                 }

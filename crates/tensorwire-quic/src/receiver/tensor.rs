@@ -57,13 +57,24 @@ fn handle_checked(
     let window_was_full = session.connection_window_left() == 0;
     let event = shared
         .budget
-        .with_tracker(|credit| session.handle_checked(id, frame, credit));
+        .with_tracker(|credit| session.handle_checked(id, frame, credit, Instant::now()));
     if window_was_full && session.connection_window_left() > 0 {
         // DATA reopened the connection's window: its streams waiting on it may grant.
         connection.window_opened.notify_waiters();
     }
     event
 }
+
+/// `future`, unless `deadline` (the session's, spec §10.1) passes first: `None` then.
+async fn until<T>(deadline: Option<Instant>, future: impl Future<Output = T>) -> Option<T> {
+    match deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline.into(), future).await.ok(),
+        None => Some(future.await),
+    }
+}
+
+/// A wait with no deadline, as a tokio deadline: 30 years.
+const NEVER: std::time::Duration = std::time::Duration::from_secs(30 * 365 * 86400);
 
 /// How long a stopped stream is read for the CANCEL that explains the stop.
 const STOP_EXPLAINED_WITHIN: std::time::Duration = std::time::Duration::from_millis(200);
@@ -164,6 +175,30 @@ impl Accepted {
         handle_checked(&self.connection, &self.shared, self.id, frame)
     }
 
+    /// After a wait's deadline passed: the error that ends the stream, if the session says
+    /// the wait ended (it queued the REJECT or CANCEL); `Ok` if a frame or a grant moved the
+    /// deadline meanwhile.
+    fn timed_out(&self) -> Result<(), TransportError> {
+        match self.expired_now() {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    fn expired_now(&self) -> Option<ProtocolError> {
+        let mut session = self.connection.session();
+        session.handle_stream_timeout(self.id, Instant::now())
+    }
+
+    /// The admission wait ran past its deadline and grace: the session's PROGRESS_TIMEOUT.
+    fn expired(&self) -> TransportError {
+        self.expired_now()
+            .unwrap_or(ProtocolError::Misuse(
+                "the admission wait ended before its deadline",
+            ))
+            .into()
+    }
+
     /// Reads METADATA and asks the application; `None` if the tensor was rejected.
     ///
     /// While the tensor waits (for a slot in the connection's share of the queue, then for the
@@ -176,9 +211,12 @@ impl Accepted {
         let shared = self.shared.clone();
         let config = &shared.config;
         let meta = loop {
-            let frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame())
-                .await
-                .map_err(|_| TransportError::timed_out("METADATA", config.progress_timeout))??;
+            let deadline = self.connection.session().stream_deadline(self.id);
+            let Some(frame) = until(deadline, self.stream.next_frame()).await else {
+                self.timed_out()?;
+                continue;
+            };
+            let frame = frame?;
             match self.handle(frame)? {
                 IncomingEvent::Metadata(meta) => break meta,
                 // Spec §7.6: EARLY comes first; METADATA follows.
@@ -198,7 +236,11 @@ impl Accepted {
                 reason: format!("METADATA of the streams open now: {}", e.message),
             })?;
         self.metadata = Some(reserved);
-        let deadline = tokio::time::Instant::now() + config.admission_timeout;
+        // Spec §10.1: the session says when the decision is due.
+        let deadline = match self.connection.session().stream_deadline(self.id) {
+            Some(deadline) => tokio::time::Instant::from_std(deadline),
+            None => tokio::time::Instant::now() + NEVER,
+        };
         // Kept here, not in the wait, so it outlives the recording of why the wait ended.
         let (decision, mut decided) = oneshot::channel();
         let mut decision = Some(decision);
@@ -219,7 +261,7 @@ impl Accepted {
                 memory_shares: connection.memory_shares.clone(),
                 carrier: connection.carrier.clone(),
                 deadline,
-                admission_timeout: config.admission_timeout,
+                admission_timeout: config.session.admission_timeout,
             };
             match shared.admission.get() {
                 // Decided here, on this task: no hand-off before ACCEPT.
@@ -234,10 +276,7 @@ impl Accepted {
         })
         .await;
         let waited = match waited {
-            Err(_) => Err(TransportError::timed_out(
-                "decision from the application",
-                config.admission_timeout,
-            )),
+            Err(_) => Err(self.expired()),
             Ok(waited) => waited,
         };
         if let Err(e) = &waited {
@@ -360,9 +399,8 @@ impl Accepted {
     ) -> Result<S::Output, TransportError> {
         let shared = self.shared.clone();
         let connection = self.connection.clone();
-        let config = &shared.config;
         let pending = self.pending.clone();
-        self.connection.session().accept(self.id)?;
+        self.connection.session().accept(self.id, Instant::now())?;
         if !self.early_ended {
             // A tensor whose every byte arrived early sends ACCEPT with COMPLETE, in one write.
             self.flush().await?;
@@ -391,7 +429,7 @@ impl Accepted {
             let window_opened = connection.window_opened.notified();
             // The receiver-wide tracker is locked only when a grant is due (once per grant
             // unit), not for every DATA. Granting nothing leaves the want unchanged.
-            let (granted, wants_more, out_of_credit) = {
+            let (granted, wants_more, out_of_credit, deadline) = {
                 let mut session = self.connection.session();
                 let wants = session.wants_credit(self.id);
                 let granted = if wants {
@@ -408,7 +446,13 @@ impl Accepted {
                 };
                 // Asked only when nothing was granted: one lookup less per DATA.
                 let out_of_credit = wants && granted == 0 && session.out_of_credit(self.id);
-                (granted, wants, out_of_credit)
+                // Spec §10.1: how long the next frame may take, while the peer owes one.
+                let deadline = if granted == 0 {
+                    session.stream_deadline(self.id)
+                } else {
+                    None
+                };
+                (granted, wants, out_of_credit, deadline)
             };
             if granted > 0 {
                 self.flush().await?;
@@ -425,8 +469,12 @@ impl Accepted {
                 () = returned, if wants_more => {}
                 () = window_opened, if wants_more => {}
                 failure = stores.failed() => return Err(failure),
-                frame = tokio::time::timeout(config.progress_timeout, self.stream.next_frame()) => {
-                    let frame = frame.map_err(|_| TransportError::timed_out("DATA", config.progress_timeout))??;
+                frame = until(deadline, self.stream.next_frame()) => {
+                    let Some(frame) = frame else {
+                        self.timed_out()?;
+                        continue;
+                    };
+                    let frame = frame?;
                     if matches!(frame, Frame::End(_)) {
                         // END is checked against every payload's CRC: all stored first.
                         let mut sink = stores.into_sink().await?;

@@ -21,7 +21,7 @@ pub fn receiver_config() -> ReceiverConfig {
         tensorwire_quic::ServerTls::Development,
     );
     config.transport = TransportSettings::jumbo();
-    config.progress_timeout = Duration::from_secs(10);
+    config.session.progress_timeout = Duration::from_secs(10);
     config
 }
 
