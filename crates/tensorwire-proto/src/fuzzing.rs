@@ -240,6 +240,7 @@ pub fn session_ops(data: &[u8]) {
         // Short, so that ops (each moves the clock up to 255 ms) reach both.
         progress_timeout: Duration::from_millis(400),
         admission_timeout: Duration::from_millis(600),
+        max_undecided: 2,
     };
     let connection_window = config.connection_window;
     let max_stream_window = config.max_stream_window;
@@ -291,10 +292,11 @@ pub fn session_ops(data: &[u8]) {
                     // The peer's answer on one of our streams.
                     Ok(Some(frame)) if !incoming => drop(session.handle_reply(id, frame)),
                     Ok(Some(frame)) => {
-                        if let Ok(IncomingEvent::Data(d)) =
-                            session.handle_frame(id, frame, &mut credit, now)
-                        {
-                            held[slot] += d.payload.len() as u64;
+                        match session.handle_frame(id, frame, &mut credit, now) {
+                            Ok(IncomingEvent::Data(d)) => held[slot] += d.payload.len() as u64,
+                            // Offered to the application if the connection's share allows.
+                            Ok(IncomingEvent::Metadata(_)) => drop(session.offer(id)),
+                            _ => {}
                         }
                     }
                     _ => {}
@@ -335,6 +337,8 @@ pub fn session_ops(data: &[u8]) {
                 next_id += 1;
             }
         }
+        // Spec §10: never more undecided tensors offered than the connection's share.
+        assert!(session.undecided() <= 2, "past the undecided cap");
         // Spec §10.1: a wait that has run out ends its tensor, and only then.
         if let Some(deadline) = session.stream_deadline(id) {
             let expired = session.handle_stream_timeout(id, now);

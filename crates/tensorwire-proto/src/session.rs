@@ -2,7 +2,7 @@
 //! the credit the peer's tensors are granted against the receiver-wide [`CreditTracker`],
 //! the connection's credit window, and its abuse budgets (spec §7, §10).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::credit::{CreditTracker, Party};
@@ -70,13 +70,17 @@ pub struct SessionConfig {
     /// How long a tensor's METADATA may wait for the application's accept or reject before
     /// it is refused with PROGRESS_TIMEOUT (spec §10.1). `Duration::MAX`: never.
     pub admission_timeout: Duration,
+    /// Tensors of this connection offered to the application and not yet decided, at most
+    /// ([`Session::offer`]); more wait on their streams, so one peer cannot fill the
+    /// receiver's admission queue and starve the others (spec §10, queue share).
+    pub max_undecided: usize,
 }
 
 impl Default for SessionConfig {
     /// The reference implementation's policy: 4 MiB grants, an 8 MiB window per tensor
     /// growing to 16 MiB on long paths, 128 MiB per connection, 1000 failed streams per
     /// 10 s, 1 MiB of early credit, connections closed after 60 s with no stream, 30 s for a
-    /// peer's frame and for the application's decision.
+    /// peer's frame and for the application's decision, 64 tensors offered undecided at once.
     fn default() -> Self {
         Self {
             limits: Limits::default(),
@@ -90,6 +94,7 @@ impl Default for SessionConfig {
             idle_timeout: Duration::from_secs(60),
             progress_timeout: Duration::from_secs(30),
             admission_timeout: Duration::from_secs(30),
+            max_undecided: 64,
         }
     }
 }
@@ -211,6 +216,8 @@ pub struct Session {
     /// Who the connection's grants go to in the credit tracker: its peer, once
     /// [`join`](Self::join)ed, so its connections together keep to a fair share (spec §7.1).
     party: Party,
+    /// Incoming streams offered to the application and not yet decided (spec §10).
+    offered: BTreeSet<StreamId>,
 }
 
 /// The early allowance the peer gave our tensors (spec §7.6).
@@ -237,6 +244,7 @@ impl Session {
             min_rtt: Duration::ZERO,
             grown_window: 0,
             party: Party::default(),
+            offered: BTreeSet::new(),
         }
     }
 
@@ -530,6 +538,7 @@ impl Session {
 
     /// Admits the tensor on stream `id` at `now`; queues ACCEPT.
     pub fn accept(&mut self, id: StreamId, now: Instant) -> Result<(), ProtocolError> {
+        self.offered.remove(&id);
         self.incoming(id)?.accept()?;
         if let Some(Tensor::Incoming(_, _, clock)) = self.tensors.get_mut(&id) {
             clock.progressed(now);
@@ -544,7 +553,36 @@ impl Session {
         code: ErrorCode,
         reason: impl Into<String>,
     ) -> Result<(), ProtocolError> {
+        self.offered.remove(&id);
         self.incoming(id)?.reject(code, reason)
+    }
+
+    /// Whether the tensor on stream `id`, whose METADATA arrived, may be offered to the
+    /// application now: yes while fewer than [`SessionConfig::max_undecided`] of the
+    /// connection's tensors wait for a decision (it then counts until it is accepted,
+    /// rejected or closed); no otherwise, and the stream waits for one of those (spec §10).
+    pub fn offer(&mut self, id: StreamId) -> bool {
+        if self.offered.contains(&id) {
+            return true;
+        }
+        let waiting = matches!(
+            self.tensors.get(&id),
+            Some(Tensor::Incoming(tensor, _, _)) if matches!(
+                tensor.state(),
+                ReceiverState::AwaitingDecision
+                    | ReceiverState::ReceivingEarly
+                    | ReceiverState::EndedEarly
+            )
+        );
+        if !waiting || self.offered.len() >= self.config.max_undecided {
+            return false;
+        }
+        self.offered.insert(id)
+    }
+
+    /// Tensors offered to the application and not yet decided.
+    pub fn undecided(&self) -> usize {
+        self.offered.len()
     }
 
     /// Ends the tensor on stream `id` from this side (a receiver's REJECT before ACCEPT,
@@ -813,6 +851,7 @@ impl Session {
 
     /// Takes stream `id` out; the connection is idle from `now` if it was the last.
     fn remove(&mut self, id: StreamId, now: Instant) -> Option<Tensor> {
+        self.offered.remove(&id);
         let tensor = self.tensors.remove(&id)?;
         if self.tensors.is_empty() {
             self.idle_since = Some(now);

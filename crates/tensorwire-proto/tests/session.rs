@@ -1416,3 +1416,34 @@ fn poll_timeout_is_the_earliest_wait_and_forever_is_never() {
             .is_none()
     );
 }
+
+/// Spec §10 (queue share): at most `max_undecided` of a connection's tensors wait for the
+/// application at once; a decision or a closed stream makes room for the next.
+#[test]
+fn only_the_connections_share_of_tensors_waits_for_a_decision() {
+    let start = epoch();
+    let mut config = SessionConfig::default();
+    config.max_undecided = 2;
+    let mut credit = CreditTracker::new(1 << 20, 1 << 20, 1 << 19).unwrap();
+    let mut session = Session::new(config, start);
+    for id in [1, 2, 3, 4] {
+        session.open_stream(id, start).unwrap();
+        assert!(!session.offer(id), "no METADATA yet");
+        session
+            .handle_frame(id, meta("t", 10).into(), &mut credit, start)
+            .unwrap();
+    }
+    assert!(session.offer(1));
+    assert!(session.offer(2));
+    assert!(session.offer(2), "asking again keeps its place");
+    assert!(!session.offer(3));
+    assert_eq!(session.undecided(), 2);
+    session.accept(1, start).unwrap();
+    assert!(session.offer(3));
+    assert!(!session.offer(4));
+    session.reject(2, ErrorCode::REJECTED, "no").unwrap();
+    assert!(session.offer(4));
+    assert!(!session.offer(1), "a decided tensor is not offered again");
+    let _ = session.close_stream(3, &mut credit, start);
+    assert_eq!(session.undecided(), 1);
+}

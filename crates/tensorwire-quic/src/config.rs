@@ -63,9 +63,6 @@ pub struct ReceiverConfig {
     ///
     /// [`IncomingTensor::memory_shares`]: crate::IncomingTensor::memory_shares
     pub memory_share_percent: u64,
-    /// Tensors of one connection that may wait for the application's decision at once;
-    /// more wait on their connection, so one peer cannot starve the others (spec §10).
-    pub max_pending_per_connection: usize,
     /// Bytes of METADATA the tensor streams open now may hold, in all; each connection may
     /// hold [`Self::memory_share_percent`] of it. A METADATA that does not fit is refused
     /// at once with RESOURCE_EXHAUSTED, so legal but large METADATA on many streams cannot
@@ -106,7 +103,6 @@ impl ReceiverConfig {
             host_memory_budget: default_host_memory_budget(),
             kept_host_memory: 1 << 30,
             memory_share_percent: 50,
-            max_pending_per_connection: 64,
             metadata_budget: 64 << 20,
             max_connections: 512,
             max_connections_per_peer: 64,

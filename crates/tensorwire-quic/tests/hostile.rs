@@ -102,7 +102,7 @@ async fn tensors_cancelled_or_reset_while_awaiting_a_decision_end_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_peer_holding_many_undecided_tensors_does_not_starve_another() {
     let mut config = receiver_config();
-    config.max_pending_per_connection = 3;
+    config.session.max_undecided = 3;
     let (mut rx, addr) = receiver(config).await;
     let raw = raw_connection(addr, b"tensorwire/1").await.unwrap();
     let mut hogs = Vec::new();

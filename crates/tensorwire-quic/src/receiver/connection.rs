@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use quinn::VarInt;
 use tensorwire_proto::{ErrorCode, Party};
 use tensorwire_sink::{Carrier, MemoryShares};
-use tokio::sync::{Notify, Semaphore, mpsc};
+use tokio::sync::{Notify, mpsc};
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::incoming::IncomingTensor;
@@ -120,7 +120,7 @@ pub(super) async fn serve_streams(
         connection: connection.clone(),
         metrics: Metrics::default(),
         session,
-        pending: Semaphore::new(config.max_pending_per_connection),
+        decision_slot_freed: Notify::new(),
         window_opened: Notify::new(),
         control_queued: Notify::new(),
         metadata_share: memory_shares.of(&shared.metadata),

@@ -8,7 +8,7 @@ use std::time::Instant;
 use quinn::VarInt;
 use tensorwire_proto::{ErrorCode, Session};
 use tensorwire_sink::{Carrier, MemoryBudget, MemoryShares};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Notify;
 use tokio_util::task::task_tracker::TaskTrackerToken;
 
 use super::CLOSE_GRACE;
@@ -24,9 +24,9 @@ pub(super) struct ConnectionState {
     pub(super) metrics: Metrics,
     /// Every tensor of the connection in both directions, its credit and its abuse budgets.
     pub(super) session: ConnectionSession,
-    /// Tensors of this connection waiting for the application's decision: one peer cannot
-    /// fill the receiver's queue and starve the others.
-    pub(super) pending: Semaphore,
+    /// Woken when a tensor of this connection stops waiting for the application's decision
+    /// (accepted, rejected or closed): streams waiting for a slot ask the session again.
+    pub(super) decision_slot_freed: Notify,
     /// Woken when DATA reopens the connection's credit window after it was full.
     pub(super) window_opened: Notify,
     /// Woken when the session may have queued EARLY_CREDIT for our control stream.

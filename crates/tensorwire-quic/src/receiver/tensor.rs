@@ -245,7 +245,15 @@ impl Accepted {
         let (decision, mut decided) = oneshot::channel();
         let mut decision = Some(decision);
         let waited = tokio::time::timeout_at(deadline + DECISION_GRACE, async {
-            let _slot = self.while_reading(connection.pending.acquire()).await?;
+            // Spec §10: the connection's share of the admission queue; more wait here.
+            loop {
+                // Armed before asking, so a slot freed in between is not missed.
+                let freed = connection.decision_slot_freed.notified();
+                if connection.session().offer(self.id) {
+                    break;
+                }
+                self.while_reading(freed).await?;
+            }
             let incoming = IncomingTensor {
                 meta,
                 peer: connection.connection.remote_address(),
@@ -290,7 +298,7 @@ impl Accepted {
         }
         drop(decided);
         let id = self.id;
-        match waited? {
+        let decided = match waited? {
             None => {
                 let mut session = self.connection.session();
                 session.reject(id, ErrorCode::SHUTDOWN, "receiver is shutting down")?;
@@ -309,7 +317,10 @@ impl Accepted {
                 )?;
                 Ok(None)
             }
-        }
+        };
+        // A refusal freed this tensor's place among the undecided.
+        self.connection.decision_slot_freed.notify_waiters();
+        decided
     }
 
     /// Awaits `wait` while reading the stream. Before ACCEPT, a tensor sent early keeps its
@@ -401,6 +412,7 @@ impl Accepted {
         let connection = self.connection.clone();
         let pending = self.pending.clone();
         self.connection.session().accept(self.id, Instant::now())?;
+        self.connection.decision_slot_freed.notify_waiters();
         if !self.early_ended {
             // A tensor whose every byte arrived early sends ACCEPT with COMPLETE, in one write.
             self.flush().await?;
@@ -609,6 +621,8 @@ impl Accepted {
             (closed, session.has_control_frames(), window)
         };
         self.shared.budget.wake();
+        // A stream closed while undecided frees its place among the undecided.
+        self.connection.decision_slot_freed.notify_waiters();
         if topped_up {
             // Closing topped up the peer's early credit: the control stream sends it.
             self.connection.control_queued.notify_one();
