@@ -70,9 +70,10 @@ pub fn serve_stdin(ordinal: usize) -> ExitCode {
     }
 }
 
-// This crate's one unsafe call: launching the peer's kernel is what this
-// process exists for.
-#[allow(unsafe_code)]
+#[allow(
+    unsafe_code,
+    reason = "the crate's one unsafe call: launching the peer's kernel is what this process exists for"
+)]
 fn run(
     device: &Arc<GpuDevice>,
     modules: &mut Vec<(String, LoadedModule)>,

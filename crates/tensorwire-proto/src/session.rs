@@ -431,26 +431,8 @@ impl Session {
         credit: &mut CreditTracker,
         now: Instant,
     ) -> Result<IncomingEvent, ProtocolError> {
-        let event = self.handle_incoming(id, frame, credit)?;
-        if let Some(Tensor::Incoming(_, _, clock)) = self.tensors.get_mut(&id) {
-            match event {
-                IncomingEvent::Metadata(_) => clock.metadata_arrived(now),
-                IncomingEvent::Early | IncomingEvent::Data(_) | IncomingEvent::End => {
-                    clock.progressed(now)
-                }
-            }
-        }
-        Ok(event)
-    }
-
-    fn handle_incoming(
-        &mut self,
-        id: StreamId,
-        frame: CheckedFrame,
-        credit: &mut CreditTracker,
-    ) -> Result<IncomingEvent, ProtocolError> {
-        let tensor = match self.tensors.get_mut(&id) {
-            Some(Tensor::Incoming(tensor, _, _)) => tensor,
+        let (tensor, clock) = match self.tensors.get_mut(&id) {
+            Some(Tensor::Incoming(tensor, _, clock)) => (tensor, clock),
             Some(Tensor::Outgoing(..)) => {
                 return Err(ProtocolError::Misuse(
                     "an answer on our own tensor's stream: pass it to handle_reply",
@@ -458,7 +440,14 @@ impl Session {
             }
             None => return Err(ProtocolError::Misuse("no such stream in the session")),
         };
-        match tensor.handle_checked(frame)? {
+        let event = tensor.handle_checked(frame)?;
+        // Spec §10.1: every frame from the peer is progress; METADATA starts the decision.
+        if matches!(event, ReceiverEvent::Metadata) {
+            clock.metadata_arrived(now);
+        } else {
+            clock.progressed(now);
+        }
+        match event {
             ReceiverEvent::Early => Ok(IncomingEvent::Early),
             ReceiverEvent::Metadata => {
                 if tensor.state() == ReceiverState::ReceivingEarly {
@@ -872,8 +861,9 @@ impl Session {
     pub fn poll_timeout(&self) -> Option<Instant> {
         let streams = self
             .tensors
-            .keys()
-            .filter_map(|&id| self.stream_deadline(id));
+            .values()
+            .filter_map(|tensor| self.wait_of(tensor));
+        let streams = streams.map(|(deadline, _)| deadline);
         self.idle_deadline().into_iter().chain(streams).min()
     }
 
@@ -890,13 +880,17 @@ impl Session {
     }
 
     fn stream_wait(&self, id: StreamId) -> Option<(Instant, Wait)> {
-        match self.tensors.get(&id) {
-            Some(Tensor::Incoming(tensor, _, clock)) => clock.deadline(
+        self.wait_of(self.tensors.get(&id)?)
+    }
+
+    fn wait_of(&self, tensor: &Tensor) -> Option<(Instant, Wait)> {
+        match tensor {
+            Tensor::Incoming(tensor, _, clock) => clock.deadline(
                 tensor,
                 self.config.progress_timeout,
                 self.config.admission_timeout,
             ),
-            _ => None,
+            Tensor::Outgoing(..) => None,
         }
     }
 
@@ -909,15 +903,10 @@ impl Session {
         if now < deadline {
             return None;
         }
-        let after = match wait {
-            Wait::Peer => self.config.progress_timeout,
-            Wait::Decision => self.config.admission_timeout,
-        };
-        let err = wait.expired(after);
-        if let ProtocolError::Local { code, reason } = &err {
-            self.cancel(id, *code, reason.clone());
-        }
-        Some(err)
+        let code = ErrorCode::PROGRESS_TIMEOUT;
+        let reason = wait.reason(self.config.progress_timeout, self.config.admission_timeout);
+        self.cancel(id, code, reason.clone());
+        Some(ProtocolError::Local { code, reason })
     }
 
     /// Acts on the time: once the connection has had no tensor stream for the idle timeout,

@@ -4,7 +4,6 @@
 
 use std::time::{Duration, Instant};
 
-use crate::error::{ErrorCode, ProtocolError};
 use crate::receiver::{ReceiverState, TensorReceiver};
 
 /// When an incoming stream last moved, and when its METADATA arrived.
@@ -74,15 +73,13 @@ impl StreamClock {
 }
 
 impl Wait {
-    /// Why a stream whose wait ran out ends: PROGRESS_TIMEOUT either way (spec §10.1).
-    pub(crate) fn expired(self, after: Duration) -> ProtocolError {
-        let what = match self {
-            Wait::Peer => "frame from the peer",
-            Wait::Decision => "decision from the application",
+    /// Why a stream whose wait ran out ends (with PROGRESS_TIMEOUT either way, spec §10.1),
+    /// given the session's two timeouts.
+    pub(crate) fn reason(self, progress: Duration, admission: Duration) -> String {
+        let (what, after) = match self {
+            Wait::Peer => ("frame from the peer", progress),
+            Wait::Decision => ("decision from the application", admission),
         };
-        ProtocolError::Local {
-            code: ErrorCode::PROGRESS_TIMEOUT,
-            reason: format!("no {what} within {:.1} s", after.as_secs_f64()),
-        }
+        format!("no {what} within {:.1} s", after.as_secs_f64())
     }
 }

@@ -87,19 +87,17 @@ impl ReceiverConfig {
     /// 256 MiB budget (high 7/8, low 1/2), the reference policy's grants, stream window,
     /// failure budget and early credit ([`SessionConfig::default`]), one endpoint per core.
     pub fn new(listen: SocketAddr, tls: ServerTls) -> Self {
-        let budget = 256 << 20;
-        let mut session = SessionConfig::default();
-        session.connection_window = budget / 2;
         Self {
             listen,
             endpoints: default_endpoints(),
             steering: Steering::default(),
             tls,
             transport: TransportSettings::default(),
-            session,
-            budget,
-            high_watermark: budget / 8 * 7,
-            low_watermark: budget / 2,
+            session: SessionConfig::default(),
+            // Set below, with the watermarks and the connection window they imply.
+            budget: 0,
+            high_watermark: 0,
+            low_watermark: 0,
             host_memory_budget: default_host_memory_budget(),
             kept_host_memory: 1 << 30,
             memory_share_percent: 50,
@@ -108,6 +106,7 @@ impl ReceiverConfig {
             max_connections_per_peer: 64,
             store_offload: StoreOffload::Auto,
         }
+        .with_budget(256 << 20)
     }
 
     /// Sets the budget, with the high watermark at 7/8 and the low at 1/2 of it and each

@@ -274,7 +274,10 @@ fn map_region(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<By
         // A region of no bytes cannot be mapped.
         return Ok(Bytes::new());
     }
-    #[allow(unsafe_code)] // The crate's one `unsafe`.
+    #[allow(
+        unsafe_code,
+        reason = "the crate's one unsafe: mapping a file read-only"
+    )]
     // SAFETY: the mapping is read-only and private to this process. What `unsafe` warns of
     // is the file changing underneath while mapped. Bytes changed after the sender
     // checksummed them reach the receiver different from the checksum in END, so the tensor

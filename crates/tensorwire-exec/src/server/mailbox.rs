@@ -15,7 +15,7 @@ struct Entry {
     tx: mpsc::UnboundedSender<IncomingTensor>,
     rx: Option<mpsc::UnboundedReceiver<IncomingTensor>>,
     /// Set once the request is over: later tensors of it are refused with this.
-    closed: Option<(ErrorCode, String)>,
+    closed: Option<Failure>,
 }
 
 /// A request's key: the peer and the request's id, unique per peer (spec §14.2).
@@ -24,8 +24,8 @@ pub(super) type RequestKey = (SocketAddr, u64);
 /// A failure to send back: its code and reason.
 pub(super) type Failure = (ErrorCode, String);
 
-/// Every request's mailbox; each is dropped [`Mailboxes::wait`] after its request ended or, if
-/// none came, after it was made.
+/// Every request's mailbox; each is dropped `wait` after its request ended or, if none came,
+/// after it was made.
 pub(super) struct Mailboxes {
     map: Mutex<HashMap<RequestKey, Entry>>,
     /// How long a mailbox waits for its request, and is kept after the request ended.
@@ -50,17 +50,12 @@ impl Mailboxes {
     /// comes) if it is new.
     fn entry<'a>(
         self: &Arc<Self>,
-        map: &'a mut HashMap<(SocketAddr, u64), Entry>,
+        map: &'a mut HashMap<RequestKey, Entry>,
         key: RequestKey,
     ) -> &'a mut Entry {
         map.entry(key).or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
-            let mailboxes = self.clone();
-            let wait = self.wait;
-            tokio::spawn(async move {
-                tokio::time::sleep(wait).await;
-                mailboxes.expire(key, wait);
-            });
+            self.expire_later(key);
             Entry {
                 tx,
                 rx: Some(rx),
@@ -69,8 +64,17 @@ impl Mailboxes {
         })
     }
 
+    /// In `wait`, [`expire`](Self::expire)s `key`'s mailbox.
+    fn expire_later(self: &Arc<Self>, key: RequestKey) {
+        let mailboxes = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(mailboxes.wait).await;
+            mailboxes.expire(key);
+        });
+    }
+
     /// Removes `key`'s mailbox if its request never came (or ended), refusing what waits.
-    fn expire(&self, key: RequestKey, wait: Duration) {
+    fn expire(&self, key: RequestKey) {
         let mut map = self.requests();
         let Some(entry) = map.get(&key) else { return };
         if entry.rx.is_some() {
@@ -84,7 +88,7 @@ impl Mailboxes {
                         format!(
                             "no request with id {} arrived within {} s",
                             key.1,
-                            wait.as_secs()
+                            self.wait.as_secs()
                         ),
                     );
                 }
@@ -134,12 +138,7 @@ impl Mailboxes {
                 tensor.reject(code, message.clone());
             }
         }
-        let mailboxes = self.clone();
-        let wait = self.wait;
-        tokio::spawn(async move {
-            tokio::time::sleep(wait).await;
-            mailboxes.expire(key, wait);
-        });
+        self.expire_later(key);
     }
 
     /// Takes the mailbox of `key` for its request; `None` if another request has it.

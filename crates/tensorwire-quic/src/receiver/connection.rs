@@ -1,6 +1,6 @@
 //! One connection of a [`Receiver`](super::Receiver): the handshake checks, its sans-IO
-//! [`Session`](tensorwire_proto::Session), and the loop that accepts its streams, stops unidirectional ones and ends
-//! it when it stays idle (spec §3, §10).
+//! [`Session`](tensorwire_proto::Session), and the loop that accepts its streams, stops
+//! unidirectional ones and ends it when it stays idle (spec §3, §10).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -9,19 +9,13 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::debug;
 
 use super::super::incoming::{DECISION_GRACE, Decision, IncomingTensor, Run};
-use super::{Accepted, NEVER, until};
+use super::{Accepted, until};
 use crate::error::TransportError;
 
-impl Accepted {
-    /// The admission wait ran past its deadline and grace: the session's PROGRESS_TIMEOUT.
-    fn expired(&self) -> TransportError {
-        self.expired_now()
-            .unwrap_or(ProtocolError::Misuse(
-                "the admission wait ended before its deadline",
-            ))
-            .into()
-    }
+/// A wait with no deadline, as a tokio deadline: 30 years.
+const NEVER: std::time::Duration = std::time::Duration::from_secs(30 * 365 * 86400);
 
+impl Accepted {
     /// Reads METADATA and asks the application; `None` if the tensor was rejected.
     ///
     /// While the tensor waits (for a slot in the connection's share of the queue, then for the
@@ -107,7 +101,11 @@ impl Accepted {
         })
         .await;
         let waited = match waited {
-            Err(_) => Err(self.expired()),
+            // Past the deadline and its grace: the session's PROGRESS_TIMEOUT.
+            Err(_) => self.timed_out().and(Err(ProtocolError::Misuse(
+                "the admission wait ended before its deadline",
+            )
+            .into())),
             Ok(waited) => waited,
         };
         if let Err(e) = &waited {

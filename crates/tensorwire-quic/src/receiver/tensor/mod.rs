@@ -77,9 +77,6 @@ async fn until<T>(deadline: Option<Instant>, future: impl Future<Output = T>) ->
     }
 }
 
-/// A wait with no deadline, as a tokio deadline: 30 years.
-const NEVER: std::time::Duration = std::time::Duration::from_secs(30 * 365 * 86400);
-
 /// How long a stopped stream is read for the CANCEL that explains the stop.
 const STOP_EXPLAINED_WITHIN: std::time::Duration = std::time::Duration::from_millis(200);
 
@@ -183,15 +180,11 @@ impl Accepted {
     /// the wait ended (it queued the REJECT or CANCEL); `Ok` if a frame or a grant moved the
     /// deadline meanwhile.
     fn timed_out(&self) -> Result<(), TransportError> {
-        match self.expired_now() {
+        let mut session = self.connection.session();
+        match session.handle_stream_timeout(self.id, Instant::now()) {
             Some(e) => Err(e.into()),
             None => Ok(()),
         }
-    }
-
-    fn expired_now(&self) -> Option<ProtocolError> {
-        let mut session = self.connection.session();
-        session.handle_stream_timeout(self.id, Instant::now())
     }
 
     /// When the sender stopped our half (a write failed), the CANCEL it sent first says why
