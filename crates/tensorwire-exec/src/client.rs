@@ -254,7 +254,7 @@ impl ExecClient {
         let version = sender.peer_version();
         if !version.has(Feature::RemoteExecution) {
             return Err(ExecError::Unsupported {
-                peer: sender.peer_address(),
+                peer: sender.peer(),
                 version,
             });
         }
@@ -264,7 +264,7 @@ impl ExecClient {
             SocketAddr::from(([127, 0, 0, 1], 0)),
             ServerTls::Development,
         );
-        let receiver = sender.receive(config)?;
+        let receiver = sender.connection().incoming(config)?;
         let shared = Arc::new(Shared {
             next_id: AtomicU64::new(1),
             pending: Mutex::new(HashMap::new()),

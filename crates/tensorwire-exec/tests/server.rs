@@ -102,7 +102,8 @@ async fn raw_client(addr: SocketAddr) -> (Sender, Receiver) {
         .await
         .unwrap();
     let back = sender
-        .receive(ReceiverConfig::new(
+        .connection()
+        .incoming(ReceiverConfig::new(
             "127.0.0.1:0".parse().unwrap(),
             ServerTls::Development,
         ))

@@ -1,9 +1,10 @@
 //! tensorwire over QUIC: quinn + rustls endpoints that drive the sans-IO state machines of
 //! `tensorwire-proto`.
 //!
-//! - [`Sender`] connects and sends many tensors at once, one stream each, within credit; it
-//!   can also [`receive`](Sender::receive) what the receiver sends back on that connection
-//!   ([`IncomingTensor::reply_sender`]): either endpoint may send (spec §3).
+//! - [`Connection`] is one connection, whichever side opened it: it sends many tensors at
+//!   once, one stream each, within credit, and receives its peer's
+//!   ([`incoming`](Connection::incoming)): either endpoint may send (spec §3).
+//! - [`Sender`] opens a connection to a receiver on an endpoint of its own.
 //! - [`Receiver`] listens, yields each [`IncomingTensor`] for admission, and streams its bytes
 //!   into a [`Sink`] under one receiver-wide byte budget ([`CreditPermit`]s return bytes to it).
 //! - TLS 1.3 only, ALPN `tensorwire/1`, 0-RTT off; development certificates for one host,
@@ -39,6 +40,7 @@
 
 mod budget;
 mod config;
+mod connection;
 mod control;
 mod dev_trust;
 mod endpoint;
@@ -58,15 +60,14 @@ mod transport;
 
 pub use budget::BudgetSnapshot;
 pub use config::{MAX_DEFAULT_ENDPOINTS, ReceiverConfig, SenderConfig, StoreOffload};
+pub use connection::Connection;
 pub use dev_trust::dev_cert_path;
 pub use error::TransportError;
 pub use metrics::MetricsSnapshot;
 pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
 pub use resolve::resolve;
 pub use runtime::EndpointThreads;
-pub use send::{
-    ConnectionSender, MIN_PART, SendHandle, SendProgress, SendReport, SendWaits, Sender, SenderPool,
-};
+pub use send::{MIN_PART, SendHandle, SendProgress, SendReport, SendWaits, Sender, SenderPool};
 pub use source::Source;
 pub use steering::{ConnectionSlot, ServerEndpoint, Steering};
 pub use tensorwire_proto as proto;

@@ -17,11 +17,11 @@ async fn the_accepting_side_sends_tensors_back_on_the_same_connection() {
     // The connecting side receives under a budget smaller than what comes back, so the
     // replies need credit to be granted again and again.
     let back_config = receiver_config().with_budget(1 << 20);
-    let mut back = tx.receive(back_config).unwrap();
+    let mut back = tx.connection().incoming(back_config).unwrap();
 
     let request = tx.send(u8_meta("request", 4096), pattern(4096, 1));
     let incoming = rx.next().await.unwrap();
-    let reply = incoming.reply_sender(&{
+    let reply = incoming.connection(&{
         let mut config = SenderConfig::new(ClientTls::Development);
         config.transport = TransportSettings::jumbo();
         config
@@ -63,4 +63,30 @@ async fn the_accepting_side_sends_tensors_back_on_the_same_connection() {
     let (meta, _) = receive_host(&mut rx).await.unwrap();
     assert_eq!(meta.name(), "again");
     again.finished().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_has_one_receiver_of_its_peers_tensors() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let tx = sender(addr).await;
+    let connection = tx.connection().clone();
+    let _back = connection.incoming(receiver_config()).unwrap();
+    // A clone shares the connection, so its peer's tensors already have a receiver.
+    let again = tx.connection().incoming(receiver_config());
+    assert!(
+        again
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("already receives")),
+        "a second receiver on one connection: {:?}",
+        again.err()
+    );
+
+    // The accepting side's tensors go to its Receiver, not to a second one.
+    let request = tx.send(u8_meta("request", 10), pattern(10, 1));
+    let incoming = rx.next().await.unwrap();
+    let accepted = incoming.connection(&SenderConfig::new(ClientTls::Development));
+    assert!(accepted.incoming(receiver_config()).is_err());
+    assert_eq!(accepted.peer_version(), tx.peer_version());
+    land_host(incoming).await;
+    request.finished().await.unwrap();
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use crate::message::{ExecReply, ExecRequest, ExecRole, RequestBody, RequestKind, Timings};
 use bytes::Bytes;
 use tensorwire_proto::{DType, ErrorCode, TensorMeta};
-use tensorwire_quic::{ConnectionSender, IncomingTensor};
+use tensorwire_quic::{Connection, IncomingTensor};
 
 use super::Inner;
 
@@ -33,7 +33,7 @@ impl Inner {
             );
             return;
         }
-        let reply_to = incoming.reply_sender(&self.config.reply);
+        let reply_to = incoming.connection(&self.config.reply);
         let bytes = match incoming.accept_host().await {
             Ok(handle) => match handle.finished().await {
                 Ok((_, bytes)) => bytes,
@@ -110,7 +110,7 @@ impl Inner {
         self.send_reply(&reply_to, reply).await;
     }
 
-    async fn send_reply(&self, to: &ConnectionSender, reply: ExecReply) {
+    async fn send_reply(&self, to: &Connection, reply: ExecReply) {
         let bytes = reply.encode();
         let meta = match TensorMeta::new(vec![bytes.len() as u64], DType::U8) {
             Ok(meta) => ExecRole::Reply.tag(meta.with_name("tensorwire.exec.reply"), reply.id),

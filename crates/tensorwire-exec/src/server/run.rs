@@ -13,7 +13,7 @@ use tensorwire_gpu::{
     Allocation, CudaBuffer, DeviceAllocation, GpuSinkFactory, Placement, TensorBuffer,
 };
 use tensorwire_proto::{DType, Device, ErrorCode, TensorMeta};
-use tensorwire_quic::{ConnectionSender, IncomingTensor};
+use tensorwire_quic::{Connection, IncomingTensor};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
@@ -34,7 +34,7 @@ impl Inner {
         run: &RunRequest,
         id: u64,
         mut rx: mpsc::UnboundedReceiver<IncomingTensor>,
-        reply_to: &ConnectionSender,
+        reply_to: &Connection,
         started: Instant,
     ) -> Result<
         (ExecReply, mpsc::UnboundedReceiver<IncomingTensor>),
@@ -416,7 +416,7 @@ async fn send_outputs(
     run: &RunRequest,
     id: u64,
     outputs: Vec<Option<CudaBuffer>>,
-    to: &ConnectionSender,
+    to: &Connection,
 ) -> Result<(), Failure> {
     let mut sends = Vec::new();
     let mut outputs = outputs.into_iter();

@@ -94,11 +94,12 @@ impl IncomingTensor {
         handle
     }
 
-    /// Sends tensors back to this tensor's sender, on the same connection (spec §3: either
-    /// endpoint may open tensor streams), under the peer's credit. The peer receives them
-    /// with [`Sender::receive`](crate::Sender::receive).
-    pub fn reply_sender(&self, config: &crate::SenderConfig) -> crate::ConnectionSender {
-        crate::ConnectionSender::new(
+    /// The connection this tensor came on, to send tensors back to its sender (spec §3:
+    /// either endpoint may open tensor streams) under the peer's credit, with `config`'s
+    /// chunk size and progress timeout. The peer receives them with
+    /// [`Connection::incoming`](crate::Connection::incoming).
+    pub fn connection(&self, config: &crate::SenderConfig) -> crate::Connection {
+        crate::Connection::accepted(
             self.connection.clone(),
             self.session.clone(),
             self.runtime.clone(),

@@ -31,9 +31,9 @@ use tracing::{info, warn};
 
 use crate::budget::{Budget, BudgetSnapshot};
 use crate::config::ReceiverConfig;
+use crate::connection::Connection;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
-use crate::session::ConnectionSession;
 use crate::transport::CLOSE_DRAIN;
 use connection::accept_connections;
 pub use incoming::{IncomingTensor, TensorHandle};
@@ -48,11 +48,10 @@ const INCOMING_QUEUE: usize = 1024;
 /// stream waits for its last frame to be acknowledged.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
-/// A listening receiver. Call [`next`](Self::next) to admit incoming tensors.
+/// A listening receiver, or the receiving half of one connection
+/// ([`Connection::incoming`]). Call [`next`](Self::next) to admit incoming tensors.
 pub struct Receiver {
-    /// Empty for a receiver on a connection this side opened ([`Sender::receive`]).
-    ///
-    /// [`Sender::receive`]: crate::Sender::receive
+    /// Empty for the receiving half of a connection this side opened.
     endpoints: Vec<quinn::Endpoint>,
     local: SocketAddr,
     incoming: mpsc::Receiver<IncomingTensor>,
@@ -253,41 +252,6 @@ impl Receiver {
         })
     }
 
-    /// Receives the tensors the peer of `connection` (opened by this side) sends on it
-    /// (spec §3: either endpoint may send), under `config`'s budgets and limits; its
-    /// `listen`, `tls`, `transport` and `endpoints` are not used, and the connection is never
-    /// closed for idleness from this side.
-    pub(crate) fn on_connection(
-        connection: quinn::Connection,
-        session: ConnectionSession,
-        runtime: &tokio::runtime::Handle,
-        mut config: ReceiverConfig,
-    ) -> Result<Self, TransportError> {
-        config.session.idle_timeout = Duration::MAX;
-        let local = SocketAddr::new(
-            connection
-                .local_ip()
-                .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into()),
-            0,
-        );
-        let shared = Shared::new(config)?;
-        let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
-        runtime.spawn(connection::serve_streams(
-            0,
-            shared.clone(),
-            connection,
-            tx,
-            Some(session),
-        ));
-        Ok(Self {
-            endpoints: Vec::new(),
-            local,
-            incoming,
-            shared,
-            dev_cert: None,
-        })
-    }
-
     /// The address the receiver listens on (for one on a connection this side opened, its
     /// local IP and port 0).
     pub fn local_addr(&self) -> Result<SocketAddr, TransportError> {
@@ -382,6 +346,50 @@ impl Receiver {
             }
         };
         let _ = tokio::time::timeout(CLOSE_DRAIN, idle).await;
+    }
+}
+
+impl Connection {
+    /// Receives the tensors the peer sends on this connection (spec §3: either endpoint may
+    /// send), under `config`'s budgets, limits and timeouts. Its `listen`, `tls`, `transport`
+    /// and `endpoints` are not used, and the connection is never closed for idleness from
+    /// this side. Until this is called, the peer's streams wait.
+    ///
+    /// One receiver per connection: a second call, or a call on a connection a
+    /// [`Receiver`] accepted (whose tensors go to that receiver), is refused.
+    pub fn incoming(&self, mut config: ReceiverConfig) -> Result<Receiver, TransportError> {
+        let shared = Shared::new({
+            config.session.idle_timeout = Duration::MAX;
+            config
+        })?;
+        if !self.claim_incoming() {
+            return Err(TransportError::Config(
+                "something already receives this connection's tensors: a Receiver that \
+                 accepted it, or an earlier call to incoming"
+                    .into(),
+            ));
+        }
+        let local = SocketAddr::new(
+            self.connection
+                .local_ip()
+                .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into()),
+            0,
+        );
+        let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
+        self.runtime.spawn(connection::serve_streams(
+            0,
+            shared.clone(),
+            self.connection.clone(),
+            tx,
+            Some(self.session.clone()),
+        ));
+        Ok(Receiver {
+            endpoints: Vec::new(),
+            local,
+            incoming,
+            shared,
+            dev_cert: None,
+        })
     }
 }
 

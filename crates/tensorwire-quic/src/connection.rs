@@ -1,48 +1,82 @@
-//! A [`ConnectionSender`]: sends tensors on a connection either side opened, within the
-//! credit its session grants, one stream each.
+//! A [`Connection`]: one tensorwire connection, whichever side opened it. Either endpoint
+//! may send tensors on it (spec §3), each on its own stream within the credit its one
+//! session grants; the peer's tensors are received with [`Connection::incoming`] or, on a
+//! connection a [`Receiver`](crate::Receiver) accepted, by that receiver.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
-use tensorwire_proto::TensorMeta;
+use quinn::VarInt;
+use tensorwire_proto::{TensorMeta, Version};
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info_span};
 
-use super::handle::SendHandle;
-use super::report::{SendProgress, SendReport};
-use super::tensor::{SendOptions, Sharing, send_tensor};
 use crate::config::SenderConfig;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::send::{SendHandle, SendOptions, SendProgress, SendReport, Sharing, send_tensor};
 use crate::session::ConnectionSession;
 use crate::source::Source;
+use crate::transport::CLOSE_DRAIN;
 
-/// Sends tensors on a connection someone else owns: the way back of a [`Receiver`]'s
-/// connection ([`IncomingTensor::reply_sender`]), or a [`Sender`](super::Sender)'s own. Cheap
-/// to clone.
+/// One connection to a peer, whichever side opened it: sends tensors on it
+/// ([`send`](Self::send)) and receives the peer's ([`incoming`](Self::incoming)). A
+/// [`Sender`](crate::Sender) holds one it opened; [`IncomingTensor::connection`] gives the one
+/// a tensor came on. Cheap to clone: clones share the connection and its session.
 ///
-/// [`Receiver`]: crate::Receiver
-/// [`IncomingTensor::reply_sender`]: crate::IncomingTensor::reply_sender
+/// [`IncomingTensor::connection`]: crate::IncomingTensor::connection
 #[derive(Clone)]
-pub struct ConnectionSender {
+pub struct Connection {
     pub(crate) connection: quinn::Connection,
-    /// The connection's one session, shared with its receiving side.
+    /// The connection's one session: every tensor on it in both directions, and its credit.
     pub(crate) session: ConnectionSession,
     /// Where the connection's work runs: each tensor's task is spawned there.
     pub(crate) runtime: Handle,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) options: SendOptions,
+    /// What the handshake selected (spec §3.1), read once.
+    peer_version: Version,
+    /// Set once something receives the peer's tensors: the [`Receiver`](crate::Receiver)
+    /// that accepted the connection, or [`incoming`](Self::incoming).
+    receiving: Arc<AtomicBool>,
 }
 
-impl ConnectionSender {
-    pub(crate) fn new(
+impl Connection {
+    /// A connection this side opened: nothing receives the peer's tensors until
+    /// [`incoming`](Self::incoming) is called.
+    pub(crate) fn opened(
         connection: quinn::Connection,
         session: ConnectionSession,
         runtime: Handle,
         config: &SenderConfig,
     ) -> Self {
+        Self::new(connection, session, runtime, config)
+    }
+
+    /// A connection a receiver accepted: the receiver already takes the peer's tensors.
+    pub(crate) fn accepted(
+        connection: quinn::Connection,
+        session: ConnectionSession,
+        runtime: Handle,
+        config: &SenderConfig,
+    ) -> Self {
+        let accepted = Self::new(connection, session, runtime, config);
+        accepted.receiving.store(true, Ordering::Release);
+        accepted
+    }
+
+    fn new(
+        connection: quinn::Connection,
+        session: ConnectionSession,
+        runtime: Handle,
+        config: &SenderConfig,
+    ) -> Self {
+        // The handshake completed, so an ALPN was selected; a peer that selected none of
+        // ours is treated as the oldest.
+        let peer_version = crate::tls::negotiated_version(&connection).unwrap_or(Version::V1_0);
         Self {
             connection,
             session,
@@ -52,7 +86,14 @@ impl ConnectionSender {
                 progress_timeout: config.progress_timeout,
                 chunk_size: config.chunk_size.max(1),
             },
+            peer_version,
+            receiving: Arc::default(),
         }
+    }
+
+    /// Claims the peer's tensors for one receiver: `false` if something already takes them.
+    pub(crate) fn claim_incoming(&self) -> bool {
+        !self.receiving.swap(true, Ordering::AcqRel)
     }
 
     /// Starts sending one tensor; resolves (through the handle) on the peer's COMPLETE.
@@ -145,7 +186,7 @@ impl ConnectionSender {
         .await
     }
 
-    /// Tensor and byte counters of the tensors sent through this handle (and its clones).
+    /// Tensor and byte counters of the tensors sent through this handle and its clones.
     pub fn metrics(&self) -> MetricsSnapshot {
         self.metrics.snapshot()
     }
@@ -167,5 +208,47 @@ impl ConnectionSender {
     /// The peer's address.
     pub fn peer(&self) -> SocketAddr {
         self.connection.remote_address()
+    }
+
+    /// The protocol version the connection negotiated (spec §3.1): what the peer has. A
+    /// peer that predates 1.4 reads as 1.0, since it cannot say which it is.
+    pub fn peer_version(&self) -> Version {
+        self.peer_version
+    }
+
+    /// The QUIC connection's own statistics (packets, losses, path MTU, RTT).
+    pub fn stats(&self) -> quinn::ConnectionStats {
+        self.connection.stats()
+    }
+
+    /// Closes the connection cleanly; returns once its CONNECTION_CLOSE has gone out (at most
+    /// 100 ms), so a process may exit right after and its peer still learns of the close.
+    ///
+    /// Tensors still in flight fail; await each send first. It does not wait out QUIC's
+    /// draining period (three probe timeouts, 75 ms or more even on loopback), which only
+    /// answers a peer that missed the close: such a peer times the connection out. In a
+    /// process that goes on, quinn drains it in the background.
+    pub async fn close(&self) {
+        let connection = &self.connection;
+        if connection.close_reason().is_some() {
+            return; // Closed already (by the peer, or timed out): there is nothing to send.
+        }
+        // A closed connection sends nothing but its close, so the next datagram is it (quinn
+        // counts no CONNECTION_CLOSE it sends in `frame_tx`). Counted before `close`: the
+        // endpoint's thread often sends the close before `close` returns here, and a count
+        // taken after it would then wait out the whole 100 ms. An ACK sent between the two
+        // calls would end the wait early; the close still goes out unless the process exits
+        // at once.
+        let before = connection.stats().udp_tx.datagrams;
+        connection.close(VarInt::from_u32(0), b"done");
+        let close_sent = async {
+            // The connection's driver writes it on its next poll: here, or on the endpoint's
+            // thread.
+            tokio::task::yield_now().await;
+            while connection.stats().udp_tx.datagrams == before {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        let _ = tokio::time::timeout(CLOSE_DRAIN, close_sent).await;
     }
 }
