@@ -267,7 +267,9 @@ pub fn session_ops(data: &[u8]) {
         if receiving(slot) {
             let _ = session.open_stream(id, now);
         } else if let Ok(tensor) = crate::TensorSender::new(sent_meta.clone()) {
-            let _ = session.start_sending(id, tensor);
+            // Our tensors wait for the peer's answers as long as it waits for its frames.
+            let reply_timeout = session.config().progress_timeout;
+            let _ = session.start_sending(id, tensor, now, reply_timeout);
         }
     };
     // Stream slot -> its current id; held bytes per slot, as a sink would keep them.
@@ -290,7 +292,7 @@ pub fn session_ops(data: &[u8]) {
                         let _ = session.handle_control_frame(frame);
                     }
                     // The peer's answer on one of our streams.
-                    Ok(Some(frame)) if !incoming => drop(session.handle_reply(id, frame)),
+                    Ok(Some(frame)) if !incoming => drop(session.handle_reply(id, frame, now)),
                     Ok(Some(frame)) => {
                         match session.handle_frame(id, frame, &mut credit, now) {
                             Ok(IncomingEvent::Data(d)) => held[slot] += d.payload.len() as u64,
@@ -311,6 +313,8 @@ pub fn session_ops(data: &[u8]) {
                     let start = session.sent(id) as usize;
                     let chunk = filler.slice(start..start + len as usize);
                     let _ = session.send_data(id, chunk);
+                    // Handed to the transport: the peer owes nothing while it crosses.
+                    session.data_moved(id, now);
                 }
                 // Spec §7.4: a tensor with every byte sent holds no turn.
                 let rtt = Duration::from_millis(u64::from(k >> 5));

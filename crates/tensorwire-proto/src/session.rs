@@ -13,7 +13,7 @@ use crate::limits::Limits;
 use crate::meta::TensorMeta;
 use crate::receiver::{CheckedFrame, ReceiverEvent, ReceiverState, TensorReceiver};
 use crate::sender::{CheckedChunk, SenderEvent, SenderState, TensorSender};
-use crate::stream_clock::{StreamClock, Wait};
+use crate::stream_clock::{ReplyClock, StreamClock, Wait};
 use crate::window::{GrantClock, SendPace, StreamWindow};
 
 /// One tensor of the connection, in the direction its stream runs.
@@ -22,8 +22,8 @@ enum Tensor {
     /// The peer opened the stream and sends the tensor to us, within its window, on its
     /// clock.
     Incoming(TensorReceiver, StreamWindow, StreamClock),
-    /// We opened the stream and send the tensor to the peer.
-    Outgoing(TensorSender, SendPace),
+    /// We opened the stream and send the tensor to the peer, timing its answers.
+    Outgoing(TensorSender, SendPace, ReplyClock),
 }
 
 /// A tensor's stream on its connection: the QUIC stream ID, or any number unique among the
@@ -277,7 +277,10 @@ impl Session {
         )
     }
 
-    /// We opened stream `id` to send `tensor` on it; its METADATA is queued.
+    /// We opened stream `id` at `now` to send `tensor` on it; its METADATA is queued. While
+    /// the peer owes an answer, it may stay silent for `reply_timeout` with none of our
+    /// bytes moving ([`data_moved`](Self::data_moved)) before the tensor is cancelled with
+    /// PROGRESS_TIMEOUT (spec §10.1); `Duration::MAX`: never.
     ///
     /// A tensor that fits the early allowance the peer gave (spec §7.6) is sent early: EARLY
     /// goes before METADATA and its bytes follow without waiting for ACCEPT.
@@ -285,6 +288,8 @@ impl Session {
         &mut self,
         id: StreamId,
         mut tensor: TensorSender,
+        now: Instant,
+        reply_timeout: Duration,
     ) -> Result<(), ProtocolError> {
         if let Some(early) = &mut self.peer_early {
             let len = tensor.meta().byte_len();
@@ -293,7 +298,8 @@ impl Session {
                 early.allowance -= len;
             }
         }
-        self.open(id, Tensor::Outgoing(tensor, SendPace::default()))
+        let clock = ReplyClock::opened(now, reply_timeout);
+        self.open(id, Tensor::Outgoing(tensor, SendPace::default(), clock))
     }
 
     /// Feeds one frame from the peer's control stream (spec §4.1). An error is the
@@ -396,8 +402,16 @@ impl Session {
     }
 
     fn outgoing(&mut self, id: StreamId) -> Result<&mut TensorSender, ProtocolError> {
+        self.outgoing_timed(id).map(|(tensor, _)| tensor)
+    }
+
+    /// Our tensor on `id` and the clock of its peer's answers.
+    fn outgoing_timed(
+        &mut self,
+        id: StreamId,
+    ) -> Result<(&mut TensorSender, &mut ReplyClock), ProtocolError> {
         match self.tensors.get_mut(&id) {
-            Some(Tensor::Outgoing(tensor, _)) => Ok(tensor),
+            Some(Tensor::Outgoing(tensor, _, clock)) => Ok((tensor, clock)),
             Some(Tensor::Incoming(..)) => Err(ProtocolError::Misuse(
                 "a sending call on a tensor we receive",
             )),
@@ -509,20 +523,33 @@ impl Session {
         self.incoming(id)?.verify_landed_crc(crc)
     }
 
-    /// Feeds one frame the peer sent on stream `id`, a stream we opened to send on (ACCEPT,
-    /// REJECT, CREDIT, COMPLETE, CANCEL). Needs no credit tracker: the peer's credit for our
-    /// tensors is the tensor's own. An error closes the tensor and queues our CANCEL unless
-    /// the peer ended it.
+    /// Feeds one frame the peer sent at `now` on stream `id`, a stream we opened to send on
+    /// (ACCEPT, REJECT, CREDIT, COMPLETE, CANCEL); it restarts the stream's reply clock.
+    /// Needs no credit tracker: the peer's credit for our tensors is the tensor's own. An
+    /// error closes the tensor and queues our CANCEL unless the peer ended it.
     pub fn handle_reply(
         &mut self,
         id: StreamId,
         frame: Frame,
+        now: Instant,
     ) -> Result<OutgoingEvent, ProtocolError> {
-        Ok(match self.outgoing(id)?.handle_frame(frame)? {
+        let (tensor, clock) = self.outgoing_timed(id)?;
+        clock.progressed(now);
+        Ok(match tensor.handle_frame(frame)? {
             SenderEvent::Accepted => OutgoingEvent::Accepted,
             SenderEvent::Credit(bytes) => OutgoingEvent::Credit(bytes),
             SenderEvent::Complete => OutgoingEvent::Complete,
         })
+    }
+
+    /// Our bytes on stream `id` (a tensor we send) moved at `now`: handed to the transport,
+    /// or sent or resent by it. The peer is not behind while they cross the path, so its
+    /// answer's deadline starts again (spec §10.1). Keep-alives and acknowledgements are not
+    /// data moving. A stream that is not ours is ignored.
+    pub fn data_moved(&mut self, id: StreamId, now: Instant) {
+        if let Some(Tensor::Outgoing(_, _, clock)) = self.tensors.get_mut(&id) {
+            clock.progressed(now);
+        }
     }
 
     /// Admits the tensor on stream `id` at `now`; queues ACCEPT.
@@ -581,7 +608,7 @@ impl Session {
             Some(Tensor::Incoming(tensor, _, _)) => {
                 let _ = tensor.cancel(code, reason);
             }
-            Some(Tensor::Outgoing(tensor, _)) => {
+            Some(Tensor::Outgoing(tensor, ..)) => {
                 let _ = tensor.cancel(code, reason);
             }
             None => {}
@@ -687,7 +714,7 @@ impl Session {
     /// ACCEPT or credit, or once it ended.
     pub fn next_chunk_len(&self, id: StreamId) -> u64 {
         match self.tensors.get(&id) {
-            Some(Tensor::Outgoing(tensor, _)) => tensor.next_chunk_len(),
+            Some(Tensor::Outgoing(tensor, ..)) => tensor.next_chunk_len(),
             _ => 0,
         }
     }
@@ -711,14 +738,14 @@ impl Session {
     /// Whether our tensor on `id` may send DATA (accepted, or sent early) and has not
     /// finished.
     pub fn is_sending(&self, id: StreamId) -> bool {
-        matches!(self.tensors.get(&id), Some(Tensor::Outgoing(t, _)) if t.may_send())
+        matches!(self.tensors.get(&id), Some(Tensor::Outgoing(t, ..)) if t.may_send())
     }
 
     /// The next frame to send on stream `id`.
     pub fn poll_frame(&mut self, id: StreamId) -> Option<Frame> {
         match self.tensors.get_mut(&id)? {
             Tensor::Incoming(tensor, _, _) => tensor.poll_frame(),
-            Tensor::Outgoing(tensor, _) => tensor.poll_frame(),
+            Tensor::Outgoing(tensor, ..) => tensor.poll_frame(),
         }
     }
 
@@ -726,7 +753,7 @@ impl Session {
     pub fn meta(&self, id: StreamId) -> Option<&TensorMeta> {
         match self.tensors.get(&id)? {
             Tensor::Incoming(tensor, _, _) => tensor.meta(),
-            Tensor::Outgoing(tensor, _) => Some(tensor.meta()),
+            Tensor::Outgoing(tensor, ..) => Some(tensor.meta()),
         }
     }
 
@@ -734,7 +761,7 @@ impl Session {
     pub fn ending(&self, id: StreamId) -> Option<&ProtocolError> {
         match self.tensors.get(&id)? {
             Tensor::Incoming(tensor, _, _) => tensor.ending(),
-            Tensor::Outgoing(tensor, _) => tensor.ending(),
+            Tensor::Outgoing(tensor, ..) => tensor.ending(),
         }
     }
 
@@ -766,7 +793,7 @@ impl Session {
     pub fn turn_done(&mut self, id: StreamId, now: Instant, rtt: Duration) -> bool {
         let rtt = self.path_rtt(rtt);
         match self.tensors.get_mut(&id) {
-            Some(Tensor::Outgoing(tensor, pace)) => pace.turn_done(tensor, now, rtt),
+            Some(Tensor::Outgoing(tensor, pace, _)) => pace.turn_done(tensor, now, rtt),
             _ => true,
         }
     }
@@ -774,7 +801,7 @@ impl Session {
     /// Payload bytes sent on `id` so far (our tensor).
     pub fn sent(&self, id: StreamId) -> u64 {
         match self.tensors.get(&id) {
-            Some(Tensor::Outgoing(tensor, _)) => tensor.sent(),
+            Some(Tensor::Outgoing(tensor, ..)) => tensor.sent(),
             _ => 0,
         }
     }
@@ -804,7 +831,7 @@ impl Session {
     ) -> StreamClosed {
         let tensor = match self.remove(id, now) {
             Some(Tensor::Incoming(tensor, _, _)) => tensor,
-            Some(Tensor::Outgoing(tensor, _)) => return outcome_of_sending(&tensor),
+            Some(Tensor::Outgoing(tensor, ..)) => return outcome_of_sending(&tensor),
             None => return StreamClosed::Failed,
         };
         let unarrived = tensor.revocable_credit();
@@ -833,7 +860,7 @@ impl Session {
             return StreamClosed::Failed;
         }
         match self.remove(id, now) {
-            Some(Tensor::Outgoing(tensor, _)) => outcome_of_sending(&tensor),
+            Some(Tensor::Outgoing(tensor, ..)) => outcome_of_sending(&tensor),
             _ => StreamClosed::Failed,
         }
     }
@@ -854,7 +881,7 @@ impl Session {
     }
 
     /// When the session next needs the time (spec §10.1): the earliest of the connection's
-    /// idle deadline (while no tensor stream is open) and every incoming stream's
+    /// idle deadline (while no tensor stream is open) and every stream's
     /// [`stream_deadline`](Self::stream_deadline); `None` where nothing is timed. Sleep until
     /// then and call [`handle_timeout`](Self::handle_timeout) and, for streams,
     /// [`handle_stream_timeout`](Self::handle_stream_timeout); every call may move it.
@@ -871,10 +898,11 @@ impl Session {
         self.idle_since?.checked_add(self.config.idle_timeout)
     }
 
-    /// When incoming stream `id`'s wait ends (spec §10.1): the peer's progress timeout while
-    /// it owes a frame, the admission timeout while the application owes a decision; `None`
-    /// while the stream waits only for this receiver (its credit or its sink), for a stream
-    /// we send, or where the timeout is off.
+    /// When stream `id`'s wait ends (spec §10.1). A stream the peer sends on: the progress
+    /// timeout while the peer owes a frame, the admission timeout while the application owes
+    /// a decision. A stream we send on: its reply timeout while the peer owes an answer and
+    /// none of our bytes moved. `None` while the stream waits only for this side (its
+    /// credit, sink or source), or where the timeout is off.
     pub fn stream_deadline(&self, id: StreamId) -> Option<Instant> {
         self.stream_wait(id).map(|(deadline, _)| deadline)
     }
@@ -890,11 +918,11 @@ impl Session {
                 self.config.progress_timeout,
                 self.config.admission_timeout,
             ),
-            Tensor::Outgoing(..) => None,
+            Tensor::Outgoing(tensor, _, clock) => Some((clock.deadline(tensor)?, Wait::Reply)),
         }
     }
 
-    /// Acts on the time for incoming stream `id`: once its
+    /// Acts on the time for stream `id`: once its
     /// [`stream_deadline`](Self::stream_deadline) has passed, ends the tensor (queuing the
     /// REJECT or CANCEL, with PROGRESS_TIMEOUT) and returns why; the driver then closes the
     /// stream. `None` while the wait has not ended.
@@ -904,7 +932,12 @@ impl Session {
             return None;
         }
         let code = ErrorCode::PROGRESS_TIMEOUT;
-        let reason = wait.reason(self.config.progress_timeout, self.config.admission_timeout);
+        let after = match (wait, self.tensors.get(&id)) {
+            (Wait::Reply, Some(Tensor::Outgoing(_, _, clock))) => clock.timeout(),
+            (Wait::Decision, _) => self.config.admission_timeout,
+            _ => self.config.progress_timeout,
+        };
+        let reason = wait.reason(after);
         self.cancel(id, code, reason.clone());
         Some(ProtocolError::Local { code, reason })
     }

@@ -1,10 +1,11 @@
-//! Each incoming stream's clock (spec §10, §10.1): what the stream waits for, and when that
-//! wait ends. The peer is timed only while it owes a frame; the application only while it
-//! owes a decision; while the stream waits for this receiver's own credit or sink, nobody is.
+//! Each stream's clock (spec §10, §10.1): what the stream waits for, and when that wait
+//! ends. The peer is timed only while it owes a frame; the application only while it owes a
+//! decision; while the stream waits for this side's own credit, sink or source, nobody is.
 
 use std::time::{Duration, Instant};
 
 use crate::receiver::{ReceiverState, TensorReceiver};
+use crate::sender::{SenderState, TensorSender};
 
 /// When an incoming stream last moved, and when its METADATA arrived.
 #[derive(Clone, Copy, Debug)]
@@ -23,6 +24,59 @@ pub(crate) enum Wait {
     Peer,
     /// The application owes its accept or reject.
     Decision,
+    /// The peer owes an answer to a tensor we send (ACCEPT, CREDIT or COMPLETE) and none of
+    /// our bytes moved meanwhile.
+    Reply,
+}
+
+/// When a stream we send on last moved: the peer's last answer, or our bytes moving (handed
+/// to the transport, or sent or resent by it). A slow path is not a silent peer: while our
+/// data still crosses it, the peer has nothing to say.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ReplyClock {
+    progress: Instant,
+    /// How long the peer may owe an answer with nothing moving.
+    timeout: Duration,
+}
+
+impl ReplyClock {
+    /// A stream we opened at `now`.
+    pub(crate) fn opened(now: Instant, timeout: Duration) -> Self {
+        Self {
+            progress: now,
+            timeout,
+        }
+    }
+
+    /// The peer answered, or our bytes moved, at `now`.
+    pub(crate) fn progressed(&mut self, now: Instant) {
+        self.progress = self.progress.max(now);
+    }
+
+    /// When the peer's answer is due, while it owes one: after METADATA (ACCEPT or REJECT),
+    /// once the credit it granted is used up (CREDIT), after END (COMPLETE). `None` while we
+    /// may send, once the tensor ended, or where the timeout is off.
+    pub(crate) fn deadline(&self, tensor: &TensorSender) -> Option<Instant> {
+        let owes = match tensor.state() {
+            SenderState::AwaitingDecision
+            | SenderState::FinishedEarly
+            | SenderState::AwaitingComplete => true,
+            SenderState::Sending => {
+                tensor.next_chunk_len() == 0 && tensor.sent() < tensor.meta().byte_len()
+            }
+            SenderState::SendingEarly | SenderState::Complete | SenderState::Closed => false,
+        };
+        if owes {
+            self.progress.checked_add(self.timeout)
+        } else {
+            None
+        }
+    }
+
+    /// The timeout this clock keeps.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
 }
 
 impl StreamClock {
@@ -73,12 +127,12 @@ impl StreamClock {
 }
 
 impl Wait {
-    /// Why a stream whose wait ran out ends (with PROGRESS_TIMEOUT either way, spec §10.1),
-    /// given the session's two timeouts.
-    pub(crate) fn reason(self, progress: Duration, admission: Duration) -> String {
-        let (what, after) = match self {
-            Wait::Peer => ("frame from the peer", progress),
-            Wait::Decision => ("decision from the application", admission),
+    /// Why a stream whose wait of `after` ran out ends (with PROGRESS_TIMEOUT, spec §10.1).
+    pub(crate) fn reason(self, after: Duration) -> String {
+        let what = match self {
+            Wait::Peer => "frame from the peer",
+            Wait::Decision => "decision from the application",
+            Wait::Reply => "answer from the peer, and none of our data moved,",
         };
         format!("no {what} within {:.1} s", after.as_secs_f64())
     }

@@ -548,7 +548,9 @@ impl Peer {
 
     fn send(&mut self, id: StreamId, name: &str, source: Bytes) {
         let sender = TensorSender::new(meta(name, source.len())).unwrap();
-        self.session.start_sending(id, sender).unwrap();
+        self.session
+            .start_sending(id, sender, epoch(), Duration::MAX)
+            .unwrap();
         self.sending.push((id, source));
     }
 
@@ -604,7 +606,7 @@ impl Peer {
         }
         if !self.landed.contains_key(&id) {
             // An answer on one of our own streams.
-            if self.session.handle_reply(id, frame).unwrap() == OutgoingEvent::Complete {
+            if self.session.handle_reply(id, frame, epoch()).unwrap() == OutgoingEvent::Complete {
                 assert_eq!(
                     self.session.close_outgoing(id, epoch()),
                     StreamClosed::Completed
@@ -1152,22 +1154,27 @@ fn a_window_needs_a_round_trip_to_grow() {
     assert_eq!(session.stream_window(7), Some(2 << 20));
 }
 
+/// How long the tests' peers may owe an answer to a tensor we send.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// A session sending one tensor of `len` bytes on stream 0, accepted, no credit yet.
 fn sending_session(len: u64) -> Session {
     let mut session = Session::new(SessionConfig::default(), epoch());
     let sender = TensorSender::new(meta("t", len as usize)).unwrap();
-    session.start_sending(0, sender).unwrap();
+    session
+        .start_sending(0, sender, epoch(), REPLY_TIMEOUT)
+        .unwrap();
     let accept = tensorwire_proto::frame::Accept {
         max_data_payload: 1 << 20,
     };
-    session.handle_reply(0, accept.into()).unwrap();
+    session.handle_reply(0, accept.into(), epoch()).unwrap();
     session
 }
 
 /// The receiver grants `bytes` more on stream 0.
 fn credit_arrives(session: &mut Session, bytes: u64) {
     let credit = tensorwire_proto::frame::Credit { bytes };
-    session.handle_reply(0, credit.into()).unwrap();
+    session.handle_reply(0, credit.into(), epoch()).unwrap();
 }
 
 /// Sends every byte credit allows on stream 0.
@@ -1390,6 +1397,86 @@ fn an_accepted_stream_times_the_peer_only_while_it_holds_credit() {
         other => panic!("expected CANCEL last, got {other:?}"),
     }
     assert_eq!(offset, 1 << 20);
+}
+
+/// Spec §10.1: a tensor we send times the peer only while it owes an answer (ACCEPT, CREDIT
+/// once ours is spent, COMPLETE); its answers and our bytes moving restart the clock.
+#[test]
+fn a_tensor_we_send_times_the_peer_only_while_it_owes_an_answer() {
+    let start = epoch();
+    let mut session = Session::new(SessionConfig::default(), start);
+    let sender = TensorSender::new(meta("t", 2 << 20)).unwrap();
+    session
+        .start_sending(0, sender, start, REPLY_TIMEOUT)
+        .unwrap();
+    // METADATA queued: the peer owes ACCEPT or REJECT.
+    assert_eq!(session.stream_deadline(0), Some(start + REPLY_TIMEOUT));
+    assert_eq!(session.poll_timeout(), Some(start + REPLY_TIMEOUT));
+
+    // Accepted with no credit: it owes CREDIT, from the ACCEPT on.
+    let accepted = start + Duration::from_secs(10);
+    let accept = tensorwire_proto::frame::Accept {
+        max_data_payload: 1 << 20,
+    };
+    session.handle_reply(0, accept.into(), accepted).unwrap();
+    assert_eq!(session.stream_deadline(0), Some(accepted + REPLY_TIMEOUT));
+
+    // Credit to spend: we owe bytes, and nobody is timed however long we take.
+    let granted = accepted + Duration::from_secs(1);
+    let credit = tensorwire_proto::frame::Credit { bytes: 1 << 20 };
+    session.handle_reply(0, credit.into(), granted).unwrap();
+    assert_eq!(session.stream_deadline(0), None);
+    assert!(
+        session
+            .handle_stream_timeout(0, granted + 10 * REPLY_TIMEOUT)
+            .is_none()
+    );
+
+    // Spent: it owes CREDIT again, and our bytes still crossing the path restart its clock.
+    send_all_allowed(&mut session);
+    let moved = granted + Duration::from_secs(100);
+    session.data_moved(0, moved);
+    session.data_moved(0, granted); // An older report does not turn the clock back.
+    assert_eq!(session.stream_deadline(0), Some(moved + REPLY_TIMEOUT));
+    assert!(
+        session
+            .handle_stream_timeout(0, moved + REPLY_TIMEOUT - Duration::from_millis(1))
+            .is_none()
+    );
+    let err = session
+        .handle_stream_timeout(0, moved + REPLY_TIMEOUT)
+        .expect("the peer is late");
+    assert_eq!(err.code(), ErrorCode::PROGRESS_TIMEOUT);
+    assert!(err.to_string().contains("answer from the peer"), "{err}");
+    let last = std::iter::from_fn(|| session.poll_frame(0)).last();
+    match last {
+        Some(Frame::Cancel(cancel)) => assert_eq!(cancel.code, ErrorCode::PROGRESS_TIMEOUT),
+        other => panic!("expected CANCEL last, got {other:?}"),
+    }
+    assert_eq!(
+        session.stream_deadline(0),
+        None,
+        "an ended tensor waits for nobody"
+    );
+}
+
+/// After END the peer owes COMPLETE, timed from our last byte moving.
+#[test]
+fn a_finished_tensor_waits_for_complete_within_the_reply_timeout() {
+    let mut session = sending_session(1 << 20);
+    credit_arrives(&mut session, 1 << 20);
+    send_all_allowed(&mut session);
+    session.finish(0).unwrap();
+    let moved = epoch() + Duration::from_secs(5);
+    session.data_moved(0, moved);
+    assert_eq!(session.stream_deadline(0), Some(moved + REPLY_TIMEOUT));
+    let complete = tensorwire_proto::frame::Complete;
+    let done = moved + Duration::from_secs(1);
+    assert_eq!(
+        session.handle_reply(0, complete.into(), done).unwrap(),
+        OutgoingEvent::Complete
+    );
+    assert_eq!(session.stream_deadline(0), None);
 }
 
 /// The session's next deadline is the earliest of its streams' (and the idle timer's, while

@@ -46,15 +46,6 @@ pub enum TransportError {
 }
 
 impl TransportError {
-    /// PROGRESS_TIMEOUT: no `what` arrived within `after` (spec §10).
-    pub(crate) fn timed_out(what: &str, after: std::time::Duration) -> Self {
-        ProtocolError::Local {
-            code: ErrorCode::PROGRESS_TIMEOUT,
-            reason: format!("no {what} within {:.1} s", after.as_secs_f64()),
-        }
-        .into()
-    }
-
     /// CANCELLED by this side's application (`side`: "sending" or "receiving").
     pub(crate) fn cancelled_by(side: &str) -> Self {
         ProtocolError::Local {

@@ -80,3 +80,14 @@ impl ConnectionSession {
         stream.write_chunks(chunks).await
     }
 }
+
+/// `future`, unless `deadline` (the session's, spec §10.1) passes first: `None` then.
+pub(crate) async fn until<T>(
+    deadline: Option<Instant>,
+    future: impl Future<Output = T>,
+) -> Option<T> {
+    match deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline.into(), future).await.ok(),
+        None => Some(future.await),
+    }
+}

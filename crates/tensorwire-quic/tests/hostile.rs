@@ -332,6 +332,7 @@ async fn an_accepted_tensor_without_credit_times_out_at_the_sender() {
         .expect("the sender gave up on its own")
         .unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::PROGRESS_TIMEOUT), "{err}");
+    assert!(err.to_string().contains("answer from the peer"), "{err}");
     let _ = hog.finished().await;
 }
 

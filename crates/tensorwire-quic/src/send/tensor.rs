@@ -13,7 +13,7 @@ use tracing::debug;
 use super::report::{SendReport, SendWaits, timed};
 use crate::error::TransportError;
 use crate::metrics::Metrics;
-use crate::session::ConnectionSession;
+use crate::session::{ConnectionSession, until};
 use crate::source::Source;
 use crate::source::SourceReader;
 use crate::stream::FrameStream;
@@ -71,7 +71,9 @@ pub(crate) async fn send_tensor(
         // The receiver's stream limit (QUIC's MAX_STREAMS) can hold the open.
         let (send, recv) = timed(&mut waited.receiver, connection.open_bi()).await?;
         let id = VarInt::from(send.id()).into_inner();
-        session.lock().start_sending(id, machine)?;
+        session
+            .lock()
+            .start_sending(id, machine, Instant::now(), options.progress_timeout)?;
         let mut tensor = OutgoingTensor {
             id,
             session: session.clone(),
@@ -218,10 +220,7 @@ impl OutgoingTensor {
         options: SendOptions,
         waited: &mut SendWaits,
     ) -> Result<(), TransportError> {
-        let SendOptions {
-            progress_timeout,
-            chunk_size,
-        } = options;
+        let chunk_size = options.chunk_size;
         let id = self.id;
         // Read once: quinn locks the connection's state for it, which its driver holds while
         // it builds packets, and the session judges turns by the smallest round trip given.
@@ -287,10 +286,14 @@ impl OutgoingTensor {
                 // QUIC's send buffer and our wait for COMPLETE.
                 self.turn = None;
             }
-            let reply =
-                next_frame_while_progressing(&mut self.stream, connection, progress_timeout);
+            let reply = next_reply(&mut self.stream, connection, &self.session, id);
             let frame = timed(&mut waited.receiver, unless_cancelled(cancel, reply)).await?;
-            if self.session.lock().handle_reply(id, frame)? == OutgoingEvent::Complete {
+            if self
+                .session
+                .lock()
+                .handle_reply(id, frame, Instant::now())?
+                == OutgoingEvent::Complete
+            {
                 // The receiver's FIN comes with COMPLETE.
                 self.stream.read_fin_if_arrived();
                 return Ok(());
@@ -312,7 +315,10 @@ impl OutgoingTensor {
         let (session, id) = (&self.session, self.id);
         self.stream
             .explain_stop(error, STOP_EXPLAINED_WITHIN, |frame| {
-                session.lock().handle_reply(id, frame).map(drop)
+                session
+                    .lock()
+                    .handle_reply(id, frame, Instant::now())
+                    .map(drop)
             })
             .await
     }
@@ -339,13 +345,16 @@ pub(crate) async fn cancelled(cancel: Option<&CancellationToken>) {
     }
 }
 
-/// The receiver's next frame; PROGRESS_TIMEOUT only after `timeout` with neither a frame nor
-/// any STREAM frame sent on the connection (first sends and retransmissions: our data is
-/// still crossing the path). Keep-alives and their acknowledgements are not progress.
-pub(crate) async fn next_frame_while_progressing(
+/// The receiver's next frame on our stream `id`, or PROGRESS_TIMEOUT once the session says
+/// its answer is overdue (spec §10.1). The session is told when our bytes move: once here,
+/// as they were just handed to QUIC, and again at a deadline if QUIC has sent or resent any
+/// STREAM frame on the connection since (our data still crossing the path). Keep-alives and
+/// their acknowledgements are not progress.
+pub(crate) async fn next_reply(
     stream: &mut FrameStream,
     connection: &quinn::Connection,
-    timeout: Duration,
+    session: &ConnectionSession,
+    id: StreamId,
 ) -> Result<tensorwire_proto::Frame, TransportError> {
     // A reply that came with the last one (COMPLETE with ACCEPT) needs no timer.
     if let Some(frame) = stream.buffered_frame()? {
@@ -353,20 +362,20 @@ pub(crate) async fn next_frame_while_progressing(
     }
     let next = stream.next_frame();
     tokio::pin!(next);
+    session.lock().data_moved(id, Instant::now());
     let mut sent = connection.stats().frame_tx.stream;
     loop {
-        match tokio::time::timeout(timeout, &mut next).await {
-            Ok(frame) => return frame,
-            Err(_) => {
-                let now = connection.stats().frame_tx.stream;
-                if now == sent {
-                    return Err(TransportError::timed_out(
-                        "frame from the receiver while no data was moving",
-                        timeout,
-                    ));
-                }
-                sent = now;
-            }
+        let deadline = session.lock().stream_deadline(id);
+        if let Some(frame) = until(deadline, &mut next).await {
+            return frame;
+        }
+        let (now, sent_now) = (Instant::now(), connection.stats().frame_tx.stream);
+        let mut session = session.lock();
+        if sent_now != sent {
+            sent = sent_now;
+            session.data_moved(id, now);
+        } else if let Some(overdue) = session.handle_stream_timeout(id, now) {
+            return Err(overdue.into());
         }
     }
 }

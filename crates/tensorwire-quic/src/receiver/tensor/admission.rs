@@ -9,8 +9,9 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::debug;
 
 use super::super::incoming::{DECISION_GRACE, Decision, IncomingTensor, Run};
-use super::{Accepted, until};
+use super::Accepted;
 use crate::error::TransportError;
+use crate::session::until;
 
 /// A wait with no deadline, as a tokio deadline: 30 years.
 const NEVER: std::time::Duration = std::time::Duration::from_secs(30 * 365 * 86400);

@@ -5,7 +5,6 @@
 //! Here: what a stream holds, its frames into the session, and its end. Admission (to the
 //! application's decision) is in `admission.rs`; receiving an accepted tensor in `receive.rs`.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -67,14 +66,6 @@ fn handle_checked(
         connection.window_opened.notify_waiters();
     }
     event
-}
-
-/// `future`, unless `deadline` (the session's, spec §10.1) passes first: `None` then.
-async fn until<T>(deadline: Option<Instant>, future: impl Future<Output = T>) -> Option<T> {
-    match deadline {
-        Some(deadline) => tokio::time::timeout_at(deadline.into(), future).await.ok(),
-        None => Some(future.await),
-    }
 }
 
 /// How long a stopped stream is read for the CANCEL that explains the stop.

@@ -12,8 +12,9 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use super::super::offload::{Checksums, Stores};
-use super::{Accepted, until};
+use super::Accepted;
 use crate::error::TransportError;
+use crate::session::until;
 
 impl Accepted {
     pub(in crate::receiver) async fn receive_into<S: Sink>(
