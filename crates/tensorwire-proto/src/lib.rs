@@ -69,6 +69,7 @@ mod sender;
 mod session;
 pub mod split;
 mod stream_clock;
+mod turn;
 mod version;
 mod window;
 
@@ -98,6 +99,7 @@ pub use sender::{CheckedChunk, SenderEvent, SenderInput, SenderState, TensorSend
 pub use session::{
     ConnectionEnd, IncomingEvent, OutgoingEvent, Session, SessionConfig, StreamClosed, StreamId,
 };
+pub use turn::TurnTicket;
 pub use version::{Feature, Version};
 pub use window::GrantClock;
 

@@ -14,6 +14,7 @@ use crate::meta::TensorMeta;
 use crate::receiver::{CheckedFrame, ReceiverEvent, ReceiverState, TensorReceiver};
 use crate::sender::{CheckedChunk, SenderEvent, SenderState, TensorSender};
 use crate::stream_clock::{ReplyClock, StreamClock, Wait};
+use crate::turn::{TurnQueue, TurnTicket};
 use crate::window::{GrantClock, SendPace, StreamWindow};
 
 /// One tensor of the connection, in the direction its stream runs.
@@ -218,6 +219,8 @@ pub struct Session {
     party: Party,
     /// Incoming streams offered to the application and not yet decided (spec §10).
     offered: BTreeSet<StreamId>,
+    /// Our large tensors holding or waiting for the turn to send DATA (spec §7.4).
+    turn: TurnQueue,
 }
 
 /// The early allowance the peer gave our tensors (spec §7.6).
@@ -245,6 +248,7 @@ impl Session {
             grown_window: 0,
             party: Party::default(),
             offered: BTreeSet::new(),
+            turn: TurnQueue::default(),
         }
     }
 
@@ -780,6 +784,30 @@ impl Session {
             self.min_rtt = rtt;
         }
         self.min_rtt
+    }
+
+    /// Joins the queue for the connection's turn to send a large tensor's DATA (spec §7.4),
+    /// before its stream is opened; the tensor may open it once it
+    /// [`has_turn`](Self::has_turn), and gives it up with [`leave_turn`](Self::leave_turn)
+    /// once [`turn_done`](Self::turn_done) or it ends (or if it is dropped while waiting).
+    pub fn queue_for_turn(&mut self) -> TurnTicket {
+        self.turn.join()
+    }
+
+    /// Whether `ticket` holds the connection's turn: every tensor queued before it left.
+    pub fn has_turn(&self, ticket: TurnTicket) -> bool {
+        self.turn.holds(ticket)
+    }
+
+    /// Gives up `ticket`'s place in the queue, held or waited for; whether the turn passed to
+    /// the next tensor, whose driver should be woken to ask [`has_turn`](Self::has_turn).
+    pub fn leave_turn(&mut self, ticket: TurnTicket) -> bool {
+        self.turn.leave(ticket)
+    }
+
+    /// Our tensors holding or waiting for the connection's turn.
+    pub fn queued_for_turn(&self) -> usize {
+        self.turn.len()
     }
 
     /// Whether our tensor on `id` is done with the connection's turn to send large tensors'

@@ -1154,6 +1154,28 @@ fn a_window_needs_a_round_trip_to_grow() {
     assert_eq!(session.stream_window(7), Some(2 << 20));
 }
 
+/// Spec §7.4: large tensors take the connection's turn first come, first served; a place
+/// given up while waiting is skipped, and only the holder's leaving passes the turn on.
+#[test]
+fn tensors_take_the_turn_in_the_order_they_asked() {
+    let mut session = Session::new(SessionConfig::default(), epoch());
+    let (a, b, c) = (
+        session.queue_for_turn(),
+        session.queue_for_turn(),
+        session.queue_for_turn(),
+    );
+    assert!(session.has_turn(a) && !session.has_turn(b) && !session.has_turn(c));
+    assert!(!session.leave_turn(b), "a waiter leaving passes nothing");
+    assert!(!session.has_turn(c));
+    assert!(session.leave_turn(a), "the holder leaving passes the turn");
+    assert!(session.has_turn(c));
+    assert!(!session.leave_turn(a), "a place is given up once");
+    assert!(!session.leave_turn(c), "nobody waits for it");
+    assert_eq!(session.queued_for_turn(), 0);
+    let d = session.queue_for_turn();
+    assert!(session.has_turn(d), "a free turn is taken at once");
+}
+
 /// How long the tests' peers may owe an answer to a tensor we send.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use smallvec::SmallVec;
-use tensorwire_proto::{Frame, Session, SessionConfig, StreamId, WireChunks};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tensorwire_proto::{Frame, Session, SessionConfig, StreamId, TurnTicket, WireChunks};
+use tokio::sync::Notify;
 
 use crate::error::TransportError;
 use crate::stream::FrameStream;
@@ -20,9 +20,9 @@ pub(crate) struct ConnectionSession(Arc<Shared>);
 #[derive(Debug)]
 struct Shared {
     session: Mutex<Session>,
-    /// The one turn to send a large tensor's DATA on this connection
+    /// Woken when the turn to send a large tensor's DATA passes to the next tensor
     /// ([`ConnectionSession::take_turn`]).
-    turn: Arc<Semaphore>,
+    turn_passed: Notify,
 }
 
 impl ConnectionSession {
@@ -30,7 +30,7 @@ impl ConnectionSession {
     pub(crate) fn new(config: SessionConfig) -> Self {
         Self(Arc::new(Shared {
             session: Mutex::new(Session::new(config, Instant::now())),
-            turn: Arc::new(Semaphore::new(1)),
+            turn_passed: Notify::new(),
         }))
     }
 
@@ -44,7 +44,7 @@ impl ConnectionSession {
     }
 
     /// Waits, first come first served, until the large tensors before it on this connection
-    /// are done with the turn, and holds it until the permit is dropped. A tensor is done
+    /// are done with the turn, and holds it until the [`Turn`] is dropped. A tensor is done
     /// once the bytes it has left leave within two round trips
     /// ([`Session::turn_done`](tensorwire_proto::Session::turn_done), spec §7.4), so the
     /// next one's admission overlaps them.
@@ -53,10 +53,39 @@ impl ConnectionSession {
     /// interleaves their DATA: the receiver then admits every one of them (destination
     /// memory), spreads its credit over them and fills a staging buffer for each, and the
     /// connection moves less than taking turns (benches/results/LOG.md).
-    ///
-    /// `None` only if the turn were closed, which it never is.
-    pub(crate) async fn take_turn(&self) -> Option<OwnedSemaphorePermit> {
-        self.0.turn.clone().acquire_owned().await.ok()
+    pub(crate) async fn take_turn(&self) -> Turn {
+        // The place is given up if this future is dropped while it waits.
+        let turn = Turn {
+            ticket: self.lock().queue_for_turn(),
+            session: self.clone(),
+        };
+        loop {
+            let passed = self.0.turn_passed.notified();
+            tokio::pin!(passed);
+            // Registered before the session is asked, so a turn passed in between wakes it.
+            passed.as_mut().enable();
+            if self.lock().has_turn(turn.ticket) {
+                return turn;
+            }
+            passed.await;
+        }
+    }
+}
+
+/// A tensor's place in its connection's queue for the turn, held or waited for; given up
+/// when dropped.
+#[derive(Debug)]
+pub(crate) struct Turn {
+    session: ConnectionSession,
+    ticket: TurnTicket,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let passed = self.session.lock().leave_turn(self.ticket);
+        if passed {
+            self.session.0.turn_passed.notify_waiters();
+        }
     }
 }
 

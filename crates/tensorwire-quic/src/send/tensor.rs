@@ -6,14 +6,13 @@ use std::time::{Duration, Instant};
 
 use quinn::VarInt;
 use tensorwire_proto::{ErrorCode, Limits, OutgoingEvent, StreamId, TensorMeta, TensorSender};
-use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::report::{SendReport, SendWaits, timed};
 use crate::error::TransportError;
 use crate::metrics::Metrics;
-use crate::session::{ConnectionSession, until};
+use crate::session::{ConnectionSession, Turn, until};
 use crate::source::Source;
 use crate::source::SourceReader;
 use crate::stream::FrameStream;
@@ -58,7 +57,7 @@ pub(crate) async fn send_tensor(
         // Built before the stream is opened: building checks the metadata fits the wire.
         let machine = TensorSender::new(meta)?;
         let turn = if sharing == Sharing::InTurn && total > options.chunk_size {
-            let turn = async { Ok(session.take_turn().await) };
+            let turn = async { Ok(Some(session.take_turn().await)) };
             timed(&mut waited.turn, unless_cancelled(cancel, turn)).await?
         } else {
             None
@@ -176,7 +175,7 @@ pub(crate) struct OutgoingTensor {
     /// midway), the tensor is cancelled.
     pub(crate) settled: bool,
     /// The connection's turn for large tensors' DATA, while this one holds it.
-    pub(crate) turn: Option<OwnedSemaphorePermit>,
+    pub(crate) turn: Option<Turn>,
 }
 
 impl Drop for OutgoingTensor {
