@@ -7,6 +7,7 @@
     unsafe_code,
     reason = "DLPack capsules: raw pointers and a C destructor"
 )]
+mod dlpack;
 mod received;
 mod receiver;
 #[allow(

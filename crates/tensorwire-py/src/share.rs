@@ -9,7 +9,7 @@ use tensorwire::gpu::dlpack::KDL_CUDA;
 use tensorwire::gpu::{CudaBuffer, DeviceAllocation, DeviceRequest, GpuDevice, TensorBuffer};
 use tensorwire::proto::TensorMeta;
 
-use crate::received::capsule;
+use crate::dlpack::{capsule, refuse_copy};
 use crate::sending::HostBuffer;
 use crate::{dtype_of, error};
 
@@ -69,11 +69,7 @@ impl SharedBuffer {
         copy: Option<bool>,
     ) -> PyResult<PyObject> {
         let _ = (stream, max_version, dl_device);
-        if copy == Some(true) {
-            return Err(PyValueError::new_err(
-                "shared memory is viewed, not copied (copy=True)",
-            ));
-        }
+        refuse_copy(copy, "shared memory is viewed, not copied")?;
         capsule(py, TensorBuffer::Cuda(self.buffer.share()), &self.meta)
     }
 }

@@ -1,0 +1,136 @@
+//! A connection to a producer's sharing socket: connect, list and open tensors.
+
+use std::ffi::{CString, c_char, c_int};
+use std::time::Duration;
+
+use tensorwire_ipc::ShareClient;
+
+use crate::boundary::{c_string, fail, guarded, ipc_failure, string};
+use crate::tensor::tw_tensor;
+use crate::{TW_ERR_ARGUMENT, TW_ERR_INTERNAL, TW_OK};
+
+/// A connection to a producer's sharing socket.
+pub struct tw_client {
+    pub(crate) client: ShareClient,
+}
+
+/// Connects to the sharing socket at `socket_path` and stores the client in `*out`.
+///
+/// # Safety
+/// `socket_path` is a NUL-terminated string; `out` points to writable storage for a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tw_connect(socket_path: *const c_char, out: *mut *mut tw_client) -> c_int {
+    guarded(|| {
+        // SAFETY: the caller's contract.
+        let Some(path) = (unsafe { string(socket_path) }) else {
+            return fail(TW_ERR_ARGUMENT, "socket_path is NULL or not UTF-8");
+        };
+        if out.is_null() {
+            return fail(TW_ERR_ARGUMENT, "out is NULL");
+        }
+        match ShareClient::connect(path) {
+            Ok(client) => {
+                // SAFETY: `out` is non-NULL and writable (the caller's contract).
+                unsafe { *out = Box::into_raw(Box::new(tw_client { client })) };
+                TW_OK
+            }
+            Err(e) => ipc_failure(&e),
+        }
+    })
+}
+
+/// Closes a client. Tensors opened through it must be released first. NULL is ignored.
+///
+/// # Safety
+/// `client` is NULL or from [`tw_connect`], not closed before.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tw_client_close(client: *mut tw_client) {
+    if !client.is_null() {
+        // SAFETY: made by `Box::into_raw` in `tw_connect`, freed once, here.
+        drop(unsafe { Box::from_raw(client) });
+    }
+}
+
+/// Every shared tensor as a JSON array (spec/ipc.md `Info`: name, dtype, shape, attributes,
+/// device, generation, ...) in `*json_out`; free it with [`tw_string_free`].
+///
+/// # Safety
+/// `client` is from [`tw_connect`]; `json_out` points to writable storage for a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tw_list_json(client: *mut tw_client, json_out: *mut *mut c_char) -> c_int {
+    guarded(|| {
+        // SAFETY: the caller's contract: a live client or NULL.
+        let Some(client) = (unsafe { client.as_ref() }) else {
+            return fail(TW_ERR_ARGUMENT, "client is NULL");
+        };
+        if json_out.is_null() {
+            return fail(TW_ERR_ARGUMENT, "json_out is NULL");
+        }
+        match client.client.list() {
+            Ok(list) => {
+                let json = serde_json::to_string(&list).unwrap_or_default();
+                // SAFETY: non-NULL and writable (the caller's contract).
+                unsafe { *json_out = c_string(json) };
+                TW_OK
+            }
+            Err(e) => ipc_failure(&e),
+        }
+    })
+}
+
+/// Opens the tensor `name` (or id) under a lease, waiting up to `wait_ms` milliseconds for a
+/// name not yet shared (0: no wait), and stores it in `*out`. GPU memory is mapped on this
+/// process's GPU with the producer's device UUID.
+///
+/// # Safety
+/// `client` is from [`tw_connect`]; `name` is a NUL-terminated string; `out` points to
+/// writable storage for a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tw_open(
+    client: *mut tw_client,
+    name: *const c_char,
+    wait_ms: u64,
+    out: *mut *mut tw_tensor,
+) -> c_int {
+    guarded(|| {
+        // SAFETY: the caller's contract.
+        let (Some(client), Some(name)) = (unsafe { client.as_ref() }, unsafe { string(name) })
+        else {
+            return fail(
+                TW_ERR_ARGUMENT,
+                "client or name is NULL, or name is not UTF-8",
+            );
+        };
+        if out.is_null() {
+            return fail(TW_ERR_ARGUMENT, "out is NULL");
+        }
+        let opened = if wait_ms == 0 {
+            client.client.open(name)
+        } else {
+            client
+                .client
+                .open_wait(name, Duration::from_millis(wait_ms))
+        };
+        let tensor = match opened {
+            Ok(tensor) => tensor,
+            Err(e) => return ipc_failure(&e),
+        };
+        let fields = &tensor.descriptor().tensor;
+        let (Ok(name), Ok(dtype)) = (
+            CString::new(fields.name.clone()),
+            CString::new(fields.dtype.clone()),
+        ) else {
+            return fail(TW_ERR_INTERNAL, "a name with a NUL byte");
+        };
+        let shape = fields.shape.clone();
+        let handle = tw_tensor {
+            tensor,
+            name,
+            dtype,
+            shape,
+        };
+        // SAFETY: non-NULL and writable (the caller's contract).
+        unsafe { *out = Box::into_raw(Box::new(handle)) };
+        TW_OK
+    })
+}
