@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use quinn::VarInt;
 use tensorwire_proto::{ErrorCode, Party};
-use tensorwire_sink::{Carrier, MemoryShares};
+use tensorwire_sink::{Carrier, MemoryShares, PeerMembership};
 use tokio::sync::{Notify, mpsc};
 use tracing::{Instrument, debug, info, info_span, warn};
 
@@ -90,7 +90,92 @@ pub(super) async fn serve_streams(
     tx: mpsc::Sender<IncomingTensor>,
     session: Option<ConnectionSession>,
 ) {
-    let id = connection.stable_id();
+    let (state, membership) = join(endpoint, &shared, connection, session);
+    info!("connection established");
+    pump(&shared, &state, &tx).await;
+    leave(&shared, &state);
+    drop(membership);
+    state.close_kept_streams().await;
+}
+
+/// The connection's pump: hands each stream the peer opens to a task of its own, and ends
+/// the connection once the session says it stayed idle too long (spec §10). Returns when the
+/// connection closes, or the receiver shuts down.
+async fn pump(
+    shared: &Arc<Shared>,
+    state: &Arc<ConnectionState>,
+    tx: &mpsc::Sender<IncomingTensor>,
+) {
+    let idle_check = shared
+        .config
+        .session
+        .idle_timeout
+        .min(Duration::from_secs(1));
+    // One timer for the connection's life, not one armed and cancelled per stream accepted.
+    let mut idle_checks =
+        tokio::time::interval_at(tokio::time::Instant::now() + idle_check, idle_check);
+    idle_checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shared.shutdown.cancelled() => return,
+            accepted = state.connection.accept_bi() => match accepted {
+                Ok((send, recv)) => serve_stream_on_its_task(shared, state, send, recv, tx),
+                Err(e) => {
+                    info!(reason = %e, "connection closed");
+                    return;
+                }
+            },
+            _ = idle_checks.tick() => {
+                state.sweep_closing();
+                let end = state.session().handle_timeout(Instant::now());
+                if let Some(end) = end {
+                    info!(%end, "closing a connection with no tensor streams");
+                    state.close(end.code, end.reason.as_bytes());
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Opens the peer's new stream in the session (which may refuse it) and serves it on a task
+/// of its own.
+fn serve_stream_on_its_task(
+    shared: &Arc<Shared>,
+    state: &Arc<ConnectionState>,
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    tx: &mpsc::Sender<IncomingTensor>,
+) {
+    let stream_id = VarInt::from(send.id()).into_inner();
+    let span = info_span!("tensor", stream = %send.id());
+    if let Err(e) = state.session().open_stream(stream_id, Instant::now()) {
+        warn!(error = %e, "stream refused");
+        return;
+    }
+    let stream = FrameStream::new(send, recv, shared.config.session.limits.clone());
+    // Boxed: the task then holds a pointer, not the stream's whole state machine, which
+    // tokio would otherwise move at the spawn and at each change of the task's stage (a few
+    // thousand bytes, three times per tensor).
+    let serve = Box::pin(serve_stream(
+        shared.clone(),
+        state.clone(),
+        stream_id,
+        stream,
+        tx.clone(),
+    ));
+    shared.streams.spawn(serve.instrument(span));
+}
+
+/// Sets the connection up among the receiver's: its session's receiving policy, its peer's
+/// fair shares of credit and memory (spec §7.1, §7.5), and our early credit offer (§7.6).
+/// The membership counts the peer among those sharing the memory budgets while held.
+fn join(
+    endpoint: usize,
+    shared: &Arc<Shared>,
+    connection: quinn::Connection,
+    session: Option<ConnectionSession>,
+) -> (Arc<ConnectionState>, PeerMembership) {
     let config = &shared.config;
     let policy = config.session.clone();
     // A `Sender`'s connection already reads the peer's control stream (spec §4.1).
@@ -117,7 +202,7 @@ pub(super) async fn serve_streams(
     .within(membership.shares());
     let state = Arc::new(ConnectionState {
         endpoint,
-        connection: connection.clone(),
+        connection,
         metrics: Metrics::default(),
         session,
         decision_slot_freed: Notify::new(),
@@ -132,13 +217,13 @@ pub(super) async fn serve_streams(
     {
         // Spec §7.1: the peer's connections together keep to a fair share of the credit.
         let mut session = state.session();
-        let party = Party::from(connection.remote_address().ip());
         shared
             .budget
-            .with_tracker(|credit| session.join(party, credit));
+            .with_tracker(|credit| session.join(Party::from(peer), credit));
     }
-    shared.connections.insert(id, state.clone());
-    info!("connection established");
+    shared
+        .connections
+        .insert(state.connection.stable_id(), state.clone());
     if config.session.early_credit > 0 {
         let offered = {
             let mut session = state.session();
@@ -149,63 +234,17 @@ pub(super) async fn serve_streams(
         debug!(offered, "early credit");
         tokio::spawn(offer_early_credit(shared.clone(), state.clone()));
     }
-    let idle_check = config.session.idle_timeout.min(Duration::from_secs(1));
-    // One timer for the connection's life, not one armed and cancelled per stream accepted.
-    let mut idle_checks =
-        tokio::time::interval_at(tokio::time::Instant::now() + idle_check, idle_check);
-    idle_checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let accepted = tokio::select! {
-            _ = shared.shutdown.cancelled() => break,
-            accepted = connection.accept_bi() => accepted,
-            _ = idle_checks.tick() => {
-                state.sweep_closing();
-                // Spec §10: the session decides when an idle connection ends, and with what.
-                let end = state.session().handle_timeout(Instant::now());
-                if let Some(end) = end {
-                    info!(%end, "closing a connection with no tensor streams");
-                    state.close(end.code, end.reason.as_bytes());
-                    break;
-                }
-                continue;
-            }
-        };
-        match accepted {
-            Ok((send, recv)) => {
-                let stream_id = VarInt::from(send.id()).into_inner();
-                let span = info_span!("tensor", stream = %send.id());
-                if let Err(e) = state.session().open_stream(stream_id, Instant::now()) {
-                    warn!(error = %e, "stream refused");
-                    continue;
-                }
-                let stream = FrameStream::new(send, recv, shared.config.session.limits.clone());
-                // Boxed: the task then holds a pointer, not the stream's whole state machine,
-                // which tokio would otherwise move at the spawn and at each change of the
-                // task's stage (a few thousand bytes, three times per tensor).
-                let serve = Box::pin(serve_stream(
-                    shared.clone(),
-                    state.clone(),
-                    stream_id,
-                    stream,
-                    tx.clone(),
-                ));
-                shared.streams.spawn(serve.instrument(span));
-            }
-            Err(e) => {
-                info!(reason = %e, "connection closed");
-                break;
-            }
-        }
-    }
-    shared.connections.remove(&id);
+    (state, membership)
+}
+
+/// Takes the ended connection out of the receiver's: its split tensors stop waiting for it,
+/// and its unused early credit and its share of the credit go back.
+fn leave(shared: &Shared, state: &ConnectionState) {
+    shared.connections.remove(&state.connection.stable_id());
     state.carrier.close();
-    withdraw_early_credit(&shared, &state);
-    {
-        let mut session = state.session();
-        shared.budget.with_tracker(|credit| session.leave(credit));
-    }
-    drop(membership);
-    state.close_kept_streams().await;
+    withdraw_early_credit(shared, state);
+    let mut session = state.session();
+    shared.budget.with_tracker(|credit| session.leave(credit));
 }
 
 /// Writes our EARLY_CREDIT offers on the control stream (spec §4.1, §7.6); a peer that stops
