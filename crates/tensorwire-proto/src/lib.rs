@@ -99,6 +99,7 @@ pub use sender::{CheckedChunk, SenderEvent, SenderInput, SenderState, TensorSend
 pub use session::{
     ConnectionEnd, IncomingEvent, OutgoingEvent, Session, SessionConfig, StreamClosed, StreamId,
 };
+pub use stream_clock::DECISION_GRACE;
 pub use turn::TurnTicket;
 pub use version::{Feature, Version};
 pub use window::GrantClock;

@@ -68,8 +68,9 @@ pub struct SessionConfig {
     /// and sends none for this long is cancelled with PROGRESS_TIMEOUT (spec §10.1). A
     /// stream waiting for this receiver's credit or sink owes nothing. `Duration::MAX`: never.
     pub progress_timeout: Duration,
-    /// How long a tensor's METADATA may wait for the application's accept or reject before
-    /// it is refused with PROGRESS_TIMEOUT (spec §10.1). `Duration::MAX`: never.
+    /// How long a tensor's METADATA may wait for the application's accept or reject (its
+    /// memory waits end then); it is refused with PROGRESS_TIMEOUT
+    /// [`DECISION_GRACE`](crate::DECISION_GRACE) later (spec §10.1). `Duration::MAX`: never.
     pub admission_timeout: Duration,
     /// Tensors of this connection offered to the application and not yet decided, at most
     /// ([`Session::offer`]); more wait on their streams, so one peer cannot fill the
@@ -926,9 +927,23 @@ impl Session {
         self.idle_since?.checked_add(self.config.idle_timeout)
     }
 
+    /// When the application's decision on incoming stream `id` is due (spec §10.1): the
+    /// admission timeout after METADATA. Waits made for the decision (memory) end then; the
+    /// stream itself is refused [`DECISION_GRACE`](crate::DECISION_GRACE) later
+    /// ([`stream_deadline`](Self::stream_deadline)), so that a refusal made at the deadline
+    /// reaches the peer with its own code. `None` once decided, or where the timeout is off.
+    pub fn decision_due(&self, id: StreamId) -> Option<Instant> {
+        match self.tensors.get(&id)? {
+            Tensor::Incoming(tensor, _, clock) => {
+                clock.decision_due(tensor, self.config.admission_timeout)
+            }
+            Tensor::Outgoing(..) => None,
+        }
+    }
+
     /// When stream `id`'s wait ends (spec §10.1). A stream the peer sends on: the progress
-    /// timeout while the peer owes a frame, the admission timeout while the application owes
-    /// a decision. A stream we send on: its reply timeout while the peer owes an answer and
+    /// timeout while the peer owes a frame; while the application owes a decision, the
+    /// admission timeout and [`DECISION_GRACE`](crate::DECISION_GRACE). A stream we send on: its reply timeout while the peer owes an answer and
     /// none of our bytes moved. `None` while the stream waits only for this side (its
     /// credit, sink or source), or where the timeout is off.
     pub fn stream_deadline(&self, id: StreamId) -> Option<Instant> {

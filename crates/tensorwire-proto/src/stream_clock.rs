@@ -7,6 +7,11 @@ use std::time::{Duration, Instant};
 use crate::receiver::{ReceiverState, TensorReceiver};
 use crate::sender::{SenderState, TensorSender};
 
+/// How long after the admission timeout a tensor is refused, so that a decision the
+/// application makes at the deadline (its memory waits end then: a refusal with
+/// RESOURCE_EXHAUSTED) still reaches the sender with its own code (spec §10.1).
+pub const DECISION_GRACE: Duration = Duration::from_secs(1);
+
 /// When an incoming stream last moved, and when its METADATA arrived.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct StreamClock {
@@ -99,6 +104,24 @@ impl StreamClock {
         self.metadata = Some(now);
     }
 
+    /// When the application's decision on `tensor` is due (`admission` after METADATA), while
+    /// it owes one; the stream is refused [`DECISION_GRACE`] later.
+    pub(crate) fn decision_due(
+        &self,
+        tensor: &TensorReceiver,
+        admission: Duration,
+    ) -> Option<Instant> {
+        match tensor.state() {
+            ReceiverState::AwaitingDecision
+            | ReceiverState::ReceivingEarly
+            | ReceiverState::EndedEarly => {
+                let since = self.metadata.unwrap_or(self.progress);
+                since.checked_add(admission)
+            }
+            _ => None,
+        }
+    }
+
     /// Who `tensor` waits for and until when (`None`: nobody but this receiver, or never).
     pub(crate) fn deadline(
         &self,
@@ -112,8 +135,8 @@ impl StreamClock {
             ReceiverState::AwaitingDecision
             | ReceiverState::ReceivingEarly
             | ReceiverState::EndedEarly => {
-                let since = self.metadata.unwrap_or(self.progress);
-                Some((since.checked_add(admission)?, Wait::Decision))
+                let due = self.decision_due(tensor, admission)?;
+                Some((due.checked_add(DECISION_GRACE)?, Wait::Decision))
             }
             // The peer holds credit, or has sent every byte and owes END (spec §10.1).
             ReceiverState::Receiving

@@ -10,8 +10,8 @@ use bytes::Bytes;
 use tensorwire_proto::frame::Cancel;
 use tensorwire_proto::testing::pattern;
 use tensorwire_proto::{
-    CreditTracker, DType, ErrorCode, Frame, GrantClock, IncomingEvent, OutgoingEvent, Session,
-    SessionConfig, StreamClosed, StreamId, TensorMeta, TensorSender,
+    CreditTracker, DECISION_GRACE, DType, ErrorCode, Frame, GrantClock, IncomingEvent,
+    OutgoingEvent, Session, SessionConfig, StreamClosed, StreamId, TensorMeta, TensorSender,
 };
 
 /// The fake clock's origin: tests move time by adding durations to it.
@@ -1334,7 +1334,13 @@ fn a_peer_that_owes_a_frame_has_the_progress_timeout_to_send_it() {
     session
         .handle_frame(7, meta("t", 3 << 20).into(), &mut credit, arrived)
         .unwrap();
-    let admission_ends = arrived + Duration::from_secs(5);
+    // The decision is due after the admission timeout; the stream is refused a grace later,
+    // so that the application's own refusal at the deadline reaches the peer.
+    assert_eq!(
+        session.decision_due(7),
+        Some(arrived + Duration::from_secs(5))
+    );
+    let admission_ends = arrived + Duration::from_secs(5) + DECISION_GRACE;
     assert_eq!(session.stream_deadline(7), Some(admission_ends));
     assert!(
         session
@@ -1370,8 +1376,9 @@ fn an_accepted_stream_times_the_peer_only_while_it_holds_credit() {
         .unwrap();
     let accepted = start + Duration::from_secs(10);
     session.accept(7, accepted).unwrap();
-    // Accepted, no credit yet: the peer owes nothing.
+    // Accepted, no credit yet: the peer owes nothing, and no decision is due.
     assert_eq!(session.stream_deadline(7), None);
+    assert_eq!(session.decision_due(7), None);
     assert!(
         session
             .handle_stream_timeout(7, accepted + 10 * progress)

@@ -46,10 +46,6 @@ pub struct IncomingTensor {
 /// lets go of the decision channel, so a late accept reports the real cause.
 pub(super) type Ended = Arc<OnceLock<ProtocolError>>;
 
-/// How long after the admission deadline the stream still waits for a decision, so that an
-/// application's own refusal at the deadline (such as no memory) reaches the sender.
-pub(super) const DECISION_GRACE: Duration = Duration::from_secs(1);
-
 pub(super) type Run = Box<dyn FnOnce(Accepted) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
 
 pub(super) enum Decision {

@@ -8,7 +8,7 @@ use tensorwire_sink::CreditPermit;
 use tokio::sync::{mpsc, oneshot};
 use tracing::debug;
 
-use super::super::incoming::{DECISION_GRACE, Decision, IncomingTensor, Run};
+use super::super::incoming::{Decision, IncomingTensor, Run};
 use super::Accepted;
 use crate::error::TransportError;
 use crate::session::until;
@@ -54,15 +54,22 @@ impl Accepted {
                 reason: format!("METADATA of the streams open now: {}", e.message),
             })?;
         self.metadata = Some(reserved);
-        // Spec §10.1: the session says when the decision is due.
-        let deadline = match self.connection.session().stream_deadline(self.id) {
-            Some(deadline) => tokio::time::Instant::from_std(deadline),
-            None => tokio::time::Instant::now() + NEVER,
+        // Spec §10.1: the session says when the decision is due (memory waits end then), and
+        // when the stream is refused without one (a grace later).
+        let (due, refused_at) = {
+            let session = self.connection.session();
+            (
+                session.decision_due(self.id),
+                session.stream_deadline(self.id),
+            )
         };
+        let never = || tokio::time::Instant::now() + NEVER;
+        let deadline = due.map_or_else(never, tokio::time::Instant::from_std);
+        let refused_at = refused_at.map_or_else(never, tokio::time::Instant::from_std);
         // Kept here, not in the wait, so it outlives the recording of why the wait ended.
         let (decision, mut decided) = oneshot::channel();
         let mut decision = Some(decision);
-        let waited = tokio::time::timeout_at(deadline + DECISION_GRACE, async {
+        let waited = tokio::time::timeout_at(refused_at, async {
             // Spec §10: the connection's share of the admission queue; more wait here.
             loop {
                 // Armed before asking, so a slot freed in between is not missed.
