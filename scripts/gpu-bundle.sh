@@ -47,7 +47,7 @@ python3 -m pip wheel --no-deps --quiet ./python -w "$out/wheel"
 mkdir -p "$out/scripts"
 cp -r python "$out/python"
 cp scripts/share-e2e.sh scripts/spmv-e2e.sh scripts/pytest-lite.py benches/scale.sh \
-  benches/common.sh benches/one-sender.sh benches/python-send.sh "$out/scripts/"
+  benches/common.sh benches/one-sender.sh benches/python-send.sh benches/two-hosts.sh "$out/scripts/"
 strip "$out"/bin/* "$out"/tests/* "$out"/lib/* 2>/dev/null || true
 # Compressed, so the folder stays small enough to copy around (run.sh unpacks it).
 tar -C "$out" -czf "$out/payload.tar.gz" bin tests lib

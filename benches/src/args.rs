@@ -94,15 +94,27 @@ pub(crate) struct Args {
     /// many endpoints on one port as the first `--connections`, write the certificate (DER)
     /// to this file, print `listening on ADDR`, and exit once that many connections have
     /// sent everything. Raw quinn the way the programs run: one process per side.
-    #[arg(long, value_name = "CERT_FILE", conflicts_with = "raw_client")]
+    #[arg(long, value_name = "CERT_FILE", conflicts_with_all = ["raw_client", "tls_server", "tls_client"])]
     pub(crate) raw_server: Option<std::path::PathBuf>,
     /// Send `--mib` MiB over each of the first `--connections` raw quinn connections to a
     /// `--raw-server` at this address, trusting the certificate in `--cert`.
-    #[arg(long, value_name = "ADDR", requires = "cert")]
+    #[arg(long, value_name = "ADDR", requires = "cert", conflicts_with_all = ["tls_server", "tls_client"])]
     pub(crate) raw_client: Option<SocketAddr>,
-    /// The `--raw-server`'s certificate file, for `--raw-client`.
+    /// Serve TCP + TLS 1.3 to a client process (`--tls-client`) instead of measuring: write
+    /// the certificate (DER) to this file, print `listening on ADDR`, and exit once the
+    /// first `--connections` connections have sent everything.
+    #[arg(long, value_name = "CERT_FILE", conflicts_with = "tls_client")]
+    pub(crate) tls_server: Option<std::path::PathBuf>,
+    /// Send `--mib` MiB over each of the first `--connections` TCP + TLS connections to a
+    /// `--tls-server` at this address, trusting the certificate in `--cert`.
+    #[arg(long, value_name = "ADDR", requires = "cert")]
+    pub(crate) tls_client: Option<SocketAddr>,
+    /// The server's certificate file, for `--raw-client` and `--tls-client`.
     #[arg(long)]
     pub(crate) cert: Option<std::path::PathBuf>,
+    /// Where `--raw-server` and `--tls-server` listen (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub(crate) listen: SocketAddr,
     /// How the `--raw-server`'s endpoints share connections: connection-id (evenly, as a
     /// `receiver` does by default) or address (the kernel's hash).
     #[arg(long, default_value = "connection-id", requires = "raw_server")]

@@ -251,7 +251,8 @@ impl QuinnLatency {
             }
             anyhow::Ok(())
         });
-        let (client, client_runtime, config) = quinn_client(setup, &cert)?;
+        let (client, client_runtime, config) =
+            quinn_client(setup, &cert, crate::raw_quinn::LOOPBACK)?;
         let conn = client.connect_with(config, addr, "localhost")?.await?;
         Ok(Self {
             conn,

@@ -34,23 +34,43 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     args.check()?;
     let setup = Setup::from_args(&args);
+    let first_connections = args.connections.first().copied().unwrap_or(1);
     if let Some(cert) = &args.raw_server {
-        let count = args.connections.first().copied().unwrap_or(1);
-        return raw_quinn::raw_quinn_server_process(cert, count, setup, args.steering).await;
+        return raw_quinn::raw_quinn_server_process(
+            cert,
+            args.listen,
+            first_connections,
+            setup,
+            args.steering,
+        )
+        .await;
+    }
+    if let Some(cert) = &args.tls_server {
+        return tcp_tls::tls_server_process(cert, args.listen, first_connections).await;
     }
     let bytes = args.mib_per_connection() << 20;
     let tensor_bytes = (args.tensor_mib << 20).min(bytes);
     // A run without throughput rows loads no throughput source: its setup stays out of the
     // measurement (and of a profile of it).
-    let source = if args.no_throughput() && args.raw_client.is_none() {
+    let client_process = args.raw_client.is_some() || args.tls_client.is_some();
+    let source = if args.no_throughput() && !client_process {
         Loaded::Memory(Bytes::new())
     } else {
         RawSource::load(args.source.as_ref(), tensor_bytes)?
     };
     if let (Some(addr), Some(cert)) = (args.raw_client, &args.cert) {
-        let connections = args.connections.first().copied().unwrap_or(1);
-        return raw_quinn::raw_quinn_client_process(addr, cert, connections, bytes, setup, source)
-            .await;
+        return raw_quinn::raw_quinn_client_process(
+            addr,
+            cert,
+            first_connections,
+            bytes,
+            setup,
+            source,
+        )
+        .await;
+    }
+    if let (Some(addr), Some(cert)) = (args.tls_client, &args.cert) {
+        return tcp_tls::tls_client_process(addr, cert, first_connections, bytes, &source).await;
     }
 
     let rounds = throughput::measure(setup, &args, bytes, tensor_bytes, &source).await?;

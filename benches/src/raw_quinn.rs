@@ -10,6 +10,10 @@ use crate::setup::Setup;
 use crate::source::Loaded;
 use crate::threads::ThreadUsage;
 
+/// Where the clients of runs with both sides in this process bind.
+pub(crate) const LOOPBACK: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
+
 /// A server endpoint with tensorwire's TLS and transport settings; returns its address.
 pub(crate) fn quinn_server(
     setup: Setup,
@@ -105,21 +109,20 @@ pub(crate) async fn raw_quinn_send_on_each(
     Ok(())
 }
 
-/// `--raw-server`: `count` connections over `count` endpoints sharing one port.
+/// `--raw-server`: `count` connections over `count` endpoints sharing one port on `listen`.
 pub(crate) async fn raw_quinn_server_process(
     cert_file: &std::path::Path,
+    listen: SocketAddr,
     count: usize,
     setup: Setup,
     steering: tensorwire::quic::Steering,
 ) -> anyhow::Result<()> {
     let (config, cert) = quinn_server_config(setup)?;
     std::fs::write(cert_file, cert.as_ref())?;
-    let endpoints = setup.transport().reuse_port_endpoints(
-        "127.0.0.1:0".parse()?,
-        count.max(1),
-        config,
-        steering,
-    )?;
+    let endpoints =
+        setup
+            .transport()
+            .reuse_port_endpoints(listen, count.max(1), config, steering)?;
     println!("listening on {}", endpoints[0].endpoint().local_addr()?);
     let (done, mut finished) = tokio::sync::mpsc::unbounded_channel();
     for endpoint in &endpoints {
@@ -158,8 +161,10 @@ pub(crate) async fn raw_quinn_client_process(
 ) -> anyhow::Result<()> {
     let cert = rustls::pki_types::CertificateDer::from(std::fs::read(cert_file)?);
     let mut clients = Vec::new();
+    // Any local address: the server may be on another host (or network namespace).
+    let bind = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), 0);
     for _ in 0..connections.max(1) {
-        let (client, runtime, config) = quinn_client(setup, &cert)?;
+        let (client, runtime, config) = quinn_client(setup, &cert, bind)?;
         let conn = client.connect_with(config, addr, "localhost")?.await?;
         clients.push((client, runtime, conn));
     }
@@ -191,6 +196,7 @@ pub(crate) async fn raw_quinn_client_process(
 pub(crate) fn quinn_client(
     setup: Setup,
     cert: &rustls::pki_types::CertificateDer<'static>,
+    bind: SocketAddr,
 ) -> anyhow::Result<(quinn::Endpoint, tokio::runtime::Handle, quinn::ClientConfig)> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(cert.clone())?;
@@ -204,9 +210,7 @@ pub(crate) fn quinn_client(
         quinn::crypto::rustls::QuicClientConfig::try_from(tls)?,
     ));
     config.transport_config(setup.transport().transport_config()?);
-    let (endpoint, runtime) = setup
-        .transport()
-        .endpoint_with_runtime("127.0.0.1:0".parse()?, None)?;
+    let (endpoint, runtime) = setup.transport().endpoint_with_runtime(bind, None)?;
     Ok((endpoint, runtime, config))
 }
 
@@ -232,7 +236,7 @@ pub(crate) async fn raw_quinn(
         let (server, server_runtime, cert) = quinn_server(setup)?;
         let (addr, relay) = setup.path_to(server.local_addr()?).await?;
         relays.extend(relay);
-        let (client, client_runtime, config) = quinn_client(setup, &cert)?;
+        let (client, client_runtime, config) = quinn_client(setup, &cert, LOOPBACK)?;
         let server_task = server_runtime
             .spawn(async move { raw_quinn_serve(first_connection(server).await?).await });
         let conn = client.connect_with(config, addr, "localhost")?.await?;

@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# Two "hosts" on one machine: a sender and a receiver in network namespaces of their own,
+# joined by a veth pair at a real Ethernet MTU, so every packet crosses the kernel's network
+# stack as it would between hosts. Measures, in the same run and over the same path:
+# `sender` -> `receiver`, raw quinn as two processes, and TCP + TLS 1.3 (rustls over tokio's
+# TCP) as two processes, each with the same connection count and bytes; prints the rates,
+# the ratios and each side's CPU seconds per GiB (all threads of each process). Needs root
+# (or CAP_NET_ADMIN), `ip` and, for NETEM or RATE, `tc`.
+#
+#   benches/two-hosts.sh BIN_DIR [CONNECTIONS] [MIB_PER_CONNECTION] [DEVICE]
+#
+# BIN_DIR holds receiver, sender and bench (cargo build --release -p tensorwire-examples
+# -p tensorwire-bench). DEVICE is where the receiver lands tensors (host, the default, or
+# cuda:0). MTUS lists the link MTUs to measure (default "1500 9000"). The programs find the
+# path's MTU as users run them (path MTU discovery from 1200 bytes; FIXED_MTU=1 gives them
+# the link's largest UDP payload, MTU - 28, from the start); raw quinn is given that payload
+# from the start. NETEM adds a netem
+# qdisc on both ends (e.g. "delay 1ms loss 0.1%"), RATE a rate limit on both ends (e.g.
+# "2gbit"). ROUNDS=N repeats every measurement N times and prints the medians.
+# The namespaces and the pair are removed on exit.
+set -euo pipefail
+. "$(dirname "$0")/common.sh"
+bin=$(cd "${1:?usage: benches/two-hosts.sh BIN_DIR [CONNECTIONS] [MIB_PER_CONNECTION] [DEVICE]}" && pwd)
+connections=${2:-2}
+mib=${3:-256}
+device=${4:-host}
+mtus=${MTUS:-1500 9000}
+rounds=${ROUNDS:-1}
+tx=tw-bench-tx-$$
+rx=tw-bench-rx-$$
+tx_ip=10.231.0.1
+rx_ip=10.231.0.2
+work=$(mktemp -d)
+chmod 755 "$work"
+cleanup() {
+  stop_jobs
+  ip netns del "$tx" 2>/dev/null || true
+  ip netns del "$rx" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+ip netns add "$tx"
+ip netns add "$rx"
+ip link add tw-b0 netns "$tx" type veth peer name tw-b1 netns "$rx"
+ip -n "$tx" addr add "$tx_ip/24" dev tw-b0
+ip -n "$rx" addr add "$rx_ip/24" dev tw-b1
+for ns in "$tx" "$rx"; do ip -n "$ns" link set lo up; done
+ip -n "$tx" link set tw-b0 up
+ip -n "$rx" link set tw-b1 up
+if [ -n "${NETEM:-}${RATE:-}" ]; then
+  # shellcheck disable=SC2086 # NETEM is a list of netem arguments.
+  ip netns exec "$tx" tc qdisc add dev tw-b0 root netem ${NETEM:-} ${RATE:+rate $RATE}
+  # shellcheck disable=SC2086
+  ip netns exec "$rx" tc qdisc add dev tw-b1 root netem ${NETEM:-} ${RATE:+rate $RATE}
+fi
+in_tx() { ip netns exec "$tx" "$@"; }
+in_rx() { ip netns exec "$rx" "$@"; }
+
+# One U8 tensor per connection in a safetensors file: u64 header length (little-endian),
+# JSON header, then the data. The sender opens its connections and sends them side by side.
+bytes=$((mib << 20))
+header="{"
+for i in $(seq 0 $((connections - 1))); do
+  [ "$i" -gt 0 ] && header+=","
+  header+="\"t$i\":{\"dtype\":\"U8\",\"shape\":[$bytes],\"data_offsets\":[$((i * bytes)),$(((i + 1) * bytes))]}"
+done
+header+="}"
+while [ $((${#header} % 8)) -ne 0 ]; do header+=" "; done
+len=${#header}
+le=""
+for shift in 0 8 16 24 32 40 48 56; do le+=$(printf '\\x%02x' $(((len >> shift) & 255))); done
+{ printf "$le"; printf '%s' "$header"; head -c $((connections * bytes)) /dev/urandom; } > "$work/model.safetensors"
+total_mib=$((connections * mib))
+gib=$(awk -v m="$total_mib" 'BEGIN { print m / 1024 }')
+
+# Gbit/s for TOTAL_MIB moved between two `date +%s.%N` stamps.
+rate() { awk -v b="$total_mib" -v s="$1" -v e="$2" 'BEGIN { printf "%.2f", b * 1048576 * 8 / (e - s) / 1e9 }'; }
+# CPU seconds per GiB in a `with_cpu_time` file.
+per_gib() { awk -v c="$(cpu_seconds "$1")" -v g="$gib" 'BEGIN { printf "%.2f", c / g }'; }
+
+# The tensorwire programs: `receiver` in the receiver's namespace, `sender` in the other.
+programs() {
+  local payload=$1 receiver addr start end mtu_flag=()
+  [ "${FIXED_MTU:-0}" != 1 ] || mtu_flag=(--mtu "$payload")
+  : > "$work/receiver.log"
+  with_cpu_time "$work/receiver.cpu" "$work/receiver.log" \
+    in_rx "$bin/receiver" --listen "$rx_ip:0" "${mtu_flag[@]}" --device "$device" \
+    --count "$connections" &
+  receiver=$!
+  addr=$(listening_address "$work/receiver.log")
+  start=$(date +%s.%N)
+  with_cpu_time "$work/sender.cpu" "$work/sender.log" \
+    in_tx "$bin/sender" --connect "$addr" "${mtu_flag[@]}" --quiet \
+    --connections "$connections" "$work/model.safetensors" || { cat "$work/sender.log" >&2; return 1; }
+  end=$(date +%s.%N)
+  wait "$receiver" || { cat "$work/receiver.log" >&2; return 1; }
+  # The packet size the connections ended at (path MTU discovery's result).
+  local packets
+  packets=$(grep -o "packets of [0-9]* bytes" "$work/sender.log" | grep -o "[0-9]*" || echo "?")
+  echo "$(rate "$start" "$end") $(per_gib "$work/sender.cpu") $(per_gib "$work/receiver.cpu") $packets"
+}
+
+# Raw quinn as two processes: `bench --raw-server` and `bench --raw-client`, the file's bytes.
+raw_quinn() {
+  local payload=$1 server addr start end
+  : > "$work/raw-server.log"
+  with_cpu_time "$work/raw-server.cpu" "$work/raw-server.log" \
+    in_rx "$bin/bench" --raw-server "$work/raw.der" --listen "$rx_ip:0" \
+    --connections "$connections" --mtu "$payload" &
+  server=$!
+  addr=$(listening_address "$work/raw-server.log")
+  start=$(date +%s.%N)
+  TOKIO_WORKER_THREADS=$((2 * connections)) with_cpu_time "$work/raw-client.cpu" "$work/raw-client.log" \
+    in_tx "$bin/bench" --raw-client "$addr" --cert "$work/raw.der" --connections "$connections" \
+    --mtu "$payload" --mib "$mib" --source "$work/model.safetensors" \
+    || { cat "$work/raw-client.log" >&2; return 1; }
+  end=$(date +%s.%N)
+  wait "$server" || { cat "$work/raw-server.log" >&2; return 1; }
+  echo "$(rate "$start" "$end") $(per_gib "$work/raw-client.cpu") $(per_gib "$work/raw-server.cpu")"
+}
+
+# TCP + TLS 1.3 as two processes: `bench --tls-server` and `bench --tls-client`.
+tcp_tls() {
+  local server addr start end
+  : > "$work/tls-server.log"
+  with_cpu_time "$work/tls-server.cpu" "$work/tls-server.log" \
+    in_rx "$bin/bench" --tls-server "$work/tls.der" --listen "$rx_ip:0" \
+    --connections "$connections" &
+  server=$!
+  addr=$(listening_address "$work/tls-server.log")
+  start=$(date +%s.%N)
+  TOKIO_WORKER_THREADS=$((2 * connections)) with_cpu_time "$work/tls-client.cpu" "$work/tls-client.log" \
+    in_tx "$bin/bench" --tls-client "$addr" --cert "$work/tls.der" --connections "$connections" \
+    --mib "$mib" --source "$work/model.safetensors" \
+    || { cat "$work/tls-client.log" >&2; return 1; }
+  end=$(date +%s.%N)
+  wait "$server" || { cat "$work/tls-server.log" >&2; return 1; }
+  echo "$(rate "$start" "$end") $(per_gib "$work/tls-client.cpu") $(per_gib "$work/tls-server.cpu")"
+}
+
+echo "two hosts over a veth pair: $connections connections x $mib MiB, receiver --device $device${NETEM:+, netem $NETEM}${RATE:+, rate $RATE}"
+printf '| MTU | tensorwire Gbit/s | raw quinn | TCP+TLS | tensorwire / raw quinn | tensorwire / TCP+TLS | CPU s/GiB send+receive: tensorwire | raw quinn | TCP+TLS |\n'
+printf '| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n'
+for mtu in $mtus; do
+  ip -n "$tx" link set tw-b0 mtu "$mtu"
+  ip -n "$rx" link set tw-b1 mtu "$mtu"
+  payload=$((mtu - 28)) # IPv4 and UDP headers
+  tw=() quinn=() tcp=() to_quinn=() to_tcp=() tw_cpu=() quinn_cpu=() tcp_cpu=()
+  for _ in $(seq "$rounds"); do
+    # The three take turns within a round, so each ratio compares runs seconds apart.
+    read -r t ts tr packets < <(programs "$payload")
+    read -r q qs qr < <(raw_quinn "$payload")
+    read -r c cs cr < <(tcp_tls)
+    tw+=("$t") quinn+=("$q") tcp+=("$c")
+    to_quinn+=("$(ratio_to "$t" "$q")") to_tcp+=("$(ratio_to "$t" "$c")")
+    tw_cpu+=("$(awk -v a="$ts" -v b="$tr" 'BEGIN { printf "%.2f", a + b }')")
+    quinn_cpu+=("$(awk -v a="$qs" -v b="$qr" 'BEGIN { printf "%.2f", a + b }')")
+    tcp_cpu+=("$(awk -v a="$cs" -v b="$cr" 'BEGIN { printf "%.2f", a + b }')")
+    echo "  MTU $mtu: tensorwire $t Gbit/s in packets of $packets bytes (CPU s/GiB: send $ts + receive $tr), raw quinn $q ($qs + $qr), TCP+TLS $c ($cs + $cr)" >&2
+  done
+  printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$mtu" \
+    "$(median "${tw[@]}")" "$(median "${quinn[@]}")" "$(median "${tcp[@]}")" \
+    "$(median "${to_quinn[@]}")" "$(median "${to_tcp[@]}")" \
+    "$(median "${tw_cpu[@]}")" "$(median "${quinn_cpu[@]}")" "$(median "${tcp_cpu[@]}")"
+done
