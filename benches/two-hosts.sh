@@ -17,6 +17,11 @@
 # from the start. NETEM adds a netem
 # qdisc on both ends (e.g. "delay 1ms loss 0.1%"), RATE a rate limit on both ends (e.g.
 # "2gbit"). ROUNDS=N repeats every measurement N times and prints the medians.
+# WARM=1 times a second push into the same receiver, after an untimed first one: a
+# long-running receiver's steady state, whose host buffers are reused rather than fresh
+# memory the kernel must fault in and zero.
+# PROFILE_DIR=DIR records the programs with `perf record` (receiver-MTU.perf,
+# sender-MTU.perf) and prints each one's hottest symbols: where their CPU per byte goes.
 # The namespaces and the pair are removed on exit.
 set -euo pipefail
 . "$(dirname "$0")/common.sh"
@@ -81,24 +86,51 @@ per_gib() { awk -v c="$(cpu_seconds "$1")" -v g="$gib" 'BEGIN { printf "%.2f", c
 
 # The tensorwire programs: `receiver` in the receiver's namespace, `sender` in the other.
 programs() {
-  local payload=$1 receiver addr start end mtu_flag=()
+  local payload=$1 receiver addr start end mtu_flag=() rx_perf=() tx_perf=() pushes=1 rx_flags=()
   [ "${FIXED_MTU:-0}" != 1 ] || mtu_flag=(--mtu "$payload")
+  if [ "${WARM:-0}" = 1 ]; then
+    # Room to keep every buffer of the first push for the second.
+    pushes=2
+    rx_flags=(--host-memory-mib $((4 * total_mib)) --kept-host-mib $((2 * total_mib)))
+  fi
+  if [ -n "${PROFILE_DIR:-}" ]; then
+    rx_perf=(perf record -F 999 -g -o "$PROFILE_DIR/receiver-$((payload + 28)).perf" --)
+    tx_perf=(perf record -F 999 -g -o "$PROFILE_DIR/sender-$((payload + 28)).perf" --)
+  fi
   : > "$work/receiver.log"
   with_cpu_time "$work/receiver.cpu" "$work/receiver.log" \
-    in_rx "$bin/receiver" --listen "$rx_ip:0" "${mtu_flag[@]}" --device "$device" \
-    --count "$connections" &
+    in_rx "${rx_perf[@]}" "$bin/receiver" --listen "$rx_ip:0" "${mtu_flag[@]}" --device "$device" \
+    --count $((pushes * connections)) "${rx_flags[@]}" &
   receiver=$!
   addr=$(listening_address "$work/receiver.log")
+  local rx_pid rx_before=0
+  rx_pid=$(pgrep -n -f "receiver --listen $rx_ip" || true)
+  if [ "$pushes" -eq 2 ]; then
+    in_tx "$bin/sender" --connect "$addr" "${mtu_flag[@]}" --quiet \
+      --connections "$connections" "$work/model.safetensors" > "$work/warm-up.log" 2>&1 \
+      || { cat "$work/warm-up.log" >&2; return 1; }
+    rx_before=$(cpu_ticks "$rx_pid")
+  fi
   start=$(date +%s.%N)
   with_cpu_time "$work/sender.cpu" "$work/sender.log" \
-    in_tx "$bin/sender" --connect "$addr" "${mtu_flag[@]}" --quiet \
+    in_tx "${tx_perf[@]}" "$bin/sender" --connect "$addr" "${mtu_flag[@]}" --quiet \
     --connections "$connections" "$work/model.safetensors" || { cat "$work/sender.log" >&2; return 1; }
   end=$(date +%s.%N)
+  local rx_cpu
+  # The receiver's CPU over the timed push alone, read from /proc while it still runs.
+  rx_cpu=$(awk -v a="$(cpu_ticks "$rx_pid")" -v b="$rx_before" -v hz="$(getconf CLK_TCK)" -v g="$gib" \
+    'BEGIN { printf "%.2f", (a - b) / hz / g }')
   wait "$receiver" || { cat "$work/receiver.log" >&2; return 1; }
+  [ "$pushes" -eq 2 ] || rx_cpu=$(per_gib "$work/receiver.cpu")
   # The packet size the connections ended at (path MTU discovery's result).
   local packets
   packets=$(grep -o "packets of [0-9]* bytes" "$work/sender.log" | grep -o "[0-9]*" || echo "?")
-  echo "$(rate "$start" "$end") $(per_gib "$work/sender.cpu") $(per_gib "$work/receiver.cpu") $packets"
+  echo "$(rate "$start" "$end") $(per_gib "$work/sender.cpu") $rx_cpu $packets"
+}
+
+# User and system CPU ticks a process has used so far (0 if it is gone).
+cpu_ticks() {
+  awk '{ print $14 + $15 }' "/proc/$1/stat" 2>/dev/null || echo 0
 }
 
 # Raw quinn as two processes: `bench --raw-server` and `bench --raw-client`, the file's bytes.
@@ -164,3 +196,10 @@ for mtu in $mtus; do
     "$(median "${to_quinn[@]}")" "$(median "${to_tcp[@]}")" \
     "$(median "${tw_cpu[@]}")" "$(median "${quinn_cpu[@]}")" "$(median "${tcp_cpu[@]}")"
 done
+if [ -n "${PROFILE_DIR:-}" ]; then
+  for profile in "$PROFILE_DIR"/*.perf; do
+    echo "== $(basename "$profile"): hottest symbols (self time)"
+    perf report -i "$profile" --no-children --sort symbol --stdio 2>/dev/null \
+      | grep -E '^ +[0-9]' | head -15
+  done
+fi
