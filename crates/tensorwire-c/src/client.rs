@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use tensorwire_ipc::ShareClient;
 
+#[cfg(doc)] // Named in the docs.
+use crate::boundary::tw_string_free;
 use crate::boundary::{c_string, fail, guarded, ipc_failure, string};
 use crate::tensor::tw_tensor;
 use crate::{TW_ERR_ARGUMENT, TW_ERR_INTERNAL, TW_OK};

@@ -6,6 +6,8 @@ use std::ptr;
 use tensorwire_ipc::{IpcError, SharedTensor};
 
 use crate::boundary::{fail, guarded, ipc_failure};
+#[cfg(doc)] // Named in the docs.
+use crate::client::tw_open;
 use crate::{TW_ERR_ARGUMENT, TW_ERR_RANGE, TW_OK};
 
 /// A mapped tensor under a lease.

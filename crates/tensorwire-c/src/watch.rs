@@ -8,6 +8,8 @@ use tensorwire_ipc::Watch;
 use crate::boundary::{c_string, fail, guarded, ipc_failure, string};
 use crate::client::tw_client;
 use crate::{TW_ERR_ARGUMENT, TW_OK, TW_TIMEOUT};
+#[cfg(doc)] // Named in the docs.
+use crate::{boundary::tw_string_free, client::tw_connect};
 
 /// A stream of events for names under a prefix.
 pub struct tw_watch {
