@@ -48,6 +48,7 @@ mod error;
 mod metrics;
 mod receiver;
 mod resolve;
+mod route;
 mod runtime;
 mod send;
 mod session;
