@@ -1,15 +1,13 @@
 //! A connection to a producer's sharing socket: connect, list and open tensors.
 
-use std::ffi::{CString, c_char, c_int};
-use std::time::Duration;
+use std::ffi::{c_char, c_int};
 
 use tensorwire_ipc::ShareClient;
 
 #[cfg(doc)] // Named in the docs.
 use crate::boundary::tw_string_free;
 use crate::boundary::{c_string, fail, guarded, ipc_failure, string};
-use crate::tensor::tw_tensor;
-use crate::{TW_ERR_ARGUMENT, TW_ERR_INTERNAL, TW_OK};
+use crate::{TW_ERR_ARGUMENT, TW_OK};
 
 /// A connection to a producer's sharing socket.
 pub struct tw_client {
@@ -77,62 +75,5 @@ pub unsafe extern "C" fn tw_list_json(client: *mut tw_client, json_out: *mut *mu
             }
             Err(e) => ipc_failure(&e),
         }
-    })
-}
-
-/// Opens the tensor `name` (or id) under a lease, waiting up to `wait_ms` milliseconds for a
-/// name not yet shared (0: no wait), and stores it in `*out`. GPU memory is mapped on this
-/// process's GPU with the producer's device UUID.
-///
-/// # Safety
-/// `client` is from [`tw_connect`]; `name` is a NUL-terminated string; `out` points to
-/// writable storage for a pointer.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn tw_open(
-    client: *mut tw_client,
-    name: *const c_char,
-    wait_ms: u64,
-    out: *mut *mut tw_tensor,
-) -> c_int {
-    guarded(|| {
-        // SAFETY: the caller's contract.
-        let (Some(client), Some(name)) = (unsafe { client.as_ref() }, unsafe { string(name) })
-        else {
-            return fail(
-                TW_ERR_ARGUMENT,
-                "client or name is NULL, or name is not UTF-8",
-            );
-        };
-        if out.is_null() {
-            return fail(TW_ERR_ARGUMENT, "out is NULL");
-        }
-        let opened = if wait_ms == 0 {
-            client.client.open(name)
-        } else {
-            client
-                .client
-                .open_wait(name, Duration::from_millis(wait_ms))
-        };
-        let tensor = match opened {
-            Ok(tensor) => tensor,
-            Err(e) => return ipc_failure(&e),
-        };
-        let fields = &tensor.descriptor().tensor;
-        let (Ok(name), Ok(dtype)) = (
-            CString::new(fields.name.clone()),
-            CString::new(fields.dtype.clone()),
-        ) else {
-            return fail(TW_ERR_INTERNAL, "a name with a NUL byte");
-        };
-        let shape = fields.shape.clone();
-        let handle = tw_tensor {
-            tensor,
-            name,
-            dtype,
-            shape,
-        };
-        // SAFETY: non-NULL and writable (the caller's contract).
-        unsafe { *out = Box::into_raw(Box::new(handle)) };
-        TW_OK
     })
 }

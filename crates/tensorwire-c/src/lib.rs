@@ -22,11 +22,11 @@ mod tensor;
 mod watch;
 
 pub use boundary::{tw_last_error, tw_string_free};
-pub use client::{tw_client, tw_client_close, tw_connect, tw_list_json, tw_open};
+pub use client::{tw_client, tw_client_close, tw_connect, tw_list_json};
 pub use tensor::{
-    tw_tensor, tw_tensor_byte_len, tw_tensor_device_ordinal, tw_tensor_device_ptr, tw_tensor_dtype,
-    tw_tensor_generation, tw_tensor_host_ptr, tw_tensor_name, tw_tensor_ndim, tw_tensor_read,
-    tw_tensor_release, tw_tensor_shape, tw_tensor_write,
+    tw_open, tw_tensor, tw_tensor_byte_len, tw_tensor_device_ordinal, tw_tensor_device_ptr,
+    tw_tensor_dtype, tw_tensor_generation, tw_tensor_host_ptr, tw_tensor_name, tw_tensor_ndim,
+    tw_tensor_read, tw_tensor_release, tw_tensor_shape, tw_tensor_write,
 };
 pub use watch::{tw_watch, tw_watch_close, tw_watch_next, tw_watch_start};
 

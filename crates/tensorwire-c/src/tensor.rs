@@ -2,13 +2,15 @@
 
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::ptr;
+use std::time::Duration;
 
 use tensorwire_ipc::{IpcError, SharedTensor};
 
-use crate::boundary::{fail, guarded, ipc_failure};
+use crate::boundary::{fail, guarded, ipc_failure, string};
+use crate::client::tw_client;
 #[cfg(doc)] // Named in the docs.
-use crate::client::tw_open;
-use crate::{TW_ERR_ARGUMENT, TW_ERR_RANGE, TW_OK};
+use crate::client::tw_connect;
+use crate::{TW_ERR_ARGUMENT, TW_ERR_INTERNAL, TW_ERR_RANGE, TW_OK};
 
 /// A mapped tensor under a lease.
 pub struct tw_tensor {
@@ -16,6 +18,63 @@ pub struct tw_tensor {
     pub(crate) name: CString,
     pub(crate) dtype: CString,
     pub(crate) shape: Vec<u64>,
+}
+
+/// Opens the tensor `name` (or id) under a lease, waiting up to `wait_ms` milliseconds for a
+/// name not yet shared (0: no wait), and stores it in `*out`. GPU memory is mapped on this
+/// process's GPU with the producer's device UUID.
+///
+/// # Safety
+/// `client` is from [`tw_connect`]; `name` is a NUL-terminated string; `out` points to
+/// writable storage for a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tw_open(
+    client: *mut tw_client,
+    name: *const c_char,
+    wait_ms: u64,
+    out: *mut *mut tw_tensor,
+) -> c_int {
+    guarded(|| {
+        // SAFETY: the caller's contract.
+        let (Some(client), Some(name)) = (unsafe { client.as_ref() }, unsafe { string(name) })
+        else {
+            return fail(
+                TW_ERR_ARGUMENT,
+                "client or name is NULL, or name is not UTF-8",
+            );
+        };
+        if out.is_null() {
+            return fail(TW_ERR_ARGUMENT, "out is NULL");
+        }
+        let opened = if wait_ms == 0 {
+            client.client.open(name)
+        } else {
+            client
+                .client
+                .open_wait(name, Duration::from_millis(wait_ms))
+        };
+        let tensor = match opened {
+            Ok(tensor) => tensor,
+            Err(e) => return ipc_failure(&e),
+        };
+        let fields = &tensor.descriptor().tensor;
+        let (Ok(name), Ok(dtype)) = (
+            CString::new(fields.name.clone()),
+            CString::new(fields.dtype.clone()),
+        ) else {
+            return fail(TW_ERR_INTERNAL, "a name with a NUL byte");
+        };
+        let shape = fields.shape.clone();
+        let handle = tw_tensor {
+            tensor,
+            name,
+            dtype,
+            shape,
+        };
+        // SAFETY: non-NULL and writable (the caller's contract).
+        unsafe { *out = Box::into_raw(Box::new(handle)) };
+        TW_OK
+    })
 }
 
 /// Unmaps a tensor and ends its lease. NULL is ignored. Pointers from it are invalid after.

@@ -3,23 +3,17 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 
-use crate::transport::{MAX_MTU, MIN_MTU};
-
 /// The largest UDP payload the route to `peer` carries by the kernel's account (its MTU less
-/// the IP and UDP headers), within [`MIN_MTU`]..=[`MAX_MTU`]; `None` where the system cannot
-/// say (no route, or not Linux). Connecting a UDP socket sends nothing.
-pub(crate) fn route_payload(peer: SocketAddr) -> Option<u16> {
+/// the IP and UDP headers); `None` where the system cannot say (no route, or not Linux).
+/// Connecting a UDP socket sends nothing.
+pub(crate) fn route_payload(peer: SocketAddr) -> Option<u32> {
     let (bind, headers): (SocketAddr, u32) = match peer {
         SocketAddr::V4(_) => ((Ipv4Addr::UNSPECIFIED, 0).into(), 20 + 8),
         SocketAddr::V6(_) => ((Ipv6Addr::UNSPECIFIED, 0).into(), 40 + 8),
     };
     let socket = UdpSocket::bind(bind).ok()?;
     socket.connect(peer).ok()?;
-    let mtu = route_mtu(&socket, peer)?;
-    let payload = mtu
-        .saturating_sub(headers)
-        .clamp(MIN_MTU.into(), MAX_MTU.into());
-    u16::try_from(payload).ok()
+    Some(route_mtu(&socket, peer)?.saturating_sub(headers))
 }
 
 #[cfg(target_os = "linux")]

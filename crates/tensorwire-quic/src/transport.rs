@@ -170,6 +170,8 @@ impl TransportSettings {
             None
         } else {
             crate::route::route_payload(addr)
+                .map(|payload| payload.clamp(MIN_MTU.into(), MAX_MTU.into()))
+                .and_then(|payload| u16::try_from(payload).ok())
         };
         Self {
             mtu: MIN_MTU,

@@ -2,9 +2,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::serve::send;
-use crate::message::{RefusalCode, Reply};
-use crate::socket::Packets;
+use super::serve::{Refusal, send};
+use crate::message::Reply;
 
 /// Refused connections waiting to be told why; past this many, one is closed with no reason
 /// rather than waited for.
@@ -13,9 +12,6 @@ pub(super) const REFUSALS_QUEUED: usize = 64;
 /// How long a refused peer's first request is waited for: a consumer sends it as soon as it
 /// connects, so only a silent peer waits this long.
 const REFUSAL_WAIT: Duration = Duration::from_millis(250);
-
-/// A refused connection, its code and why.
-pub(super) type Refusal = (Packets, RefusalCode, String);
 
 /// Tells refused peers why, off the accept loop and all at once. Each peer's first request
 /// is read before the answer (closing with unread data would reset the connection, and the

@@ -9,7 +9,6 @@ use std::sync::mpsc::{RecvTimeoutError, sync_channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::refusal::Refusal;
 use super::{ShareConfig, local_gpus};
 use crate::error::IpcError;
 use crate::message::{PROTOCOL_VERSION, RefusalCode, Reply, Request};
@@ -21,6 +20,9 @@ const WATCH_QUEUE: usize = 1024;
 
 /// Longest `open` wait a consumer may ask for.
 const MAX_OPEN_WAIT: Duration = Duration::from_secs(3600);
+
+/// A refused connection, its code and why.
+pub(super) type Refusal = (Packets, RefusalCode, String);
 
 /// What the service and its consumers' threads share.
 pub(super) struct Shared {
