@@ -4,8 +4,8 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -14,7 +14,7 @@ use tensorwire_sink::{Carrier, HostSink, MemoryBudget, MemoryShares, Sink, SinkE
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use super::tensor::Accepted;
+use super::tensor::accepted::{Accepted, Ended};
 use crate::error::TransportError;
 use crate::session::ConnectionSession;
 
@@ -41,10 +41,6 @@ pub struct IncomingTensor {
     pub(super) deadline: tokio::time::Instant,
     pub(super) admission_timeout: Duration,
 }
-
-/// Why a stream ended while its tensor waited for the application, set before the stream
-/// lets go of the decision channel, so a late accept reports the real cause.
-pub(super) type Ended = Arc<OnceLock<ProtocolError>>;
 
 pub(super) type Run = Box<dyn FnOnce(Accepted) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
 

@@ -9,45 +9,24 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use tensorwire_proto::frame::Data;
 use tensorwire_proto::{
     CheckedFrame, ErrorCode, Frame, IncomingEvent, ProtocolError, StreamClosed, StreamId,
 };
-use tensorwire_sink::{CreditPermit, MemoryReservation};
 use tokio::sync::mpsc;
 use tracing::warn;
 
-use super::incoming::{Ended, IncomingTensor};
-use super::offload::{Checksums, OnStored, Receiving};
+use super::incoming::IncomingTensor;
+use super::offload::{Checksums, OnStored};
 use super::state::ConnectionState;
 use super::{CLOSE_GRACE, Shared};
 use crate::error::TransportError;
 use crate::stream::FrameStream;
+pub(super) use accepted::Accepted;
+use accepted::Ended;
 
+pub(super) mod accepted;
 mod admission;
 mod receive;
-
-/// One tensor's stream, handed to the sink-specific receive loop once accepted.
-pub(super) struct Accepted {
-    id: StreamId,
-    ended: Ended,
-    shared: Arc<Shared>,
-    connection: Arc<ConnectionState>,
-    stream: FrameStream,
-    started: Instant,
-    /// Bytes of this tensor held and not yet made durable (by the sink, or here).
-    pending: Arc<AtomicU64>,
-    /// DATA of a tensor sent early that arrived before the decision, with its credit: handed
-    /// to the sink on ACCEPT, dropped (the credit returning) otherwise (spec §7.6).
-    early: Vec<(Data, CreditPermit)>,
-    /// Whether the early tensor's END arrived (and was verified) before the decision.
-    early_ended: bool,
-    /// Counts the connection as carrying a large tensor, from its first large payload.
-    receiving: Option<Receiving>,
-    /// Its METADATA's bytes in the receiver's METADATA budget, for as long as the stream
-    /// lives (spec §10): many live streams with large METADATA are memory a peer holds.
-    metadata: Option<MemoryReservation>,
-}
 
 /// Hands one frame of stream `id` to its connection's session, which moves its credit.
 fn handle_checked(
