@@ -132,3 +132,20 @@ _order_statistic() {
       else printf "%.2f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2
     }'
 }
+
+# Writes a safetensors file of TENSORS random U8 tensors of MIB MiB each (t0, t1, ...) to
+# FILE: a u64 header length (little-endian), the JSON header padded to 8 bytes, the data.
+#
+#   random_safetensors FILE TENSORS MIB
+random_safetensors() {
+  local file=$1 tensors=$2 bytes=$(($3 << 20)) header="{" len le="" i shift
+  for i in $(seq 0 $((tensors - 1))); do
+    [ "$i" -gt 0 ] && header+=","
+    header+="\"t$i\":{\"dtype\":\"U8\",\"shape\":[$bytes],\"data_offsets\":[$((i * bytes)),$(((i + 1) * bytes))]}"
+  done
+  header+="}"
+  while [ $((${#header} % 8)) -ne 0 ]; do header+=" "; done
+  len=${#header}
+  for shift in 0 8 16 24 32 40 48 56; do le+=$(printf '\\x%02x' $(((len >> shift) & 255))); done
+  { printf "$le"; printf '%s' "$header"; head -c $((tensors * bytes)) /dev/urandom; } > "$file"
+}

@@ -29,19 +29,7 @@ rounds=${ROUNDS:-1}
 work=$(mktemp -d)
 trap 'stop_jobs; rm -rf "$work"' EXIT
 
-# The safetensors layout: u64 header length (little-endian), JSON header, then the data.
-bytes=$((mib << 20))
-header="{"
-for i in $(seq 0 $((tensors - 1))); do
-  [ "$i" -gt 0 ] && header+=","
-  header+="\"t$i\":{\"dtype\":\"U8\",\"shape\":[$bytes],\"data_offsets\":[$((i * bytes)),$(((i + 1) * bytes))]}"
-done
-header+="}"
-while [ $(( ${#header} % 8 )) -ne 0 ]; do header+=" "; done
-len=${#header}
-le=""
-for shift in 0 8 16 24 32 40 48 56; do le+=$(printf '\\x%02x' $(((len >> shift) & 255))); done
-{ printf "$le"; printf '%s' "$header"; head -c $((tensors * bytes)) /dev/urandom; } > "$work/model.safetensors"
+random_safetensors "$work/model.safetensors" "$tensors" "$mib"
 
 total_mib=$((tensors * mib))
 each=$((total_mib / connections))

@@ -62,20 +62,8 @@ fi
 in_tx() { ip netns exec "$tx" "$@"; }
 in_rx() { ip netns exec "$rx" "$@"; }
 
-# One U8 tensor per connection in a safetensors file: u64 header length (little-endian),
-# JSON header, then the data. The sender opens its connections and sends them side by side.
-bytes=$((mib << 20))
-header="{"
-for i in $(seq 0 $((connections - 1))); do
-  [ "$i" -gt 0 ] && header+=","
-  header+="\"t$i\":{\"dtype\":\"U8\",\"shape\":[$bytes],\"data_offsets\":[$((i * bytes)),$(((i + 1) * bytes))]}"
-done
-header+="}"
-while [ $((${#header} % 8)) -ne 0 ]; do header+=" "; done
-len=${#header}
-le=""
-for shift in 0 8 16 24 32 40 48 56; do le+=$(printf '\\x%02x' $(((len >> shift) & 255))); done
-{ printf "$le"; printf '%s' "$header"; head -c $((connections * bytes)) /dev/urandom; } > "$work/model.safetensors"
+# One tensor per connection: the sender opens its connections and sends them side by side.
+random_safetensors "$work/model.safetensors" "$connections" "$mib"
 total_mib=$((connections * mib))
 gib=$(awk -v m="$total_mib" 'BEGIN { print m / 1024 }')
 
