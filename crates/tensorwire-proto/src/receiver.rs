@@ -113,6 +113,17 @@ pub enum ReceiverState {
     Closed,
 }
 
+impl ReceiverState {
+    /// Whether the application owes its accept or reject: METADATA arrived (early DATA may be
+    /// arriving or have arrived) and nothing is decided yet.
+    pub fn awaits_decision(self) -> bool {
+        matches!(
+            self,
+            Self::AwaitingDecision | Self::ReceivingEarly | Self::EndedEarly
+        )
+    }
+}
+
 /// What can happen to a receiving stream (spec §7.2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReceiverInput {
@@ -624,13 +635,15 @@ impl TensorReceiver {
         }
         if !matches!(err, ProtocolError::Remote { .. }) {
             let reason = err.wire_reason();
-            let frame = match self.state {
-                ReceiverState::AwaitingMetadata
-                | ReceiverState::AwaitingEarlyMetadata
-                | ReceiverState::AwaitingDecision
-                | ReceiverState::ReceivingEarly
-                | ReceiverState::EndedEarly => Frame::Reject(Reject::new(err.code(), reason)),
-                _ => Frame::Cancel(Cancel::new(err.code(), reason)),
+            // Before a decision the refusal is a REJECT; after it, a CANCEL.
+            let undecided = matches!(
+                self.state,
+                ReceiverState::AwaitingMetadata | ReceiverState::AwaitingEarlyMetadata
+            ) || self.state.awaits_decision();
+            let frame = if undecided {
+                Frame::Reject(Reject::new(err.code(), reason))
+            } else {
+                Frame::Cancel(Cancel::new(err.code(), reason))
             };
             self.outgoing.push_back(frame);
         }

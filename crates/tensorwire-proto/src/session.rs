@@ -397,8 +397,16 @@ impl Session {
     }
 
     fn incoming(&mut self, id: StreamId) -> Result<&mut TensorReceiver, ProtocolError> {
+        self.incoming_timed(id).map(|(tensor, _)| tensor)
+    }
+
+    /// The peer's tensor on `id` and its stream's clock.
+    fn incoming_timed(
+        &mut self,
+        id: StreamId,
+    ) -> Result<(&mut TensorReceiver, &mut StreamClock), ProtocolError> {
         match self.tensors.get_mut(&id) {
-            Some(Tensor::Incoming(tensor, _, _)) => Ok(tensor),
+            Some(Tensor::Incoming(tensor, _, clock)) => Ok((tensor, clock)),
             Some(Tensor::Outgoing(..)) => Err(ProtocolError::Misuse(
                 "a receiving call on a tensor we send",
             )),
@@ -560,10 +568,10 @@ impl Session {
     /// Admits the tensor on stream `id` at `now`; queues ACCEPT.
     pub fn accept(&mut self, id: StreamId, now: Instant) -> Result<(), ProtocolError> {
         self.offered.remove(&id);
-        self.incoming(id)?.accept()?;
-        if let Some(Tensor::Incoming(_, _, clock)) = self.tensors.get_mut(&id) {
-            clock.progressed(now);
-        }
+        let (tensor, clock) = self.incoming_timed(id)?;
+        tensor.accept()?;
+        // The peer may send from now (with the credit that follows): it is timed from now.
+        clock.progressed(now);
         Ok(())
     }
 
@@ -588,12 +596,7 @@ impl Session {
         }
         let waiting = matches!(
             self.tensors.get(&id),
-            Some(Tensor::Incoming(tensor, _, _)) if matches!(
-                tensor.state(),
-                ReceiverState::AwaitingDecision
-                    | ReceiverState::ReceivingEarly
-                    | ReceiverState::EndedEarly
-            )
+            Some(Tensor::Incoming(tensor, _, _)) if tensor.state().awaits_decision()
         );
         if !waiting || self.offered.len() >= self.config.max_undecided {
             return false;
@@ -961,7 +964,7 @@ impl Session {
                 self.config.progress_timeout,
                 self.config.admission_timeout,
             ),
-            Tensor::Outgoing(tensor, _, clock) => Some((clock.deadline(tensor)?, Wait::Reply)),
+            Tensor::Outgoing(tensor, _, clock) => clock.deadline(tensor),
         }
     }
 
@@ -975,12 +978,7 @@ impl Session {
             return None;
         }
         let code = ErrorCode::PROGRESS_TIMEOUT;
-        let after = match (wait, self.tensors.get(&id)) {
-            (Wait::Reply, Some(Tensor::Outgoing(_, _, clock))) => clock.timeout(),
-            (Wait::Decision, _) => self.config.admission_timeout,
-            _ => self.config.progress_timeout,
-        };
-        let reason = wait.reason(after);
+        let reason = wait.reason();
         self.cancel(id, code, reason.clone());
         Some(ProtocolError::Local { code, reason })
     }

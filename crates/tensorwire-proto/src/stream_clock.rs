@@ -22,16 +22,16 @@ pub(crate) struct StreamClock {
     metadata: Option<Instant>,
 }
 
-/// Who an incoming stream waits for, with its deadline.
+/// Who a stream waits for, with how long that wait may last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Wait {
     /// The peer owes a frame: METADATA, DATA within the credit it holds, or END.
-    Peer,
+    Peer(Duration),
     /// The application owes its accept or reject.
-    Decision,
+    Decision(Duration),
     /// The peer owes an answer to a tensor we send (ACCEPT, CREDIT or COMPLETE) and none of
     /// our bytes moved meanwhile.
-    Reply,
+    Reply(Duration),
 }
 
 /// When a stream we send on last moved: the peer's last answer, or our bytes moving (handed
@@ -61,7 +61,7 @@ impl ReplyClock {
     /// When the peer's answer is due, while it owes one: after METADATA (ACCEPT or REJECT),
     /// once the credit it granted is used up (CREDIT), after END (COMPLETE). `None` while we
     /// may send, once the tensor ended, or where the timeout is off.
-    pub(crate) fn deadline(&self, tensor: &TensorSender) -> Option<Instant> {
+    pub(crate) fn deadline(&self, tensor: &TensorSender) -> Option<(Instant, Wait)> {
         let owes = match tensor.state() {
             SenderState::AwaitingDecision
             | SenderState::FinishedEarly
@@ -71,16 +71,11 @@ impl ReplyClock {
             }
             SenderState::SendingEarly | SenderState::Complete | SenderState::Closed => false,
         };
-        if owes {
-            self.progress.checked_add(self.timeout)
-        } else {
-            None
+        if !owes {
+            return None;
         }
-    }
-
-    /// The timeout this clock keeps.
-    pub(crate) fn timeout(&self) -> Duration {
-        self.timeout
+        let deadline = self.progress.checked_add(self.timeout)?;
+        Some((deadline, Wait::Reply(self.timeout)))
     }
 }
 
@@ -111,15 +106,12 @@ impl StreamClock {
         tensor: &TensorReceiver,
         admission: Duration,
     ) -> Option<Instant> {
-        match tensor.state() {
-            ReceiverState::AwaitingDecision
-            | ReceiverState::ReceivingEarly
-            | ReceiverState::EndedEarly => {
-                let since = self.metadata.unwrap_or(self.progress);
-                since.checked_add(admission)
-            }
-            _ => None,
+        if !tensor.state().awaits_decision() {
+            return None;
         }
+        self.metadata
+            .unwrap_or(self.progress)
+            .checked_add(admission)
     }
 
     /// Who `tensor` waits for and until when (`None`: nobody but this receiver, or never).
@@ -129,14 +121,12 @@ impl StreamClock {
         progress: Duration,
         admission: Duration,
     ) -> Option<(Instant, Wait)> {
-        let peer = || Some((self.progress.checked_add(progress)?, Wait::Peer));
+        let peer = || Some((self.progress.checked_add(progress)?, Wait::Peer(progress)));
         match tensor.state() {
             ReceiverState::AwaitingMetadata | ReceiverState::AwaitingEarlyMetadata => peer(),
-            ReceiverState::AwaitingDecision
-            | ReceiverState::ReceivingEarly
-            | ReceiverState::EndedEarly => {
+            undecided if undecided.awaits_decision() => {
                 let due = self.decision_due(tensor, admission)?;
-                Some((due.checked_add(DECISION_GRACE)?, Wait::Decision))
+                Some((due.checked_add(DECISION_GRACE)?, Wait::Decision(admission)))
             }
             // The peer holds credit, or has sent every byte and owes END (spec §10.1).
             ReceiverState::Receiving
@@ -150,12 +140,12 @@ impl StreamClock {
 }
 
 impl Wait {
-    /// Why a stream whose wait of `after` ran out ends (with PROGRESS_TIMEOUT, spec §10.1).
-    pub(crate) fn reason(self, after: Duration) -> String {
-        let what = match self {
-            Wait::Peer => "frame from the peer",
-            Wait::Decision => "decision from the application",
-            Wait::Reply => "answer from the peer, and none of our data moved,",
+    /// Why a stream whose wait ran out ends (with PROGRESS_TIMEOUT, spec §10.1).
+    pub(crate) fn reason(self) -> String {
+        let (what, after) = match self {
+            Wait::Peer(after) => ("frame from the peer", after),
+            Wait::Decision(after) => ("decision from the application", after),
+            Wait::Reply(after) => ("answer from the peer, and none of our data moved,", after),
         };
         format!("no {what} within {:.1} s", after.as_secs_f64())
     }

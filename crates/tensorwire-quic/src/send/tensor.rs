@@ -361,10 +361,13 @@ pub(crate) async fn next_reply(
     }
     let next = stream.next_frame();
     tokio::pin!(next);
-    session.lock().data_moved(id, Instant::now());
     let mut sent = connection.stats().frame_tx.stream;
+    let mut deadline = {
+        let mut session = session.lock();
+        session.data_moved(id, Instant::now());
+        session.stream_deadline(id)
+    };
     loop {
-        let deadline = session.lock().stream_deadline(id);
         if let Some(frame) = until(deadline, &mut next).await {
             return frame;
         }
@@ -376,5 +379,6 @@ pub(crate) async fn next_reply(
         } else if let Some(overdue) = session.handle_stream_timeout(id, now) {
             return Err(overdue.into());
         }
+        deadline = session.stream_deadline(id);
     }
 }
