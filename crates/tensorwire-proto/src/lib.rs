@@ -69,6 +69,7 @@ mod sender;
 mod session;
 pub mod split;
 mod stream_clock;
+mod tcp_framing;
 mod turn;
 mod version;
 mod window;
@@ -100,6 +101,9 @@ pub use session::{
     ConnectionEnd, IncomingEvent, OutgoingEvent, Session, SessionConfig, StreamClosed, StreamId,
 };
 pub use stream_clock::DECISION_GRACE;
+pub use tcp_framing::{
+    FramingError, MAX_TCP_PACKET, PACKET_LENGTH_BYTES, PacketDeframer, frame_packet,
+};
 pub use turn::TurnTicket;
 pub use version::{Feature, Version};
 pub use window::GrantClock;

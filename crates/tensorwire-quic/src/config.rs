@@ -8,6 +8,7 @@ use std::time::Duration;
 use tensorwire_proto::SessionConfig;
 use tensorwire_sink::MemoryLimit;
 
+use crate::binding::{BindingChoice, Listening};
 use crate::steering::Steering;
 use crate::tls::{ClientTls, ServerTls};
 use crate::transport::TransportSettings;
@@ -79,6 +80,10 @@ pub struct ReceiverConfig {
     /// sink): beside their connection's packet processing, or on the runtime that bound the
     /// receiver while the host has cores to spare. Default: [`StoreOffload::Auto`].
     pub store_offload: StoreOffload,
+    /// Which bindings to listen on (spec §16). Default: [`Listening::UdpAndTcp`], TCP on
+    /// the UDP port's number. A connection over TCP holds a few MiB more than one over UDP
+    /// (its packets queued both ways); both count against the same connection caps.
+    pub listening: Listening,
 }
 
 impl ReceiverConfig {
@@ -105,6 +110,7 @@ impl ReceiverConfig {
             max_connections: 512,
             max_connections_per_peer: 64,
             store_offload: StoreOffload::Auto,
+            listening: Listening::default(),
         }
         .with_budget(256 << 20)
     }
@@ -184,6 +190,9 @@ pub struct SenderConfig {
     /// every connection (at its connection caps it serves peers in turn, spec §10) before
     /// failing. Default: 10 s.
     pub refused_retry_for: Duration,
+    /// What carries the connection's packets (spec §16). Default: [`BindingChoice::Auto`],
+    /// UDP, or TCP where UDP gets no answer.
+    pub binding: BindingChoice,
 }
 
 impl SenderConfig {
@@ -197,6 +206,7 @@ impl SenderConfig {
             progress_timeout: Duration::from_secs(60),
             chunk_size: 1 << 20,
             refused_retry_for: Duration::from_secs(10),
+            binding: BindingChoice::default(),
         }
     }
 }

@@ -14,6 +14,7 @@ use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info_span};
 
+use crate::binding::Binding;
 use crate::config::SenderConfig;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
@@ -31,6 +32,8 @@ use crate::transport::CLOSE_DRAIN;
 #[derive(Clone)]
 pub struct Connection {
     pub(crate) connection: quinn::Connection,
+    /// What carries its packets.
+    binding: Binding,
     /// The connection's one session: every tensor on it in both directions, and its credit.
     pub(crate) session: ConnectionSession,
     /// Where the connection's work runs: each tensor's task is spawned there.
@@ -49,27 +52,30 @@ impl Connection {
     /// [`incoming`](Self::incoming) is called.
     pub(crate) fn opened(
         connection: quinn::Connection,
+        binding: Binding,
         session: ConnectionSession,
         runtime: Handle,
         config: &SenderConfig,
     ) -> Self {
-        Self::new(connection, session, runtime, config)
+        Self::new(connection, binding, session, runtime, config)
     }
 
     /// A connection a receiver accepted: the receiver already takes the peer's tensors.
     pub(crate) fn accepted(
         connection: quinn::Connection,
+        binding: Binding,
         session: ConnectionSession,
         runtime: Handle,
         config: &SenderConfig,
     ) -> Self {
-        let accepted = Self::new(connection, session, runtime, config);
+        let accepted = Self::new(connection, binding, session, runtime, config);
         accepted.receiving.store(true, Ordering::Release);
         accepted
     }
 
     fn new(
         connection: quinn::Connection,
+        binding: Binding,
         session: ConnectionSession,
         runtime: Handle,
         config: &SenderConfig,
@@ -79,6 +85,7 @@ impl Connection {
         let peer_version = crate::tls::negotiated_version(&connection).unwrap_or(Version::V1_0);
         Self {
             connection,
+            binding,
             session,
             runtime,
             metrics: Arc::new(Metrics::default()),
@@ -208,6 +215,11 @@ impl Connection {
     /// The peer's address.
     pub fn peer(&self) -> SocketAddr {
         self.connection.remote_address()
+    }
+
+    /// What carries the connection's packets: UDP, or TCP (spec §16).
+    pub fn binding(&self) -> Binding {
+        self.binding
     }
 
     /// The protocol version the connection negotiated (spec §3.1): what the peer has. A

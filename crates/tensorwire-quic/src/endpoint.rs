@@ -12,7 +12,8 @@ use crate::socket::BatchSplitter;
 use crate::steering::{
     Balance, MAX_STEERED_ENDPOINTS, ServerEndpoint, Steering, attach_steering, steered_ids,
 };
-use crate::transport::{ACCEPTING_THREAD, CONNECTING_THREAD, TransportSettings};
+use crate::tcp_link::{LinkEnd, TcpLink};
+use crate::transport::{ACCEPTING_THREAD, CONNECTING_THREAD, MAX_MTU, TransportSettings};
 
 impl TransportSettings {
     /// A quinn endpoint on `addr` with these settings: socket buffers sized, and the largest
@@ -88,13 +89,13 @@ impl TransportSettings {
                     self.endpoint_threads,
                     &format!("{ACCEPTING_THREAD}-{index}"),
                 )?;
-                let handle = runtime.handle.clone();
-                let endpoint = self.endpoint_on(socket, Some(server.clone()), ids, runtime)?;
+                let endpoint =
+                    self.endpoint_on(socket, Some(server.clone()), ids, runtime.clone())?;
                 Ok(ServerEndpoint::new(
                     endpoint,
                     index,
                     balance.clone(),
-                    handle,
+                    runtime,
                 ))
             })
             .collect()
@@ -177,6 +178,36 @@ impl TransportSettings {
             BatchSplitter::wrap(socket),
             runtime.quinn,
         )?)
+    }
+}
+
+impl TransportSettings {
+    /// These settings for the TCP binding (spec §16): packets as large as QUIC allows from
+    /// the first, since TCP segments them, and no path MTU discovery.
+    pub fn over_tcp(self) -> Self {
+        self.fixed_mtu(MAX_MTU)
+    }
+
+    /// A quinn endpoint whose packets travel on one TCP connection (spec §16), run on
+    /// `runtime`, which the stream moves to; and the link's end, to watch.
+    pub(crate) fn endpoint_over_tcp(
+        &self,
+        stream: std::net::TcpStream,
+        server: Option<quinn::ServerConfig>,
+        runtime: EndpointRuntime,
+    ) -> Result<(quinn::Endpoint, LinkEnd), TransportError> {
+        let (link, end) = {
+            // Registered with the endpoint's runtime, whose tasks read and write it.
+            let _on = runtime.handle.enter();
+            TcpLink::start(tokio::net::TcpStream::from_std(stream)?)?
+        };
+        let mut endpoint = quinn::EndpointConfig::default();
+        endpoint
+            .max_udp_payload_size(MAX_MTU)
+            .map_err(|e| TransportError::Config(format!("MTU {MAX_MTU}: {e}")))?;
+        let endpoint =
+            quinn::Endpoint::new_with_abstract_socket(endpoint, server, link, runtime.quinn)?;
+        Ok((endpoint, end))
     }
 }
 

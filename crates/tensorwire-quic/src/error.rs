@@ -43,6 +43,27 @@ pub enum TransportError {
         /// How long connections were tried.
         for_how_long: std::time::Duration,
     },
+    /// A TCP connection to the receiver could not be opened (spec §16).
+    #[error("connecting over TCP to {addr}: {source}")]
+    TcpConnect {
+        /// The receiver.
+        addr: std::net::SocketAddr,
+        /// What the socket said.
+        source: std::io::Error,
+    },
+    /// Neither binding reached the receiver ([`BindingChoice::Auto`]): UDP completed no
+    /// handshake and TCP failed.
+    ///
+    /// [`BindingChoice::Auto`]: crate::BindingChoice::Auto
+    #[error("the receiver at {addr} could not be reached over UDP ({udp}) nor over TCP ({tcp})")]
+    Unreachable {
+        /// The receiver.
+        addr: std::net::SocketAddr,
+        /// Why UDP failed.
+        udp: Box<TransportError>,
+        /// Why TCP failed.
+        tcp: Box<TransportError>,
+    },
 }
 
 impl TransportError {
@@ -82,6 +103,7 @@ impl TransportError {
             Self::Sink(_) | Self::Io(_) => Some(Blame::LocalResource),
             Self::Tls(_) | Self::Config(_) => Some(Blame::Application),
             Self::Refused { .. } => Some(Blame::LocalResource),
+            Self::Unreachable { udp, .. } => udp.blame(),
             _ => None,
         }
     }

@@ -38,6 +38,7 @@
 // `unsafe_code` is denied workspace-wide; the one exception is mapping a file to send it
 // (`source.rs`).
 
+mod binding;
 mod budget;
 mod config;
 mod connection;
@@ -56,9 +57,11 @@ mod socket;
 mod source;
 mod steering;
 mod stream;
+mod tcp_link;
 pub mod tls;
 mod transport;
 
+pub use binding::{Binding, BindingChoice, Listening, UDP_HEAD_START};
 pub use budget::BudgetSnapshot;
 pub use config::{MAX_DEFAULT_ENDPOINTS, ReceiverConfig, SenderConfig, StoreOffload};
 pub use connection::Connection;

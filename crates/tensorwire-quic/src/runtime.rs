@@ -54,6 +54,7 @@ impl std::str::FromStr for EndpointThreads {
 }
 
 /// The quinn runtime of one endpoint and the handle its tasks are spawned with.
+#[derive(Clone, Debug)]
 pub(crate) struct EndpointRuntime {
     /// What quinn runs the endpoint on.
     pub(crate) quinn: Arc<dyn Runtime>,

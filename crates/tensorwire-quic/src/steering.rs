@@ -24,6 +24,8 @@ use quinn::{ConnectionId, ConnectionIdGenerator};
 use quinn_proto::InvalidCid;
 use ring::rand::{SecureRandom, SystemRandom};
 
+use crate::runtime::EndpointRuntime;
+
 /// How a receiver with several endpoints (UDP sockets on one address) decides which of them
 /// serves a connection.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -179,7 +181,7 @@ pub struct ServerEndpoint {
     endpoint: quinn::Endpoint,
     index: usize,
     balance: Option<Arc<Balance>>,
-    runtime: tokio::runtime::Handle,
+    runtime: EndpointRuntime,
 }
 
 impl ServerEndpoint {
@@ -187,7 +189,7 @@ impl ServerEndpoint {
         endpoint: quinn::Endpoint,
         index: usize,
         balance: Option<Arc<Balance>>,
-        runtime: tokio::runtime::Handle,
+        runtime: EndpointRuntime,
     ) -> Self {
         Self {
             endpoint,
@@ -207,6 +209,11 @@ impl ServerEndpoint {
     ///
     /// [`EndpointThreads`]: crate::EndpointThreads
     pub fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.runtime.handle
+    }
+
+    /// The runtime with what quinn needs of it, for more endpoints on the same threads.
+    pub(crate) fn endpoint_runtime(&self) -> &EndpointRuntime {
         &self.runtime
     }
 
@@ -239,6 +246,13 @@ impl ServerEndpoint {
 /// A connection's place on its endpoint, counted in the group's balance until dropped.
 #[derive(Debug)]
 pub struct ConnectionSlot(Option<(Arc<Balance>, usize)>);
+
+impl ConnectionSlot {
+    /// A place on an endpoint outside any steered group (one of a TCP connection).
+    pub(crate) fn unbalanced() -> Self {
+        Self(None)
+    }
+}
 
 impl Drop for ConnectionSlot {
     fn drop(&mut self) {

@@ -15,6 +15,7 @@ use super::incoming::IncomingTensor;
 use super::state::ConnectionState;
 use super::tensor::serve_stream;
 use super::{PeerSlot, Shared};
+use crate::binding::Binding;
 use crate::control::{ControlEnd, read_control_stream, write_control_stream};
 use crate::metrics::Metrics;
 use crate::session::ConnectionSession;
@@ -27,8 +28,14 @@ pub(super) async fn accept_connections(
     tx: mpsc::Sender<IncomingTensor>,
 ) {
     let index = endpoint.index();
+    let serves = shared.config.listening.serves(Binding::Udp);
     while let Some((incoming, slot)) = endpoint.accept().await {
         let remote = incoming.remote_address();
+        if !serves {
+            // Listening on TCP only: UDP stays silent, as if blocked (spec §16).
+            incoming.ignore();
+            continue;
+        }
         // Judged before the handshake, which is the costly part (spec §10).
         let peer_slot = match shared.admit_connection(remote.ip()) {
             Ok(peer_slot) => peer_slot,
@@ -42,6 +49,7 @@ pub(super) async fn accept_connections(
         tokio::spawn(
             serve_connection(
                 index,
+                Binding::Udp,
                 shared.clone(),
                 incoming,
                 (slot, peer_slot),
@@ -54,8 +62,9 @@ pub(super) async fn accept_connections(
 
 /// Serves one connection on endpoint `endpoint`; `_slots` count it there and against its
 /// peer's caps until it ends.
-async fn serve_connection(
+pub(super) async fn serve_connection(
     endpoint: usize,
+    binding: Binding,
     shared: Arc<Shared>,
     incoming: quinn::Incoming,
     _slots: (ConnectionSlot, PeerSlot),
@@ -78,15 +87,16 @@ async fn serve_connection(
         );
         return;
     }
-    serve_streams(endpoint, shared, connection, tx, None).await;
+    serve_streams(endpoint, shared, (connection, binding), tx, None).await;
 }
 
-/// Serves the tensor streams the peer opens on `connection`, whichever side opened it; the
-/// connection's `session`, if this side already sends on it, gets the receiving policy.
+/// Serves the tensor streams the peer opens on `connection` (carried by its binding),
+/// whichever side opened it; the connection's `session`, if this side already sends on it,
+/// gets the receiving policy.
 pub(super) async fn serve_streams(
     endpoint: usize,
     shared: Arc<Shared>,
-    connection: quinn::Connection,
+    connection: (quinn::Connection, Binding),
     tx: mpsc::Sender<IncomingTensor>,
     session: Option<ConnectionSession>,
 ) {
@@ -173,7 +183,7 @@ fn serve_stream_on_its_task(
 fn join(
     endpoint: usize,
     shared: &Arc<Shared>,
-    connection: quinn::Connection,
+    (connection, binding): (quinn::Connection, Binding),
     session: Option<ConnectionSession>,
 ) -> (Arc<ConnectionState>, PeerMembership) {
     let config = &shared.config;
@@ -203,6 +213,7 @@ fn join(
     let state = Arc::new(ConnectionState {
         endpoint,
         connection,
+        binding,
         metrics: Metrics::default(),
         session,
         decision_slot_freed: Notify::new(),

@@ -29,6 +29,7 @@ pub struct IncomingTensor {
     pub(super) ended: Ended,
     /// The connection it came on and its session, to send tensors back.
     pub(super) connection: quinn::Connection,
+    pub(super) binding: crate::Binding,
     pub(super) session: ConnectionSession,
     /// Where the connection's work runs (its endpoint's runtime), for tensors sent back.
     pub(super) runtime: tokio::runtime::Handle,
@@ -93,6 +94,7 @@ impl IncomingTensor {
     pub fn connection(&self, config: &crate::SenderConfig) -> crate::Connection {
         crate::Connection::accepted(
             self.connection.clone(),
+            self.binding,
             self.session.clone(),
             self.runtime.clone(),
             config,

@@ -14,6 +14,7 @@ mod connection;
 mod incoming;
 mod offload;
 mod state;
+mod tcp;
 mod tensor;
 
 use std::net::{IpAddr, SocketAddr};
@@ -29,11 +30,13 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::binding::{Binding, Listening};
 use crate::budget::{Budget, BudgetSnapshot};
 use crate::config::ReceiverConfig;
 use crate::connection::Connection;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::steering::ServerEndpoint;
 use crate::transport::CLOSE_DRAIN;
 use connection::accept_connections;
 pub use incoming::{IncomingTensor, TensorHandle};
@@ -146,6 +149,7 @@ impl Shared {
             host_memory,
             metrics: Metrics::default(),
             connections: DashMap::new(),
+            tcp_endpoints: DashMap::new(),
             shutdown: CancellationToken::new(),
             streams: TaskTracker::new(),
             admission: OnceLock::new(),
@@ -170,6 +174,8 @@ struct Shared {
     host_memory: MemoryBudget,
     metrics: Metrics,
     connections: DashMap<usize, Arc<ConnectionState>>,
+    /// The endpoint of each open TCP connection (spec §16), to close them with the receiver.
+    tcp_endpoints: DashMap<u64, quinn::Endpoint>,
     shutdown: CancellationToken,
     streams: TaskTracker,
     /// Decides tensors on their own stream's task, once set ([`Receiver::admit_with`]).
@@ -192,8 +198,11 @@ type AdmissionPolicy = Box<dyn Fn(IncomingTensor) + Send + Sync>;
 pub struct ConnectionSnapshot {
     /// The peer's address now (it changes if the peer migrates).
     pub remote: SocketAddr,
-    /// Which of the receiver's endpoints (UDP sockets) carries it.
+    /// Which of the receiver's endpoints (UDP sockets) carries it; for one over TCP, the
+    /// endpoint whose runtime serves it.
     pub endpoint: usize,
+    /// What carries its packets.
+    pub binding: Binding,
     /// Its tensors and bytes.
     pub metrics: MetricsSnapshot,
     /// Streams whose tensor ended and that are kept until the peer has finished its half
@@ -213,12 +222,7 @@ impl Receiver {
                 "a receiver needs at least one endpoint".into(),
             ));
         }
-        let group = config.transport.reuse_port_endpoints(
-            config.listen,
-            config.endpoints,
-            server,
-            config.steering,
-        )?;
+        let (group, tcp) = bind_listening(&config, &server)?;
         let endpoints: Vec<quinn::Endpoint> = group.iter().map(|e| e.endpoint().clone()).collect();
         let local = endpoints[0].local_addr()?;
         let dev_cert = match dev {
@@ -237,12 +241,15 @@ impl Receiver {
         let shared = Shared::new(config)?;
         let (tx, incoming) = mpsc::channel(INCOMING_QUEUE);
         let steered = group.first().is_some_and(|e| e.is_steered());
+        if let Some(serving) = tcp {
+            tokio::spawn(tcp::accept_links(serving, shared.clone(), tx.clone()));
+        }
         for endpoint in group {
             // Each endpoint's connections and their streams are served on its own runtime.
             let runtime = endpoint.runtime().clone();
             runtime.spawn(accept_connections(endpoint, shared.clone(), tx.clone()));
         }
-        info!(%local, endpoints = endpoints.len(), steered, "receiver listening");
+        info!(%local, endpoints = endpoints.len(), steered, listening = ?shared.config.listening, "receiver listening");
         Ok(Self {
             endpoints,
             local,
@@ -322,6 +329,7 @@ impl Receiver {
             .map(|c| ConnectionSnapshot {
                 remote: c.connection.remote_address(),
                 endpoint: c.endpoint,
+                binding: c.binding,
                 metrics: c.metrics.snapshot(),
                 closing_streams: c.closing_streams(),
             })
@@ -334,18 +342,72 @@ impl Receiver {
         self.shared.shutdown.cancel();
         self.shared.streams.close();
         let _ = tokio::time::timeout(CLOSE_GRACE, self.shared.streams.wait()).await;
-        for endpoint in &self.endpoints {
+        let links: Vec<quinn::Endpoint> = self
+            .shared
+            .tcp_endpoints
+            .iter()
+            .map(|e| e.value().clone())
+            .collect();
+        for endpoint in self.endpoints.iter().chain(&links) {
             endpoint.close(
                 VarInt::from_u32(ErrorCode::SHUTDOWN.0),
                 b"receiver shutting down",
             );
         }
         let idle = async {
-            for endpoint in &self.endpoints {
+            for endpoint in self.endpoints.iter().chain(&links) {
                 endpoint.wait_idle().await;
             }
         };
         let _ = tokio::time::timeout(CLOSE_DRAIN, idle).await;
+    }
+}
+
+/// Binds the receiver's UDP endpoints and, unless it listens on UDP only, a TCP listener on
+/// the same port number (spec §16). With port 0, a port whose TCP number another process
+/// holds is given up and another claimed.
+fn bind_listening(
+    config: &ReceiverConfig,
+    server: &quinn::ServerConfig,
+) -> Result<(Vec<ServerEndpoint>, Option<tcp::TcpServing>), TransportError> {
+    let attempts = if config.listen.port() == 0 { 8 } else { 1 };
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let group = config.transport.reuse_port_endpoints(
+            config.listen,
+            config.endpoints,
+            server.clone(),
+            config.steering,
+        )?;
+        if config.listening == Listening::Udp {
+            return Ok((group, None));
+        }
+        let local = group[0].endpoint().local_addr()?;
+        match tcp::listen(local) {
+            Ok(listener) => {
+                let settings = config.receiving_transport().over_tcp();
+                let mut tcp_server = server.clone();
+                tcp_server.transport_config(settings.server_transport_config()?);
+                let runtimes = group.iter().map(|e| e.endpoint_runtime().clone()).collect();
+                let serving = tcp::TcpServing {
+                    listener,
+                    server: tcp_server,
+                    settings,
+                    runtimes,
+                };
+                return Ok((group, Some(serving)));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && attempt < attempts => {
+                tracing::debug!(port = local.port(), "TCP port taken: claiming another");
+            }
+            Err(e) => {
+                return Err(TransportError::Config(format!(
+                    "listening on TCP {local} (a receiver listens on UDP and TCP with one port \
+                     number; listen on UDP only to do without): {e}"
+                )));
+            }
+        }
     }
 }
 
@@ -379,7 +441,7 @@ impl Connection {
         self.runtime.spawn(connection::serve_streams(
             0,
             shared.clone(),
-            self.connection.clone(),
+            (self.connection.clone(), self.binding()),
             tx,
             Some(self.session.clone()),
         ));

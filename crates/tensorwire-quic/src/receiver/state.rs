@@ -13,6 +13,7 @@ use tokio_util::task::task_tracker::TaskTrackerToken;
 
 use super::CLOSE_GRACE;
 use super::offload::ConnectionLoad;
+use crate::binding::Binding;
 use crate::metrics::Metrics;
 use crate::session::ConnectionSession;
 use crate::stream::FrameStream;
@@ -21,6 +22,8 @@ use crate::stream::FrameStream;
 pub(super) struct ConnectionState {
     pub(super) endpoint: usize,
     pub(super) connection: quinn::Connection,
+    /// What carries its packets.
+    pub(super) binding: Binding,
     pub(super) metrics: Metrics,
     /// Every tensor of the connection in both directions, its credit and its abuse budgets.
     pub(super) session: ConnectionSession,

@@ -1,6 +1,7 @@
 //! The sending side: one connection, many tensors at once, each on its own stream, never
 //! more bytes in flight than the receiver granted; and a pool of connections to one receiver.
 
+mod connect;
 mod handle;
 mod pool;
 mod report;

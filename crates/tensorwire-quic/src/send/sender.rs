@@ -7,8 +7,10 @@ use quinn::crypto::rustls::QuicClientConfig;
 use tensorwire_proto::{SessionConfig, TensorMeta, Version};
 use tokio::runtime::Handle;
 
+use super::connect::Opened;
 use super::handle::SendHandle;
 use super::report::SendReport;
+use crate::binding::Binding;
 use crate::config::SenderConfig;
 use crate::connection::Connection;
 use crate::control::read_control_stream;
@@ -17,7 +19,7 @@ use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::session::ConnectionSession;
 use crate::source::Source;
 
-/// A [`Connection`] to a receiver on an endpoint (UDP socket) of its own: connects, sends
+/// A [`Connection`] to a receiver on an endpoint (UDP socket, or TCP connection) of its own: connects, sends
 /// tensors, each on its own stream, and closes. The receiver's tensors sent back on it are
 /// received with [`Connection::incoming`].
 pub struct Sender {
@@ -42,25 +44,18 @@ impl Sender {
         crypto: Arc<QuicClientConfig>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, TransportError> {
-        let mut client = quinn::ClientConfig::new(crypto);
-        client.transport_config(config.transport.transport_config()?);
-        let bind: SocketAddr = if addr.is_ipv6() {
-            "[::]:0"
-        } else {
-            "0.0.0.0:0"
-        }
-        .parse()
-        .map_err(|_| TransportError::Config("bind address".into()))?;
-        let (endpoint, runtime) = config.transport.endpoint_with_runtime(bind, None)?;
-        let connection = endpoint
-            .connect_with(client, addr, &config.server_name)?
-            .await?;
+        let Opened {
+            endpoint,
+            connection,
+            runtime,
+            binding,
+        } = super::connect::open(addr, &config, crypto).await?;
         // Its receiving policy is set once `receive` is called; until then the peer's streams
         // wait unread.
         let session = ConnectionSession::new(SessionConfig::default());
         // Spec §4.1: the receiver's EARLY_CREDIT lets small tensors go in one round trip.
         runtime.spawn(read_control_stream(connection.clone(), session.clone()));
-        let mut connection = Connection::opened(connection, session, runtime, &config);
+        let mut connection = Connection::opened(connection, binding, session, runtime, &config);
         connection.metrics = metrics;
         Ok(Self {
             _endpoint: endpoint,
@@ -108,6 +103,11 @@ impl Sender {
     /// The receiver's address.
     pub fn peer(&self) -> SocketAddr {
         self.connection.peer()
+    }
+
+    /// What carries the connection's packets: UDP, or TCP (spec §16).
+    pub fn binding(&self) -> Binding {
+        self.connection.binding()
     }
 
     /// Bytes of tensors the receiver's early credit still lets go in one round trip (spec

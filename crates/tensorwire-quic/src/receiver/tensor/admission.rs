@@ -87,6 +87,7 @@ impl Accepted {
                     .ok_or(ProtocolError::Misuse("decision taken twice"))?,
                 ended: self.ended.clone(),
                 connection: connection.connection.clone(),
+                binding: connection.binding,
                 session: connection.session.clone(),
                 // This stream's task runs on its connection's runtime.
                 runtime: tokio::runtime::Handle::current(),

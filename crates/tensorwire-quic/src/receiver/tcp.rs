@@ -1,0 +1,192 @@
+//! A receiver's TCP listener (spec §16): each TCP connection gets an endpoint of its own,
+//! which serves the one QUIC connection it carries exactly as a UDP endpoint serves its
+//! connections, on the runtime of one of the receiver's UDP endpoints, in turn.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use quinn::VarInt;
+use tensorwire_proto::ErrorCode;
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, mpsc};
+use tracing::{Instrument, info_span, warn};
+
+use super::Shared;
+use super::connection::serve_connection;
+use super::incoming::IncomingTensor;
+use crate::binding::Binding;
+use crate::error::TransportError;
+use crate::runtime::EndpointRuntime;
+use crate::steering::ConnectionSlot;
+use crate::transport::TransportSettings;
+
+/// Binds a TCP listener on `addr` (the UDP endpoints' address and port).
+pub(super) fn listen(addr: SocketAddr) -> Result<TcpListener, std::io::Error> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(false)?;
+    }
+    // A restarted receiver binds its port again while the last one's connections linger.
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    TcpListener::from_std(socket.into())
+}
+
+/// What serving TCP connections needs from the receiver.
+pub(super) struct TcpServing {
+    pub(super) listener: TcpListener,
+    /// The server configuration for the TCP binding's transport settings.
+    pub(super) server: quinn::ServerConfig,
+    pub(super) settings: TransportSettings,
+    /// The UDP endpoints' runtimes, which serve TCP connections in turn.
+    pub(super) runtimes: Vec<EndpointRuntime>,
+}
+
+/// Accepts TCP connections until the receiver shuts down. At most
+/// [`ReceiverConfig::max_connections`] are open at once, handshaking or not; more are closed
+/// at once. Each connection then counts against the same caps as one over UDP.
+///
+/// [`ReceiverConfig::max_connections`]: crate::ReceiverConfig::max_connections
+pub(super) async fn accept_links(
+    serving: TcpServing,
+    shared: Arc<Shared>,
+    tx: mpsc::Sender<IncomingTensor>,
+) {
+    let open = Arc::new(Semaphore::new(shared.config.max_connections));
+    let mut turn = 0usize;
+    loop {
+        let accepted = tokio::select! {
+            () = shared.shutdown.cancelled() => return,
+            accepted = serving.listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of descriptors, or a connection reset before it was taken: wait a
+                // little rather than spin.
+                warn!(error = %e, "accepting a TCP connection failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = open.clone().try_acquire_owned() else {
+            warn!(%peer, "refusing a TCP connection: as many are open as the receiver serves connections");
+            continue;
+        };
+        let stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(e) => {
+                warn!(%peer, error = %e, "taking a TCP connection failed");
+                continue;
+            }
+        };
+        let index = turn % serving.runtimes.len();
+        turn = turn.wrapping_add(1);
+        let runtime = serving.runtimes[index].clone();
+        let link = Link {
+            index,
+            peer,
+            server: serving.server.clone(),
+            settings: serving.settings.clone(),
+        };
+        let span = info_span!("connection", remote = %peer, endpoint = index, binding = "tcp");
+        let (shared, tx) = (shared.clone(), tx.clone());
+        runtime.handle.clone().spawn(
+            async move {
+                if let Err(e) = link.serve(stream, runtime, shared, tx).await {
+                    warn!(error = %e, "serving a TCP connection failed");
+                }
+                drop(slot);
+            }
+            .instrument(span),
+        );
+    }
+}
+
+/// One accepted TCP connection.
+struct Link {
+    /// The UDP endpoint whose runtime serves it.
+    index: usize,
+    peer: SocketAddr,
+    server: quinn::ServerConfig,
+    settings: TransportSettings,
+}
+
+/// Numbers the endpoints of TCP connections, for the receiver's list of them.
+static LINK_IDS: AtomicU64 = AtomicU64::new(0);
+
+impl Link {
+    /// Serves the one QUIC connection the TCP connection carries (spec §16), then closes it.
+    async fn serve(
+        self,
+        stream: std::net::TcpStream,
+        runtime: EndpointRuntime,
+        shared: Arc<Shared>,
+        tx: mpsc::Sender<IncomingTensor>,
+    ) -> Result<(), TransportError> {
+        let (endpoint, link) =
+            self.settings
+                .endpoint_over_tcp(stream, Some(self.server), runtime)?;
+        let id = LINK_IDS.fetch_add(1, Ordering::Relaxed);
+        shared.tcp_endpoints.insert(id, endpoint.clone());
+        let incoming = tokio::select! {
+            incoming = endpoint.accept() => incoming,
+            () = link.ended() => None,
+            () = shared.shutdown.cancelled() => None,
+            // A silent TCP connection ends as a silent QUIC connection would, so idle ones
+            // cannot hold the receiver's TCP slots.
+            () = tokio::time::sleep(self.settings.idle_timeout) => {
+                warn!(
+                    "closing a TCP connection that started no QUIC handshake within the idle \
+                     timeout ({:?})",
+                    self.settings.idle_timeout
+                );
+                None
+            }
+        };
+        if let Some(incoming) = incoming {
+            match shared.admit_connection(self.peer.ip()) {
+                Ok(peer_slot) => {
+                    let serving = serve_connection(
+                        self.index,
+                        Binding::Tcp,
+                        shared.clone(),
+                        incoming,
+                        (ConnectionSlot::unbalanced(), peer_slot),
+                        tx,
+                    );
+                    tokio::pin!(serving);
+                    tokio::select! {
+                        () = &mut serving => {}
+                        () = link.ended() => {
+                            let why = link.failure().unwrap_or_else(|| "the peer closed it".into());
+                            warn!(%why, "the TCP connection under a QUIC connection ended");
+                            endpoint.close(
+                                VarInt::from_u32(ErrorCode::CANCELLED.0),
+                                b"the TCP connection ended",
+                            );
+                            serving.await;
+                        }
+                    }
+                }
+                Err(cap) => {
+                    warn!(%cap, "refusing a connection");
+                    incoming.refuse();
+                }
+            }
+        }
+        shared.tcp_endpoints.remove(&id);
+        endpoint.close(VarInt::from_u32(0), b"done");
+        // The close leaves through the link, which quinn drops once the endpoint is idle.
+        let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
+        Ok(())
+    }
+}

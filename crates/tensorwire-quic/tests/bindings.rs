@@ -1,0 +1,186 @@
+//! The TCP binding (spec §16): tensors arrive over TCP as over UDP; `Auto` keeps UDP where
+//! it answers and falls back to TCP where UDP is silent; a receiver refuses what breaks the
+//! framing, closes TCP connections that never start a handshake, and caps how many it holds.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::{init_tracing, land_host, pattern, receiver, receiver_config, u8_meta};
+use tensorwire_quic::{
+    Binding, BindingChoice, ClientTls, Listening, Receiver, Sender, SenderConfig, TransportError,
+    TransportSettings,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn sender_config(binding: BindingChoice) -> SenderConfig {
+    let mut config = SenderConfig::new(ClientTls::Development);
+    config.transport = TransportSettings::jumbo();
+    config.binding = binding;
+    config
+}
+
+/// Sends tensors of `lens` bytes on `sender` and checks each lands intact at `rx`.
+async fn send_and_land(sender: &Sender, rx: &mut Receiver, lens: &[usize]) {
+    for (seed, &len) in lens.iter().enumerate() {
+        let bytes = pattern(len, seed as u64);
+        let sending = sender.send(u8_meta(&format!("t{seed}"), len), bytes.clone());
+        let (meta, landed) = land_host(rx.next().await.unwrap()).await;
+        assert_eq!(meta.name(), format!("t{seed}"));
+        assert!(landed == bytes, "tensor {seed} of {len} bytes differs");
+        sending.finished().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensors_arrive_over_tcp_as_over_udp() {
+    init_tracing();
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let sender = Sender::connect(addr, sender_config(BindingChoice::Tcp))
+        .await
+        .unwrap();
+    assert_eq!(sender.binding(), Binding::Tcp);
+    send_and_land(&sender, &mut rx, &[0, 1, 4096, 3 << 20, 64 << 20]).await;
+    let connections = rx.connections();
+    assert_eq!(connections.len(), 1);
+    assert_eq!(connections[0].binding, Binding::Tcp);
+    // The QUIC connection inside carries packets far larger than an Ethernet frame.
+    assert!(sender.connection_stats().path.current_mtu > 60_000);
+    sender.close().await;
+    common::assert_budget_returned(&rx).await;
+    rx.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_keeps_udp_where_it_answers() {
+    init_tracing();
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let sender = Sender::connect(addr, sender_config(BindingChoice::Auto))
+        .await
+        .unwrap();
+    assert_eq!(sender.binding(), Binding::Udp);
+    send_and_land(&sender, &mut rx, &[1000]).await;
+    assert_eq!(rx.connections()[0].binding, Binding::Udp);
+}
+
+/// UDP silent (a receiver on TCP only answers nothing over UDP, as a firewall that drops
+/// UDP would): `Auto` connects over TCP after UDP's head start, and the tensor arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_falls_back_to_tcp_where_udp_is_silent() {
+    init_tracing();
+    let mut config = receiver_config();
+    config.listening = Listening::Tcp;
+    let (mut rx, addr) = receiver(config).await;
+    let sender = Sender::connect(addr, sender_config(BindingChoice::Auto))
+        .await
+        .unwrap();
+    assert_eq!(sender.binding(), Binding::Tcp);
+    send_and_land(&sender, &mut rx, &[5000, 2 << 20]).await;
+    // UDP alone gets nowhere.
+    let mut udp = sender_config(BindingChoice::Udp);
+    udp.transport.idle_timeout = Duration::from_millis(1500);
+    udp.transport.keep_alive = Duration::from_millis(500);
+    assert!(Sender::connect(addr, udp).await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_to_a_receiver_on_udp_only_names_the_cause() {
+    let mut config = receiver_config();
+    config.listening = Listening::Udp;
+    let (_rx, addr) = receiver(config).await;
+    let error = Sender::connect(addr, sender_config(BindingChoice::Tcp))
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&error, TransportError::TcpConnect { addr: at, .. } if *at == addr),
+        "{error}"
+    );
+    assert!(error.to_string().contains("over TCP"), "{error}");
+}
+
+/// Nothing answers on either binding: `Auto` fails naming both causes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_with_nothing_listening_names_both_causes() {
+    // A UDP port that swallows datagrams, with no TCP listener on its number.
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let addr = silent.local_addr().unwrap();
+    // Development trust looks for the certificate of a receiver on that port: lend it one.
+    let (_rx, real) = receiver(receiver_config()).await;
+    let cert = tensorwire_quic::dev_cert_path(addr.port());
+    std::fs::copy(tensorwire_quic::dev_cert_path(real.port()), &cert).unwrap();
+    let mut config = sender_config(BindingChoice::Auto);
+    config.transport.idle_timeout = Duration::from_millis(2500);
+    config.transport.keep_alive = Duration::from_millis(500);
+    let error = Sender::connect(addr, config).await.err().unwrap();
+    let _ = std::fs::remove_file(&cert);
+    let TransportError::Unreachable { udp, tcp, .. } = &error else {
+        panic!("{error}");
+    };
+    assert!(matches!(**udp, TransportError::Connection(_)), "{udp}");
+    assert!(matches!(**tcp, TransportError::TcpConnect { .. }), "{tcp}");
+}
+
+/// Reads from `stream` until the peer closes it; whether it did within `within`.
+async fn closed_within(stream: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(within, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+/// Broken framing (a length above QUIC's largest packet) closes that TCP connection; a
+/// silent one is closed at the idle timeout; both leave the receiver serving others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_framing_and_silence_close_the_tcp_connection() {
+    init_tracing();
+    let mut config = receiver_config();
+    config.transport.idle_timeout = Duration::from_millis(1500);
+    config.transport.keep_alive = Duration::from_millis(500);
+    let (mut rx, addr) = receiver(config).await;
+    let mut broken = tokio::net::TcpStream::connect(addr).await.unwrap();
+    broken.write_all(&[0xff, 0xff, 1, 2, 3]).await.unwrap();
+    assert!(closed_within(&mut broken, Duration::from_secs(5)).await);
+    let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    assert!(closed_within(&mut silent, Duration::from_secs(10)).await);
+    let sender = Sender::connect(addr, sender_config(BindingChoice::Tcp))
+        .await
+        .unwrap();
+    send_and_land(&sender, &mut rx, &[777]).await;
+}
+
+/// TCP connections past the receiver's connection cap are closed at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_connections_beyond_the_cap_are_closed() {
+    let mut config = receiver_config();
+    config.max_connections = 1;
+    let (mut rx, addr) = receiver(config).await;
+    let sender = Sender::connect(addr, sender_config(BindingChoice::Tcp))
+        .await
+        .unwrap();
+    let mut extra = tokio::net::TcpStream::connect(addr).await.unwrap();
+    assert!(closed_within(&mut extra, Duration::from_secs(5)).await);
+    send_and_land(&sender, &mut rx, &[4096]).await;
+}
+
+/// Every address a receiver reports for a TCP connection is its peer's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_connection_reports_its_peer() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let sender = Sender::connect(addr, sender_config(BindingChoice::Tcp))
+        .await
+        .unwrap();
+    send_and_land(&sender, &mut rx, &[10]).await;
+    let remote: SocketAddr = rx.connections()[0].remote;
+    assert_eq!(remote.ip(), addr.ip());
+    assert_eq!(sender.peer(), addr);
+}
