@@ -16,6 +16,7 @@ use tensorwire::gpu::{ChecksumOn, DeviceRequest, GpuRequirement, Placement, Tens
 use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::proto::TensorMeta;
 use tensorwire::proto::split::SplitPart;
+use tensorwire::quic::Listening;
 use tensorwire::quic::{IncomingTensor, Receiver, ReceiverConfig, Steering, StoreOffload};
 use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tensorwire_examples::cli::{
@@ -120,6 +121,11 @@ struct Args {
     /// dtype and shape must match), or reject (the sender gets REJECT).
     #[arg(long, default_value = "replace", requires = "share")]
     on_existing: OnExisting,
+    /// Which transports to listen on: both (QUIC over UDP, and over TCP for senders that UDP
+    /// does not reach, on the same port number), quic (UDP only) or tcp (TCP only; UDP is
+    /// bound but not answered).
+    #[arg(long = "transport", default_value = "both")]
+    listening: Listening,
     /// UDP sockets bound on the listening address with SO_REUSEPORT, so connections spread
     /// over cores (0: one per core, at most 8). All share the budgets.
     #[arg(long, default_value_t = 0)]
@@ -180,6 +186,7 @@ async fn main() -> anyhow::Result<()> {
     let mut config = ReceiverConfig::new(args.listen, tensorwire::quic::ServerTls::Development);
     config.tls = args.tls.tls();
     config.transport = args.transport.settings(args.listen);
+    config.listening = args.listening;
     config.budget = budget;
     config.high_watermark = budget / 100 * args.high_percent;
     config.low_watermark = budget / 100 * args.low_percent;
@@ -274,8 +281,13 @@ async fn main() -> anyhow::Result<()> {
     let mut receiver = Receiver::bind(config).await?;
     println!("listening on {}", receiver.local_addr()?);
     println!(
-        "{} endpoints (UDP sockets) share the address",
-        receiver.endpoint_count()
+        "{} endpoints (UDP sockets) share the address; {}",
+        receiver.endpoint_count(),
+        match args.listening {
+            Listening::Udp => "UDP only",
+            Listening::Tcp => "TCP only (UDP is not answered)",
+            _ => "TCP on the same port too",
+        }
     );
     println!("tensors land in {}", placement.describe());
     println!(

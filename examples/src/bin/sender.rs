@@ -12,7 +12,10 @@ use anyhow::Context;
 use clap::Parser;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tensorwire::proto::{DType, Device};
-use tensorwire::quic::{EndpointThreads, SenderConfig, SenderPool, TransportError};
+use tensorwire::quic::{
+    Binding, BindingChoice, EndpointThreads, SenderConfig, SenderPool, TransportError,
+    UDP_HEAD_START,
+};
 use tensorwire_examples::cli::{
     ClientTlsArgs, TransportArgs, init_logging, rate, seconds, shutdown_signal, size,
 };
@@ -59,6 +62,11 @@ struct Args {
     /// a tensor fails with PROGRESS_TIMEOUT.
     #[arg(long = "progress-timeout-s", default_value = "60", value_parser = seconds)]
     progress_timeout: Duration,
+    /// How to reach the receiver: quic (over UDP), tcp (QUIC over TCP, where UDP is blocked
+    /// or lost), or auto (UDP, and TCP too if UDP completes no handshake within a second;
+    /// the first to connect is used, and said).
+    #[arg(long = "transport", default_value = "auto")]
+    binding: BindingChoice,
     #[command(flatten)]
     tls: ClientTlsArgs,
     #[command(flatten)]
@@ -126,9 +134,17 @@ async fn send(
     config.transport = args.transport.settings(args.connect);
     config.server_name = args.tls.server_name.clone();
     config.progress_timeout = args.progress_timeout;
+    config.binding = args.binding;
     let sender = SenderPool::connect(args.connect, config, connections)
         .await
         .with_context(|| format!("connecting to {}", args.connect))?;
+    if sender.binding() == Binding::Tcp && args.binding == BindingChoice::Auto {
+        eprintln!(
+            "UDP to {} completed no handshake within {} ms (blocked or lost?): sending over TCP",
+            args.connect,
+            UDP_HEAD_START.as_millis()
+        );
+    }
     let version = sender.peer_version();
     if !version.has(tensorwire::proto::Feature::SplitTensors) {
         eprintln!(
@@ -218,12 +234,13 @@ async fn send(
     let metrics = sender.metrics();
     println!(
         "sent {} of {tensors} tensors ({} streams), {} of {} in {elapsed:.2} s over {} \
-         connections: {}; packets of {} bytes; latency p50 {}, p99 {}; {} failed",
+         connections ({}): {}; packets of {} bytes; latency p50 {}, p99 {}; {} failed",
         tensors - failed.len(),
         metrics.tensors_completed,
         size(delivered_bytes),
         size(total),
         sender.connections(),
+        sender.binding(),
         rate(delivered_bytes, elapsed),
         sender.path_mtu(),
         micros(metrics.latency_p50_us),

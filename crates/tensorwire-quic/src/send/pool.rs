@@ -11,6 +11,7 @@ use tensorwire_proto::{Feature, ProtocolError, TensorMeta, Version};
 
 use super::handle::SendHandle;
 use super::sender::Sender;
+use crate::binding::{Binding, BindingChoice};
 use crate::config::SenderConfig;
 use crate::error::TransportError;
 use crate::metrics::{Metrics, MetricsSnapshot};
@@ -55,6 +56,27 @@ impl SenderPool {
         // One TLS configuration for all: its files are read, and development trust is
         // announced, once.
         let crypto = crate::tls::client_crypto(&config.tls, addr.port())?;
+        let wanted = connections.max(1);
+        let mut senders = Vec::with_capacity(wanted);
+        let mut refused = 0;
+        let mut config = config;
+        if config.binding == BindingChoice::Auto {
+            // The first connection finds what reaches the receiver; the others use it, so a
+            // pool never mixes bindings, and only one waits out UDP's head start.
+            match Sender::connect_counting(addr, config.clone(), crypto.clone(), metrics.clone())
+                .await
+            {
+                Ok(first) => {
+                    config.binding = match first.binding() {
+                        Binding::Udp => BindingChoice::Udp,
+                        Binding::Tcp => BindingChoice::Tcp,
+                    };
+                    senders.push(first);
+                }
+                Err(e) if e.is_refused_connection() => refused += 1,
+                Err(e) => return Err(e),
+            }
+        }
         let open = |count: usize| {
             let mut opening = tokio::task::JoinSet::new();
             for _ in 0..count {
@@ -63,11 +85,8 @@ impl SenderPool {
             }
             opening
         };
-        let wanted = connections.max(1);
         let started = Instant::now();
         let mut wait = Duration::from_millis(50);
-        let mut senders = Vec::with_capacity(wanted);
-        let mut refused = 0;
         loop {
             let mut opening = open(wanted - senders.len());
             while let Some(opened) = opening.join_next().await {
@@ -214,6 +233,12 @@ impl SenderPool {
     /// How many connections it has.
     pub fn connections(&self) -> usize {
         self.senders.len()
+    }
+
+    /// What carries its connections' packets (one binding for all: under
+    /// [`BindingChoice::Auto`] the first connection decides).
+    pub fn binding(&self) -> Binding {
+        self.senders.first().map_or(Binding::Udp, Sender::binding)
     }
 
     /// The largest UDP payload its connections send now: the smallest over them, since each
