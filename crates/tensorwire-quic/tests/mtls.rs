@@ -69,6 +69,7 @@ async fn receiver(pki: &Pki, client_ca: Option<&Path>) -> Receiver {
 
 fn sender_config(pki: &Pki, identity: Option<&str>) -> SenderConfig {
     let mut config = SenderConfig::new(ClientTls::Development);
+    config.binding = common::test_binding();
     config.tls = ClientTls::Pem {
         ca: pki.path("ca.pem"),
         identity: identity.map(|n| (pki.path(&format!("{n}.pem")), pki.path(&format!("{n}.key")))),

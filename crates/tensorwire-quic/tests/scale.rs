@@ -151,7 +151,12 @@ async fn a_sender_pool_spreads_tensors_over_its_connections_largest_first() {
     });
     let pool = tensorwire_quic::SenderPool::connect(
         addr,
-        tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development),
+        {
+            let mut config =
+                tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development);
+            config.binding = common::test_binding();
+            config
+        },
         3,
     )
     .await
@@ -199,6 +204,7 @@ async fn a_sender_pool_goes_on_with_the_connections_a_full_receiver_takes() {
             tensorwire_quic::SenderConfig::new(tensorwire_quic::ClientTls::Development);
         config.transport = tensorwire_quic::TransportSettings::jumbo();
         config.refused_retry_for = Duration::from_millis(800);
+        config.binding = common::test_binding();
         config
     };
     let pool = tensorwire_quic::SenderPool::connect(addr, client(), 4)

@@ -26,7 +26,8 @@ fn whole() -> TensorMeta {
 }
 
 async fn pool(rx: &Receiver, connections: usize) -> SenderPool {
-    let config = SenderConfig::new(ClientTls::Development);
+    let mut config = SenderConfig::new(ClientTls::Development);
+    config.binding = common::test_binding();
     SenderPool::connect(rx.local_addr().unwrap(), config, connections)
         .await
         .unwrap()

@@ -75,6 +75,7 @@ async fn receiver_and_sender(threads: EndpointThreads, endpoints: usize) -> (Rec
     let tx = Sender::connect(addr, {
         let mut config = SenderConfig::new(tensorwire_quic::ClientTls::Development);
         config.transport = transport(threads);
+        config.binding = common::test_binding();
         config
     })
     .await

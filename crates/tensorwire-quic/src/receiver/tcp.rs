@@ -1,6 +1,6 @@
 //! A receiver's TCP listener (spec §16): each TCP connection gets an endpoint of its own,
 //! which serves the one QUIC connection it carries exactly as a UDP endpoint serves its
-//! connections, on the runtime of one of the receiver's UDP endpoints, in turn.
+//! connections, on the runtime of the receiver's least loaded UDP endpoint.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -46,7 +46,7 @@ pub(super) struct TcpServing {
     /// The server configuration for the TCP binding's transport settings.
     pub(super) server: quinn::ServerConfig,
     pub(super) settings: TransportSettings,
-    /// The UDP endpoints' runtimes, which serve TCP connections in turn.
+    /// The UDP endpoints' runtimes; the least loaded serves each TCP connection.
     pub(super) runtimes: Vec<EndpointRuntime>,
 }
 
@@ -88,7 +88,7 @@ pub(super) async fn accept_links(
                 continue;
             }
         };
-        let index = turn % serving.runtimes.len();
+        let index = least_loaded(&shared, serving.runtimes.len(), turn);
         turn = turn.wrapping_add(1);
         let runtime = serving.runtimes[index].clone();
         let link = Link {
@@ -109,6 +109,20 @@ pub(super) async fn accept_links(
             .instrument(span),
         );
     }
+}
+
+/// The endpoint serving the fewest connections, of `endpoints`; ties go in turn from `turn`.
+fn least_loaded(shared: &Shared, endpoints: usize, turn: usize) -> usize {
+    let mut loads = vec![0usize; endpoints];
+    for connection in shared.connections.iter() {
+        if let Some(load) = loads.get_mut(connection.endpoint) {
+            *load += 1;
+        }
+    }
+    (0..endpoints)
+        .map(|i| (turn + i) % endpoints)
+        .min_by_key(|&i| loads[i])
+        .unwrap_or(0)
 }
 
 /// One accepted TCP connection.

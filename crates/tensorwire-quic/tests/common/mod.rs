@@ -11,7 +11,8 @@ use tensorwire_quic::proto::{
     DType, ErrorCode, Frame, FrameDecoder, Limits, ProtocolError, TensorMeta,
 };
 use tensorwire_quic::{
-    Receiver, ReceiverConfig, Sender, SenderConfig, TransportError, TransportSettings,
+    BindingChoice, Receiver, ReceiverConfig, Sender, SenderConfig, TransportError,
+    TransportSettings,
 };
 
 /// Loopback, development TLS, jumbo MTU, short timeouts.
@@ -32,11 +33,30 @@ pub async fn receiver(config: ReceiverConfig) -> (Receiver, SocketAddr) {
     (receiver, addr)
 }
 
-/// Connects a sender with development trust and jumbo MTU.
+/// Connects a sender with development trust and jumbo MTU, over the binding
+/// [`test_binding`] names.
 pub async fn sender(addr: SocketAddr) -> Sender {
+    Sender::connect(addr, sender_config()).await.unwrap()
+}
+
+/// A sender's configuration: development trust, jumbo MTU, the binding [`test_binding`]
+/// names.
+pub fn sender_config() -> SenderConfig {
     let mut config = SenderConfig::new(tensorwire_quic::ClientTls::Development);
     config.transport = TransportSettings::jumbo();
-    Sender::connect(addr, config).await.unwrap()
+    config.binding = test_binding();
+    config
+}
+
+/// The binding the tests' senders use: `TENSORWIRE_TEST_BINDING` (`quic`, `tcp` or `auto`),
+/// so that the same tests run over both (spec §16); UDP when unset.
+pub fn test_binding() -> BindingChoice {
+    match std::env::var("TENSORWIRE_TEST_BINDING") {
+        Ok(name) => name
+            .parse()
+            .unwrap_or_else(|e| panic!("TENSORWIRE_TEST_BINDING: {e}")),
+        Err(_) => BindingChoice::Udp,
+    }
 }
 
 /// Deterministic bytes that differ per seed and are never all zero.
