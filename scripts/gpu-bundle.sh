@@ -88,6 +88,9 @@ for test in "$here"/tests/*; do
   timeout 300 "$test" --test-threads 1 2>&1 | tee "$logs/test-$name.log"
   check "${PIPESTATUS[0]}" "test $name"
 done
+echo "== GPU landing again over the TCP binding"
+TENSORWIRE_TEST_BINDING=tcp timeout 300 "$here/tests/gpu" --test-threads 1 2>&1 | tee "$logs/test-gpu-over-tcp.log"
+check "${PIPESTATUS[0]}" "test gpu over TCP"
 echo "== demo --require-gpu"
 "$here/bin/demo" --require-gpu 2>&1 | tee "$logs/demo.log"
 check "${PIPESTATUS[0]}" "demo --require-gpu"

@@ -315,6 +315,7 @@ def send(
     mtu: Optional[int] = None,
     device: Optional[str] = None,
     progress: bool = False,
+    transport: str = "auto",
 ) -> List[SendResult]:
     """Sends `tensors` (a name → tensor mapping, or a .safetensors path) to the receiver at
     `addr` ("host:port") and returns once each is acknowledged.
@@ -328,7 +329,9 @@ def send(
     land the parts separately). `device` ("host", "cuda:N") asks the receiver to land them
     there (spec §5.2). `mtu` fixes the UDP payload size (default: 65507 to a loopback
     address; elsewhere 1200, then probing up to what the path carries; the smaller of the two
-    sides' is used).
+    sides' is used). `transport` is "quic" (UDP), "tcp" (QUIC over TCP, where UDP is blocked)
+    or "auto" (the default: UDP, and TCP too if UDP completes no handshake within a second;
+    spec §16).
     With no `ca`, development trust: a receiver on this host. Raises TensorwireError.
     """
     if isinstance(tensors, (str, os.PathLike)):
@@ -349,6 +352,7 @@ def send(
         server_name=server_name,
         mtu=mtu,
         device=device,
+        transport=transport,
     )
     out = [SendResult(name, nbytes, seconds, SendWaits(*waited)) for name, nbytes, seconds, waited in results]
     if progress:

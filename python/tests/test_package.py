@@ -271,6 +271,17 @@ def test_a_received_tensor_is_forwarded_through_dlpack():
     np.testing.assert_array_equal(again.numpy(), values)
 
 
+def test_tensors_go_over_tcp_when_asked():
+    arrays, _ = sample_arrays()
+    with tensorwire.Receiver(device="host") as rx:
+        tensorwire.send(rx.address, arrays, connections=2, transport="tcp")
+        got = {t.name: t for t in (rx.recv(timeout=30) for _ in arrays)}
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(got[name].numpy(), array)
+    with pytest.raises(ValueError, match="quic, tcp or auto"):
+        tensorwire.send("127.0.0.1:9", {"x": b"abc"}, transport="carrier-pigeon")
+
+
 def test_a_bad_address_raises_the_typed_error():
     with pytest.raises(TensorwireError) as bad:
         tensorwire.send("not-an-address", {"x": b"abc"})

@@ -104,10 +104,15 @@ async fn stream_into(
     stream_stored(placement, tensors, StoreOffload::Auto).await
 }
 
-/// A sender connected to a development receiver at `addr`, with jumbo packets.
+/// A sender connected to a development receiver at `addr`, with jumbo packets, over the
+/// binding `TENSORWIRE_TEST_BINDING` names (`quic`, `tcp` or `auto`; UDP when unset), so
+/// that landing is tested over both (spec §16).
 async fn sender_to(addr: std::net::SocketAddr) -> Sender {
     let mut config = SenderConfig::new(tensorwire_quic::ClientTls::Development);
     config.transport = TransportSettings::jumbo();
+    if let Ok(binding) = std::env::var("TENSORWIRE_TEST_BINDING") {
+        config.binding = binding.parse().unwrap();
+    }
     Sender::connect(addr, config).await.unwrap()
 }
 

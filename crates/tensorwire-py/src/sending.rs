@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use tensorwire::gpu::{DeviceRange, DeviceRequest};
 use tensorwire::proto::{Device, ProtocolError, TensorMeta};
 use tensorwire::quic::{
-    ClientTls, SendHandle, Sender, SenderConfig, SenderPool, Source, TransportError,
+    BindingChoice, ClientTls, SendHandle, Sender, SenderConfig, SenderPool, Source, TransportError,
     TransportSettings,
 };
 use tokio::sync::mpsc;
@@ -222,13 +222,15 @@ pub(crate) fn client_tls(
 
 /// Sends `items` to `addr` over `connections` connections (None: one per core, at most 8,
 /// and no more than the tensors, or their 16 MiB parts, can use); with `split`, a tensor
-/// larger than its connection's share goes as parts over several (spec §15). Returns
+/// larger than its connection's share goes as parts over several (spec §15); `transport`
+/// (`quic`, `tcp` or `auto`) is what carries the connections (spec §16). Returns
 /// `(name, bytes, seconds, (receiver, source, transport, turn))` per tensor, the last four
 /// the seconds it waited for each ([`SendWaits`](tensorwire::quic::SendWaits)), or raises
 /// `TensorwireError` naming the first tensor that failed.
 #[pyfunction]
 #[pyo3(signature = (addr, items, *, connections=None, split=true, ca=None, client_cert=None,
-    client_key=None, server_name="localhost".to_owned(), mtu=None, device=None))]
+    client_key=None, server_name="localhost".to_owned(), mtu=None, device=None,
+    transport="auto".to_owned()))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn send(
     py: Python<'_>,
@@ -242,7 +244,9 @@ pub(crate) fn send(
     server_name: String,
     mtu: Option<u16>,
     device: Option<String>,
+    transport: String,
 ) -> PyResult<Vec<SentTensor>> {
+    let binding: BindingChoice = transport.parse().map_err(PyValueError::new_err)?;
     let addr: SocketAddr =
         tensorwire::quic::resolve(addr).map_err(|e| error(py, e.to_string(), None, None))?;
     let hint = match device.as_deref() {
@@ -266,6 +270,7 @@ pub(crate) fn send(
     let mut config = SenderConfig::new(client_tls(ca, client_cert, client_key)?);
     config.server_name = server_name;
     config.transport = TransportSettings::default().with_mtu(mtu, addr);
+    config.binding = binding;
     let total: u64 = outgoing.iter().map(|(meta, _)| meta.byte_len()).sum();
     let splittable = if split { total } else { 0 };
     let connections = connections
