@@ -2,10 +2,13 @@
 # Two "hosts" on one machine: a sender and a receiver in network namespaces of their own,
 # joined by a veth pair at a real Ethernet MTU, so every packet crosses the kernel's network
 # stack as it would between hosts. Measures, in the same run and over the same path:
-# `sender` -> `receiver`, raw quinn as two processes, and TCP + TLS 1.3 (rustls over tokio's
-# TCP) as two processes, each with the same connection count and bytes; prints the rates,
-# the ratios and each side's CPU seconds per GiB (all threads of each process). Needs root
-# (or CAP_NET_ADMIN), `ip` and, for NETEM or RATE, `tc`.
+# `sender` -> `receiver` over UDP and over TCP (`--transport quic|tcp`, spec §16), raw quinn
+# as two processes, and TCP + TLS 1.3 (rustls over tokio's TCP) as two processes, each with
+# the same connection count and bytes; prints the rates, the ratios and each side's CPU
+# seconds per GiB (all threads of each process). Then, with UDP dropped by the receiver's
+# host (nftables, or a tc filter where nft is missing), how long `sender --transport auto`
+# takes to deliver, and what it says. Needs root (or CAP_NET_ADMIN), `ip`, and `tc` for
+# NETEM, RATE or the UDP drop without nft.
 #
 #   benches/two-hosts.sh BIN_DIR [CONNECTIONS] [MIB_PER_CONNECTION] [DEVICE]
 #
@@ -22,7 +25,8 @@
 # memory the kernel must fault in and zero.
 # PROFILE_DIR=DIR records the programs with `perf record` (receiver-MTU.perf,
 # sender-MTU.perf) and prints each one's hottest symbols: where their CPU per byte goes.
-# The namespaces and the pair are removed on exit.
+# UDP_BLOCKED=0 skips the run with UDP dropped. The namespaces and the pair are removed on
+# exit.
 set -euo pipefail
 . "$(dirname "$0")/common.sh"
 bin=$(cd "${1:?usage: benches/two-hosts.sh BIN_DIR [CONNECTIONS] [MIB_PER_CONNECTION] [DEVICE]}" && pwd)
@@ -74,16 +78,17 @@ per_gib() { awk -v c="$(cpu_seconds "$1")" -v g="$gib" 'BEGIN { printf "%.2f", c
 
 # The tensorwire programs: `receiver` in the receiver's namespace, `sender` in the other.
 programs() {
-  local payload=$1 receiver addr start end mtu_flag=() rx_perf=() tx_perf=() pushes=1 rx_flags=()
+  local payload=$1 transport=$2 receiver addr start end mtu_flag=() rx_perf=() tx_perf=() pushes=1 rx_flags=()
   [ "${FIXED_MTU:-0}" != 1 ] || mtu_flag=(--mtu "$payload")
+  mtu_flag+=(--transport "$transport")
   if [ "${WARM:-0}" = 1 ]; then
     # Room to keep every buffer of the first push for the second.
     pushes=2
     rx_flags=(--host-memory-mib $((4 * total_mib)) --kept-host-mib $((2 * total_mib)))
   fi
   if [ -n "${PROFILE_DIR:-}" ]; then
-    rx_perf=(perf record -F 999 -g -o "$PROFILE_DIR/receiver-$((payload + 28)).perf" --)
-    tx_perf=(perf record -F 999 -g -o "$PROFILE_DIR/sender-$((payload + 28)).perf" --)
+    rx_perf=(perf record -F 999 -g -o "$PROFILE_DIR/receiver-$((payload + 28))-$transport.perf" --)
+    tx_perf=(perf record -F 999 -g -o "$PROFILE_DIR/sender-$((payload + 28))-$transport.perf" --)
   fi
   : > "$work/receiver.log"
   with_cpu_time "$work/receiver.cpu" "$work/receiver.log" \
@@ -159,31 +164,61 @@ tcp_tls() {
   echo "$(rate "$start" "$end") $(per_gib "$work/tls-client.cpu") $(per_gib "$work/tls-server.cpu")"
 }
 
+# With UDP dropped at the receiver's host, `sender --transport auto` against a receiver on
+# both bindings: seconds from start to delivery, and what the sender said.
+udp_blocked() {
+  local receiver addr start end
+  if command -v nft > /dev/null; then
+    in_rx nft add table inet tw_bench
+    in_rx nft add chain inet tw_bench input '{ type filter hook input priority 0; }'
+    in_rx nft add rule inet tw_bench input meta l4proto udp drop
+  else
+    in_rx tc qdisc add dev tw-b1 ingress
+    in_rx tc filter add dev tw-b1 parent ffff: protocol ip u32 match ip protocol 17 0xff action drop
+  fi
+  : > "$work/receiver.log"
+  in_rx "$bin/receiver" --listen "$rx_ip:0" --device "$device" --count "$connections" \
+    > "$work/receiver.log" 2>&1 &
+  receiver=$!
+  addr=$(listening_address "$work/receiver.log")
+  start=$(date +%s.%N)
+  in_tx "$bin/sender" --connect "$addr" --transport auto --quiet --connections "$connections" \
+    "$work/model.safetensors" > "$work/sender.log" 2>&1 || { cat "$work/sender.log" >&2; return 1; }
+  end=$(date +%s.%N)
+  wait "$receiver" || { cat "$work/receiver.log" >&2; return 1; }
+  if command -v nft > /dev/null; then in_rx nft delete table inet tw_bench; else in_rx tc qdisc del dev tw-b1 ingress; fi
+  echo "UDP dropped at the receiver: sender --transport auto delivered $gib GiB in $(awk -v s="$start" -v e="$end" 'BEGIN { printf "%.2f", e - s }') s; it said:"
+  grep -E "sending over TCP|sent [0-9]" "$work/sender.log" | sed 's/^/  /'
+}
+
 echo "two hosts over a veth pair: $connections connections x $mib MiB, receiver --device $device${NETEM:+, netem $NETEM}${RATE:+, rate $RATE}"
-printf '| MTU | tensorwire Gbit/s | raw quinn | TCP+TLS | tensorwire / raw quinn | tensorwire / TCP+TLS | CPU s/GiB send+receive: tensorwire | raw quinn | TCP+TLS |\n'
-printf '| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n'
+printf '| MTU | tensorwire UDP Gbit/s | tensorwire TCP | raw quinn | TCP+TLS | UDP / raw quinn | UDP / TCP+TLS | TCP / TCP+TLS | CPU s/GiB send+receive: tensorwire UDP | tensorwire TCP | raw quinn | TCP+TLS |\n'
+printf '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n'
 for mtu in $mtus; do
   ip -n "$tx" link set tw-b0 mtu "$mtu"
   ip -n "$rx" link set tw-b1 mtu "$mtu"
   payload=$((mtu - 28)) # IPv4 and UDP headers
-  tw=() quinn=() tcp=() to_quinn=() to_tcp=() tw_cpu=() quinn_cpu=() tcp_cpu=()
+  tw=() tw_tcp=() quinn=() tcp=() to_quinn=() to_tcp=() tcp_to_tcp=() tw_cpu=() tw_tcp_cpu=() quinn_cpu=() tcp_cpu=()
   for _ in $(seq "$rounds"); do
-    # The three take turns within a round, so each ratio compares runs seconds apart.
-    read -r t ts tr packets < <(programs "$payload")
+    # They take turns within a round, so each ratio compares runs seconds apart.
+    read -r t ts tr packets < <(programs "$payload" quic)
+    read -r w ws wr _ < <(programs "$payload" tcp)
     read -r q qs qr < <(raw_quinn "$payload")
     read -r c cs cr < <(tcp_tls)
-    tw+=("$t") quinn+=("$q") tcp+=("$c")
-    to_quinn+=("$(ratio_to "$t" "$q")") to_tcp+=("$(ratio_to "$t" "$c")")
+    tw+=("$t") tw_tcp+=("$w") quinn+=("$q") tcp+=("$c")
+    to_quinn+=("$(ratio_to "$t" "$q")") to_tcp+=("$(ratio_to "$t" "$c")") tcp_to_tcp+=("$(ratio_to "$w" "$c")")
     tw_cpu+=("$(awk -v a="$ts" -v b="$tr" 'BEGIN { printf "%.2f", a + b }')")
+    tw_tcp_cpu+=("$(awk -v a="$ws" -v b="$wr" 'BEGIN { printf "%.2f", a + b }')")
     quinn_cpu+=("$(awk -v a="$qs" -v b="$qr" 'BEGIN { printf "%.2f", a + b }')")
     tcp_cpu+=("$(awk -v a="$cs" -v b="$cr" 'BEGIN { printf "%.2f", a + b }')")
-    echo "  MTU $mtu: tensorwire $t Gbit/s in packets of $packets bytes (CPU s/GiB: send $ts + receive $tr), raw quinn $q ($qs + $qr), TCP+TLS $c ($cs + $cr)" >&2
+    echo "  MTU $mtu: tensorwire over UDP $t Gbit/s in packets of $packets bytes (CPU s/GiB: send $ts + receive $tr), over TCP $w ($ws + $wr), raw quinn $q ($qs + $qr), TCP+TLS $c ($cs + $cr)" >&2
   done
-  printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$mtu" \
-    "$(median "${tw[@]}")" "$(median "${quinn[@]}")" "$(median "${tcp[@]}")" \
-    "$(median "${to_quinn[@]}")" "$(median "${to_tcp[@]}")" \
-    "$(median "${tw_cpu[@]}")" "$(median "${quinn_cpu[@]}")" "$(median "${tcp_cpu[@]}")"
+  printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$mtu" \
+    "$(median "${tw[@]}")" "$(median "${tw_tcp[@]}")" "$(median "${quinn[@]}")" "$(median "${tcp[@]}")" \
+    "$(median "${to_quinn[@]}")" "$(median "${to_tcp[@]}")" "$(median "${tcp_to_tcp[@]}")" \
+    "$(median "${tw_cpu[@]}")" "$(median "${tw_tcp_cpu[@]}")" "$(median "${quinn_cpu[@]}")" "$(median "${tcp_cpu[@]}")"
 done
+[ "${UDP_BLOCKED:-1}" = 0 ] || udp_blocked
 if [ -n "${PROFILE_DIR:-}" ]; then
   for profile in "$PROFILE_DIR"/*.perf; do
     echo "== $(basename "$profile"): hottest symbols (self time)"

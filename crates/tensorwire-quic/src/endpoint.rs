@@ -188,6 +188,23 @@ impl TransportSettings {
         self.fixed_mtu(MAX_MTU)
     }
 
+    /// A quinn endpoint whose packets travel on `stream`, a TCP connection (spec §16), on a
+    /// runtime of its own ([`Self::endpoint_threads`]): raw QUIC over the TCP binding, as
+    /// [`endpoint`](Self::endpoint) is over UDP. It carries one connection, to the stream's
+    /// peer; the TCP connection closes once the endpoint and its connection are gone.
+    pub fn tcp_endpoint(
+        &self,
+        stream: std::net::TcpStream,
+        server: Option<quinn::ServerConfig>,
+    ) -> Result<quinn::Endpoint, TransportError> {
+        let name = match server {
+            Some(_) => ACCEPTING_THREAD,
+            None => CONNECTING_THREAD,
+        };
+        let runtime = EndpointRuntime::start(self.endpoint_threads, name)?;
+        Ok(self.endpoint_over_tcp(stream, server, runtime)?.0)
+    }
+
     /// A quinn endpoint whose packets travel on one TCP connection (spec §16), run on
     /// `runtime`, which the stream moves to; and the link's end, to watch.
     pub(crate) fn endpoint_over_tcp(

@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use quinn::udp::{RecvMeta, Transmit};
@@ -33,6 +34,11 @@ const OUTBOUND_BYTES: usize = 1 << 20;
 
 /// Transmits of several packets quinn may hand over at once (its GSO batches).
 const SEGMENTS_PER_TRANSMIT: usize = 10;
+
+/// How long a link that has ended may take to write what it still has queued (a last
+/// CONNECTION_CLOSE) before its TCP connection is dropped: a peer that stopped reading
+/// cannot keep it.
+const FLUSH_GRACE: Duration = Duration::from_secs(1);
 
 /// A TCP connection carrying one QUIC connection's packets (spec §16). Dropping it (quinn
 /// does, once the endpoint and its connections are gone) sends what is queued and closes
@@ -166,7 +172,8 @@ fn framing(error: &FramingError) -> String {
     format!("the peer broke the TCP binding's framing (spec §16): {error}")
 }
 
-/// Writes queued packets until the link ends; then writes what is left and closes.
+/// Writes queued packets until the link ends; then writes what is left, for up to
+/// [`FLUSH_GRACE`], and closes.
 async fn write_packets(mut write: OwnedWriteHalf, shared: Arc<LinkShared>) {
     loop {
         let (bytes, waiting) = {
@@ -184,8 +191,15 @@ async fn write_packets(mut write: OwnedWriteHalf, shared: Arc<LinkShared>) {
             shared.queued.notified().await;
             continue;
         }
-        if let Err(e) = write.write_all(&bytes).await {
-            return fail(&shared, format!("writing the TCP connection: {e}"));
+        let abandoned = async {
+            shared.ended.cancelled().await;
+            tokio::time::sleep(FLUSH_GRACE).await;
+        };
+        tokio::select! {
+            written = write.write_all(&bytes) => if let Err(e) = written {
+                return fail(&shared, format!("writing the TCP connection: {e}"));
+            },
+            () = abandoned => return,
         }
     }
 }

@@ -158,18 +158,56 @@ async fn broken_framing_and_silence_close_the_tcp_connection() {
     send_and_land(&sender, &mut rx, &[777]).await;
 }
 
-/// TCP connections past the receiver's connection cap are closed at once.
+/// TCP connections that have not started a handshake are capped per peer (spec §10, §16):
+/// past the cap the peer's next one is closed at once, those within it wait, and another
+/// peer is not affected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_connections_beyond_the_cap_are_closed() {
+async fn silent_tcp_connections_are_capped_per_peer() {
     let mut config = receiver_config();
-    config.max_connections = 1;
+    config.max_connections_per_peer = 2;
     let (mut rx, addr) = receiver(config).await;
+    let silent = || async {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        socket.connect(addr).await.unwrap()
+    };
+    let mut first = silent().await;
+    let _second = silent().await;
+    let mut third = silent().await;
+    assert!(closed_within(&mut third, Duration::from_secs(5)).await);
+    assert!(!closed_within(&mut first, Duration::from_millis(300)).await);
     let sender = Sender::connect(addr, sender_config(BindingChoice::Tcp))
         .await
         .unwrap();
-    let mut extra = tokio::net::TcpStream::connect(addr).await.unwrap();
-    assert!(closed_within(&mut extra, Duration::from_secs(5)).await);
     send_and_land(&sender, &mut rx, &[4096]).await;
+}
+
+/// One QUIC connection per TCP connection (spec §16): a second one on the same TCP
+/// connection is refused, and the first goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_quic_connection_on_one_tcp_connection_is_refused() {
+    let (_rx, addr) = receiver(receiver_config()).await;
+    let endpoint = common::raw_tcp_endpoint(addr, "127.0.0.1".parse().unwrap()).await;
+    let alpn = tensorwire_quic::proto::ALPN;
+    let config = common::raw_client_config(addr, alpn);
+    let first = endpoint
+        .connect_with(config.clone(), addr, "localhost")
+        .unwrap()
+        .await
+        .unwrap();
+    let second = endpoint
+        .connect_with(config, addr, "localhost")
+        .unwrap()
+        .await;
+    assert!(
+        matches!(second, Err(quinn::ConnectionError::ConnectionClosed(ref close))
+            if close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED),
+        "{second:?}"
+    );
+    // The first still works: it opens a stream, which the receiver reads.
+    let (mut send, _recv) = first.open_bi().await.unwrap();
+    send.write_all(&[0x01]).await.unwrap();
+    assert!(first.close_reason().is_none());
 }
 
 /// Every address a receiver reports for a TCP connection is its peer's.

@@ -2,15 +2,15 @@
 //! which serves the one QUIC connection it carries exactly as a UDP endpoint serves its
 //! connections, on the runtime of the receiver's least loaded UDP endpoint.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use quinn::VarInt;
-use tensorwire_proto::ErrorCode;
+use tensorwire_proto::{CapExceeded, ErrorCode, PeerCaps};
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tracing::{Instrument, info_span, warn};
 
 use super::Shared;
@@ -50,17 +50,19 @@ pub(super) struct TcpServing {
     pub(super) runtimes: Vec<EndpointRuntime>,
 }
 
-/// Accepts TCP connections until the receiver shuts down. At most
-/// [`ReceiverConfig::max_connections`] are open at once, handshaking or not; more are closed
-/// at once. Each connection then counts against the same caps as one over UDP.
-///
-/// [`ReceiverConfig::max_connections`]: crate::ReceiverConfig::max_connections
+/// Accepts TCP connections until the receiver shuts down. Those that have not yet started
+/// their QUIC handshake are capped as connections are (per peer and in all: spec §10), and
+/// more are closed at once; once its handshake starts, a connection counts against the
+/// receiver's connection caps as one over UDP does.
 pub(super) async fn accept_links(
     serving: TcpServing,
     shared: Arc<Shared>,
     tx: mpsc::Sender<IncomingTensor>,
 ) {
-    let open = Arc::new(Semaphore::new(shared.config.max_connections));
+    let waiting = Arc::new(Mutex::new(PeerCaps::new(
+        shared.config.max_connections_per_peer,
+        shared.config.max_connections,
+    )));
     let mut turn = 0usize;
     loop {
         let accepted = tokio::select! {
@@ -77,9 +79,12 @@ pub(super) async fn accept_links(
                 continue;
             }
         };
-        let Ok(slot) = open.clone().try_acquire_owned() else {
-            warn!(%peer, "refusing a TCP connection: as many are open as the receiver serves connections");
-            continue;
+        let slot = match WaitingSlot::take(&waiting, peer.ip()) {
+            Ok(slot) => slot,
+            Err(cap) => {
+                warn!(%peer, %cap, "closing a TCP connection that would wait for its handshake beyond a cap");
+                continue;
+            }
         };
         let stream = match stream.into_std() {
             Ok(stream) => stream,
@@ -101,13 +106,51 @@ pub(super) async fn accept_links(
         let (shared, tx) = (shared.clone(), tx.clone());
         runtime.handle.clone().spawn(
             async move {
-                if let Err(e) = link.serve(stream, runtime, shared, tx).await {
+                if let Err(e) = link.serve(stream, runtime, shared, tx, slot).await {
                     warn!(error = %e, "serving a TCP connection failed");
                 }
-                drop(slot);
             }
             .instrument(span),
         );
+    }
+}
+
+/// A TCP connection waiting for its QUIC handshake to start, counted against its peer's and
+/// the receiver's caps until dropped.
+struct WaitingSlot {
+    caps: Arc<Mutex<PeerCaps<IpAddr>>>,
+    peer: IpAddr,
+}
+
+impl WaitingSlot {
+    fn take(caps: &Arc<Mutex<PeerCaps<IpAddr>>>, peer: IpAddr) -> Result<Self, CapExceeded> {
+        lock(caps).admit(&peer)?;
+        Ok(Self {
+            caps: caps.clone(),
+            peer,
+        })
+    }
+}
+
+impl Drop for WaitingSlot {
+    fn drop(&mut self) {
+        lock(&self.caps).release(&self.peer);
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Counting only: nothing a panic could leave half done.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Refuses every further connection attempt on a TCP connection's endpoint, until it closes.
+async fn refuse_others(endpoint: quinn::Endpoint) {
+    while let Some(incoming) = endpoint.accept().await {
+        warn!(
+            peer = %incoming.remote_address(),
+            "refusing a second QUIC connection on one TCP connection (spec §16)"
+        );
+        incoming.refuse();
     }
 }
 
@@ -145,6 +188,7 @@ impl Link {
         runtime: EndpointRuntime,
         shared: Arc<Shared>,
         tx: mpsc::Sender<IncomingTensor>,
+        waiting: WaitingSlot,
     ) -> Result<(), TransportError> {
         let (endpoint, link) =
             self.settings
@@ -166,7 +210,11 @@ impl Link {
                 None
             }
         };
+        // Its handshake has started (or it has ended): the connection caps take over.
+        drop(waiting);
         if let Some(incoming) = incoming {
+            // Spec §16: one QUIC connection per TCP connection; any other is refused.
+            tokio::spawn(refuse_others(endpoint.clone()));
             match shared.admit_connection(self.peer.ip()) {
                 Ok(peer_slot) => {
                     let serving = serve_connection(

@@ -141,12 +141,40 @@ pub async fn raw_endpoint_connection(
 }
 
 /// As [`raw_endpoint_connection`], from the local address `from` (any of 127.0.0.0/8 is
-/// this host's): a peer of its own, as the receiver counts peers.
+/// this host's): a peer of its own, as the receiver counts peers. Over TCP (spec §16) when
+/// [`test_binding`] says so.
 pub async fn raw_connection_from(
     addr: std::net::SocketAddr,
     alpn: &[u8],
     from: std::net::IpAddr,
 ) -> Result<(quinn::Endpoint, quinn::Connection), String> {
+    let endpoint = match test_binding() {
+        BindingChoice::Tcp => raw_tcp_endpoint(addr, from).await,
+        _ => quinn::Endpoint::client(std::net::SocketAddr::new(from, 0)).unwrap(),
+    };
+    let connecting = endpoint
+        .connect_with(raw_client_config(addr, alpn), addr, "localhost")
+        .unwrap();
+    let connection = connecting.await.map_err(|e| e.to_string())?;
+    Ok((endpoint, connection))
+}
+
+/// A raw quinn client endpoint on a TCP connection from `from` to `addr` (spec §16).
+pub async fn raw_tcp_endpoint(
+    addr: std::net::SocketAddr,
+    from: std::net::IpAddr,
+) -> quinn::Endpoint {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(std::net::SocketAddr::new(from, 0)).unwrap();
+    let stream = socket.connect(addr).await.unwrap().into_std().unwrap();
+    TransportSettings::default()
+        .over_tcp()
+        .tcp_endpoint(stream, None)
+        .unwrap()
+}
+
+/// A client configuration with development trust in the receiver at `addr`, offering `alpn`.
+pub fn raw_client_config(addr: std::net::SocketAddr, alpn: &[u8]) -> quinn::ClientConfig {
     let cert = std::fs::read(tensorwire_quic::dev_cert_path(addr.port())).unwrap();
     let mut roots = rustls::RootCertStore::empty();
     use rustls::pki_types::pem::PemObject;
@@ -161,16 +189,7 @@ pub async fn raw_connection_from(
             .with_no_client_auth();
     tls.alpn_protocols = vec![alpn.to_vec()];
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
-    let endpoint = quinn::Endpoint::client(std::net::SocketAddr::new(from, 0)).unwrap();
-    let connecting = endpoint
-        .connect_with(
-            quinn::ClientConfig::new(Arc::new(crypto)),
-            addr,
-            "localhost",
-        )
-        .unwrap();
-    let connection = connecting.await.map_err(|e| e.to_string())?;
-    Ok((endpoint, connection))
+    quinn::ClientConfig::new(Arc::new(crypto))
 }
 
 /// Writes `frames` on a new stream; returns the frames the receiver answers with.
