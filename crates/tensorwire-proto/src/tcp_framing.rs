@@ -43,6 +43,13 @@ pub fn frame_packet(out: &mut BytesMut, packet: &[u8]) -> Result<(), FramingErro
     Ok(())
 }
 
+/// The length a packet's two length bytes announce, if a packet may have it.
+pub fn packet_length(header: [u8; PACKET_LENGTH_BYTES]) -> Result<usize, FramingError> {
+    let length = usize::from(u16::from_le_bytes(header));
+    check_length(length)?;
+    Ok(length)
+}
+
 /// `length` as it goes on the wire, if a packet may have it.
 fn check_length(length: usize) -> Result<u16, FramingError> {
     if length == 0 {
@@ -100,9 +107,7 @@ impl PacketDeframer {
         let [low, high, ..] = self.buffer[..] else {
             return Ok(None);
         };
-        let length = usize::from(u16::from_le_bytes([low, high]));
-        check_length(length)?;
-        Ok(Some(length))
+        packet_length([low, high]).map(Some)
     }
 
     /// Checks that the connection ended at a packet boundary.

@@ -51,6 +51,18 @@ pub enum TransportError {
         /// What the socket said.
         source: std::io::Error,
     },
+    /// The receiver closed a TCP connection before its QUIC handshake completed, as it does
+    /// at its connection caps (spec §16).
+    #[error(
+        "the receiver at {addr} closed the TCP connection before the QUIC handshake \
+         completed ({why}): at its connection caps it closes new TCP connections at once"
+    )]
+    TcpClosed {
+        /// The receiver.
+        addr: std::net::SocketAddr,
+        /// What the TCP connection said.
+        why: String,
+    },
     /// Neither binding reached the receiver ([`BindingChoice::Auto`]): UDP completed no
     /// handshake and TCP failed.
     ///
@@ -78,8 +90,13 @@ impl TransportError {
 
     /// Whether the receiver refused the connection before its handshake (a cap, spec §10).
     pub(crate) fn is_refused_connection(&self) -> bool {
-        matches!(self, Self::Connection(quinn::ConnectionError::ConnectionClosed(close))
-            if close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED)
+        match self {
+            Self::Connection(quinn::ConnectionError::ConnectionClosed(close)) => {
+                close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED
+            }
+            Self::TcpClosed { .. } => true,
+            _ => false,
+        }
     }
 
     /// The wire code, where the error has one.

@@ -3,31 +3,29 @@
 //! ([`tensorwire_proto::frame_packet`]); one TCP connection carries one QUIC connection, so
 //! TLS, streams, credit and every rule above them are the same on both bindings.
 //!
-//! Memory is bounded per link: one packet being read, [`INBOUND_PACKETS`] read and not yet
-//! taken by quinn, and [`OUTBOUND_BYTES`] (plus one transmit) queued for the TCP socket.
-//! A full queue makes quinn wait, as a full UDP send buffer does, so TCP's own flow control
-//! reaches the QUIC connection.
+//! Packets are read from the socket straight into quinn's receive buffers and written to it
+//! straight from quinn's transmits, as a UDP socket would: only what the socket cannot take
+//! at once is queued (at most [`OUTBOUND_BYTES`] and one transmit), and only a packet that
+//! arrives in pieces is gathered in a buffer of its own first. A full queue makes quinn wait,
+//! as a full UDP send buffer does, so TCP's own flow control reaches the QUIC connection;
+//! while quinn does not read, the kernel's receive buffer fills and TCP slows the peer.
 
-use std::io::{self, IoSliceMut};
+use std::io::{self, IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, BytesMut};
 use quinn::udp::{RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, UdpPoller};
-use tensorwire_proto::{FramingError, MAX_TCP_PACKET, PacketDeframer, frame_packet};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tensorwire_proto::{
+    FramingError, MAX_TCP_PACKET, PACKET_LENGTH_BYTES, frame_packet, packet_length,
+};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-
-/// Packets read from the TCP connection and not yet taken by quinn. Reading stops while
-/// they wait, so a peer that sends faster than quinn processes is slowed by TCP.
-const INBOUND_PACKETS: usize = 8;
 
 /// Framed bytes queued for the TCP socket past which quinn is told to wait.
 const OUTBOUND_BYTES: usize = 1 << 20;
@@ -45,19 +43,20 @@ const FLUSH_GRACE: Duration = Duration::from_secs(1);
 /// the TCP connection.
 #[derive(Debug)]
 pub(crate) struct TcpLink {
+    stream: Arc<TcpStream>,
     shared: Arc<LinkShared>,
-    inbound: Mutex<mpsc::Receiver<Bytes>>,
+    reading: Mutex<Reading>,
     local: SocketAddr,
     peer: SocketAddr,
 }
 
-/// What the link's reading and writing tasks share with it.
+/// What the link shares with its writing task.
 #[derive(Debug, Default)]
 struct LinkShared {
     outbound: Mutex<Outbound>,
     /// Bytes were queued, or the link ends: the writer has work.
     queued: Notify,
-    /// Cancelled when the link is dropped or the TCP connection fails.
+    /// Cancelled when the link is dropped or the TCP connection ends.
     ended: CancellationToken,
     /// Why the TCP connection ended, if it failed.
     failure: Mutex<Option<String>>,
@@ -65,9 +64,31 @@ struct LinkShared {
 
 #[derive(Debug, Default)]
 struct Outbound {
+    /// Framed bytes the socket has not taken yet, in order.
     bytes: BytesMut,
+    /// The writer holds bytes taken from `bytes` and not yet written: later packets queue
+    /// behind them, even while `bytes` is empty.
+    writing: bool,
     /// quinn's connection drivers waiting for room in `bytes`.
     waiting: Vec<Waker>,
+}
+
+/// Where reading stands between two packets or inside one.
+#[derive(Debug, Default)]
+struct Reading {
+    /// The next packet's length bytes, `header_read` of them read.
+    header: [u8; PACKET_LENGTH_BYTES],
+    header_read: usize,
+    /// A packet that arrived in part: its length, and what arrived of it.
+    partial: Option<(usize, Vec<u8>)>,
+}
+
+/// How reading ended.
+enum ReadEnd {
+    /// The peer closed the connection at a packet boundary.
+    Closed,
+    /// The connection failed, or the peer broke the framing.
+    Failed(String),
 }
 
 /// The end of a link, to learn when and why its TCP connection ended without holding the
@@ -88,25 +109,163 @@ impl LinkEnd {
 }
 
 impl TcpLink {
-    /// Starts reading and writing `stream` on the current tokio runtime (the endpoint's:
-    /// the stream is registered with it).
+    /// Starts writing `stream` on the current tokio runtime (the endpoint's: the stream is
+    /// registered with it); quinn reads it.
     pub(crate) fn start(stream: TcpStream) -> io::Result<(Arc<Self>, LinkEnd)> {
         // Packets are batched here already; Nagle would only delay the last of a burst.
         stream.set_nodelay(true)?;
         let local = stream.local_addr()?;
         let peer = stream.peer_addr()?;
-        let (read, write) = stream.into_split();
+        let stream = Arc::new(stream);
         let shared = Arc::new(LinkShared::default());
-        let (packets, inbound) = mpsc::channel(INBOUND_PACKETS);
-        tokio::spawn(read_packets(read, packets, shared.clone()));
-        tokio::spawn(write_packets(write, shared.clone()));
+        tokio::spawn(write_queued(stream.clone(), shared.clone()));
         let link = Arc::new(Self {
+            stream,
             shared: shared.clone(),
-            inbound: Mutex::new(inbound),
+            reading: Mutex::default(),
             local,
             peer,
         });
         Ok((link, LinkEnd(shared)))
+    }
+
+    /// Reads whole packets into `bufs` (counting them in `filled`) until the socket has
+    /// nothing more or `bufs` are full.
+    fn read_packets(
+        &self,
+        reading: &mut Reading,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+        filled: &mut usize,
+    ) -> Result<(), ReadEnd> {
+        while let (Some(buf), Some(meta)) = (bufs.get_mut(*filled), meta.get_mut(*filled)) {
+            let length = match reading.partial.take() {
+                Some((length, mut body)) => {
+                    let before = body.len();
+                    body.resize(length, 0);
+                    let read = self.read_body(reading, &mut body[before..]);
+                    let Some(read) = read? else {
+                        body.truncate(before);
+                        reading.partial = Some((length, body));
+                        return Ok(());
+                    };
+                    if before + read < length {
+                        body.truncate(before + read);
+                        reading.partial = Some((length, body));
+                        continue;
+                    }
+                    copy_packet(buf, &body)?;
+                    length
+                }
+                None => {
+                    if reading.header_read < PACKET_LENGTH_BYTES {
+                        self.read_header(reading)?;
+                        if reading.header_read < PACKET_LENGTH_BYTES {
+                            return Ok(());
+                        }
+                    }
+                    let length = packet_length(reading.header).map_err(framing)?;
+                    reading.header_read = 0;
+                    let Some(target) = buf.get_mut(..length) else {
+                        return Err(ReadEnd::Failed(format!(
+                            "a packet of {length} bytes, more than the endpoint receives"
+                        )));
+                    };
+                    let read = self.read_body(reading, target)?.unwrap_or(0);
+                    if read < length {
+                        // Gathered in a buffer of its own: quinn's may be reused meanwhile.
+                        let mut body = Vec::with_capacity(length);
+                        body.extend_from_slice(&target[..read]);
+                        reading.partial = Some((length, body));
+                        continue;
+                    }
+                    length
+                }
+            };
+            *meta = RecvMeta {
+                addr: self.peer,
+                len: length,
+                stride: length,
+                ecn: None,
+                dst_ip: None,
+            };
+            *filled += 1;
+        }
+        Ok(())
+    }
+
+    /// Reads what has arrived of the rest of the next packet's length.
+    fn read_header(&self, reading: &mut Reading) -> Result<(), ReadEnd> {
+        let read = match self
+            .stream
+            .try_read(&mut reading.header[reading.header_read..])
+        {
+            Ok(0) if reading.header_read == 0 => return Err(ReadEnd::Closed),
+            Ok(0) => return Err(truncated(PACKET_LENGTH_BYTES - reading.header_read)),
+            Ok(read) => read,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+            Err(e) => return Err(ReadEnd::Failed(format!("reading the TCP connection: {e}"))),
+        };
+        reading.header_read += read;
+        Ok(())
+    }
+
+    /// Reads into `body` (the rest of a packet) and, in the same call, the next packet's
+    /// length if it has arrived too; how many bytes of `body` were read, `None` if none had
+    /// arrived.
+    fn read_body(&self, reading: &mut Reading, body: &mut [u8]) -> Result<Option<usize>, ReadEnd> {
+        let wanted = body.len();
+        let mut slices = [IoSliceMut::new(body), IoSliceMut::new(&mut reading.header)];
+        match self.stream.try_read_vectored(&mut slices) {
+            Ok(0) => Err(truncated(wanted)),
+            Ok(read) if read > wanted => {
+                reading.header_read = read - wanted;
+                Ok(Some(wanted))
+            }
+            Ok(read) => Ok(Some(read)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(ReadEnd::Failed(format!("reading the TCP connection: {e}"))),
+        }
+    }
+
+    /// Writes `packets` (framed) to the socket, or queues what it does not take at once.
+    fn send_packets<'a>(&self, outbound: &mut Outbound, packets: impl Iterator<Item = &'a [u8]>) {
+        let mut direct = outbound.bytes.is_empty() && !outbound.writing;
+        for packet in packets {
+            let Ok(length) = u16::try_from(packet.len()) else {
+                continue; // quinn never builds one; `frame_packet` would refuse it too.
+            };
+            let header = length.to_le_bytes();
+            if direct {
+                let slices = [IoSlice::new(&header), IoSlice::new(packet)];
+                match self.stream.try_write_vectored(&slices) {
+                    Ok(written) if written == header.len() + packet.len() => continue,
+                    Ok(written) => {
+                        // The rest waits in the queue, and every packet after it.
+                        direct = false;
+                        if written < header.len() {
+                            outbound.bytes.extend_from_slice(&header[written..]);
+                            outbound.bytes.extend_from_slice(packet);
+                        } else {
+                            outbound
+                                .bytes
+                                .extend_from_slice(&packet[written - header.len()..]);
+                        }
+                        continue;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => direct = false,
+                    Err(e) => {
+                        return fail(&self.shared, format!("writing the TCP connection: {e}"));
+                    }
+                }
+            }
+            if frame_packet(&mut outbound.bytes, packet).is_err() {
+                continue; // Empty or too long: never built by quinn.
+            }
+        }
+        if !outbound.bytes.is_empty() {
+            self.shared.queued.notify_one();
+        }
     }
 }
 
@@ -117,75 +276,43 @@ impl Drop for TcpLink {
     }
 }
 
-/// Reads packets into `packets` until the connection ends, the link is dropped, or the
-/// peer's framing is broken (the connection is then closed: no packet boundary can be found
-/// again, spec §16).
-async fn read_packets(
-    mut read: OwnedReadHalf,
-    packets: mpsc::Sender<Bytes>,
-    shared: Arc<LinkShared>,
-) {
-    let mut deframer = PacketDeframer::new();
-    let failure = loop {
-        let read = tokio::select! {
-            () = shared.ended.cancelled() => return,
-            read = read_some(&mut read, &mut deframer) => read,
-        };
-        match read {
-            Ok(0) => match deframer.finish() {
-                Ok(()) => break None,
-                Err(e) => break Some(e.to_string()),
-            },
-            Ok(_) => {}
-            Err(e) => break Some(format!("reading the TCP connection: {e}")),
-        }
-        loop {
-            match deframer.next_packet() {
-                Ok(Some(packet)) => {
-                    let sent = tokio::select! {
-                        () = shared.ended.cancelled() => return,
-                        sent = packets.send(packet) => sent,
-                    };
-                    if sent.is_err() {
-                        return;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => return fail(&shared, framing(&e)),
-            }
-        }
+/// Copies a gathered packet into quinn's buffer.
+fn copy_packet(buf: &mut [u8], packet: &[u8]) -> Result<(), ReadEnd> {
+    let Some(target) = buf.get_mut(..packet.len()) else {
+        return Err(ReadEnd::Failed(format!(
+            "a packet of {} bytes, more than the endpoint receives",
+            packet.len()
+        )));
     };
-    match failure {
-        Some(failure) => fail(&shared, failure),
-        None => shared.ended.cancel(),
-    }
+    target.copy_from_slice(packet);
+    Ok(())
 }
 
-/// Reads what has arrived into the deframer, with room for a whole packet.
-async fn read_some(read: &mut OwnedReadHalf, deframer: &mut PacketDeframer) -> io::Result<usize> {
-    let buffer = deframer.buffer();
-    buffer.reserve(MAX_TCP_PACKET + 2);
-    read.read_buf(buffer).await
+fn framing(error: FramingError) -> ReadEnd {
+    ReadEnd::Failed(format!(
+        "the peer broke the TCP binding's framing (spec §16): {error}"
+    ))
 }
 
-fn framing(error: &FramingError) -> String {
-    format!("the peer broke the TCP binding's framing (spec §16): {error}")
+fn truncated(missing: usize) -> ReadEnd {
+    framing(FramingError::Truncated { missing })
 }
 
-/// Writes queued packets until the link ends; then writes what is left, for up to
-/// [`FLUSH_GRACE`], and closes.
-async fn write_packets(mut write: OwnedWriteHalf, shared: Arc<LinkShared>) {
+/// Writes what the link queued until the link ends; then writes what is left, for up to
+/// [`FLUSH_GRACE`], and closes the sending direction.
+async fn write_queued(stream: Arc<TcpStream>, shared: Arc<LinkShared>) {
     loop {
-        let (bytes, waiting) = {
+        let (mut bytes, waiting) = {
             let mut outbound = lock(&shared.outbound);
             let bytes = outbound.bytes.split();
+            outbound.writing = !bytes.is_empty();
             (bytes, std::mem::take(&mut outbound.waiting))
         };
         // The queue is empty now: whoever waited for room may queue again.
         waiting.into_iter().for_each(Waker::wake);
         if bytes.is_empty() {
             if shared.ended.is_cancelled() {
-                let _ = write.shutdown().await;
+                let _ = socket2::SockRef::from(&*stream).shutdown(std::net::Shutdown::Write);
                 return;
             }
             shared.queued.notified().await;
@@ -195,11 +322,19 @@ async fn write_packets(mut write: OwnedWriteHalf, shared: Arc<LinkShared>) {
             shared.ended.cancelled().await;
             tokio::time::sleep(FLUSH_GRACE).await;
         };
-        tokio::select! {
-            written = write.write_all(&bytes) => if let Err(e) = written {
-                return fail(&shared, format!("writing the TCP connection: {e}"));
-            },
-            () = abandoned => return,
+        tokio::pin!(abandoned);
+        while !bytes.is_empty() {
+            tokio::select! {
+                ready = stream.writable() => {
+                    let written = ready.and_then(|()| stream.try_write(&bytes));
+                    match written {
+                        Ok(written) => bytes.advance(written),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(e) => return fail(&shared, format!("writing the TCP connection: {e}")),
+                    }
+                }
+                () = &mut abandoned => return,
+            }
         }
     }
 }
@@ -215,7 +350,7 @@ fn fail(shared: &LinkShared, why: String) {
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Byte queues and wakers: nothing a panic could leave half done.
+    // Byte queues, read positions and wakers: nothing a panic could leave half done.
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -235,12 +370,7 @@ impl AsyncUdpSocket for TcpLink {
             return Err(io::ErrorKind::WouldBlock.into());
         }
         let segment = transmit.segment_size.unwrap_or(transmit.contents.len());
-        for packet in transmit.contents.chunks(segment.max(1)) {
-            frame_packet(&mut outbound.bytes, packet)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        }
-        drop(outbound);
-        self.shared.queued.notify_one();
+        self.send_packets(&mut outbound, transmit.contents.chunks(segment.max(1)));
         Ok(())
     }
 
@@ -250,43 +380,34 @@ impl AsyncUdpSocket for TcpLink {
         bufs: &mut [IoSliceMut<'_>],
         meta: &mut [RecvMeta],
     ) -> Poll<io::Result<usize>> {
-        let mut inbound = lock(&self.inbound);
-        let mut filled = 0;
-        for (buf, meta) in bufs.iter_mut().zip(meta.iter_mut()) {
-            let packet = if filled == 0 {
-                match inbound.poll_recv(cx) {
-                    Poll::Ready(Some(packet)) => packet,
-                    // The link ended: no more packets, ever. quinn's idle timeout, or the
-                    // owner watching the link's end, closes the connection.
-                    Poll::Ready(None) | Poll::Pending => return Poll::Pending,
+        let mut reading = lock(&self.reading);
+        loop {
+            if self.shared.ended.is_cancelled() {
+                // No more packets, ever: quinn's idle timeout, or the owner watching the
+                // link's end, closes the connection.
+                return Poll::Pending;
+            }
+            let mut filled = 0;
+            let read = self.read_packets(&mut reading, bufs, meta, &mut filled);
+            if let Err(end) = read {
+                match end {
+                    ReadEnd::Closed => self.shared.ended.cancel(),
+                    ReadEnd::Failed(why) => fail(&self.shared, why),
                 }
-            } else {
-                match inbound.try_recv() {
-                    Ok(packet) => packet,
-                    Err(_) => break,
+            }
+            if filled > 0 {
+                return Poll::Ready(Ok(filled));
+            }
+            // Nothing had arrived: wait for the socket (a read that would block cleared its
+            // readiness, so this registers the waker), then read again.
+            match self.stream.poll_read_ready(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => {
+                    fail(&self.shared, format!("reading the TCP connection: {e}"));
                 }
-            };
-            // quinn's buffers hold its largest payload, which is at least the framing's
-            // largest packet; a longer one would be a bug, and is dropped rather than cut.
-            let Some(target) = buf.get_mut(..packet.len()) else {
-                continue;
-            };
-            target.copy_from_slice(&packet);
-            *meta = RecvMeta {
-                addr: self.peer,
-                len: packet.len(),
-                stride: packet.len(),
-                ecn: None,
-                dst_ip: None,
-            };
-            filled += 1;
+            }
         }
-        if filled == 0 {
-            // Every packet taken was dropped: look again.
-            cx.waker().wake_by_ref();
-            return Poll::Pending;
-        }
-        Poll::Ready(Ok(filled))
     }
 
     fn local_addr(&self) -> io::Result<SocketAddr> {
@@ -318,3 +439,6 @@ impl UdpPoller for RoomPoller {
         Poll::Pending
     }
 }
+
+/// The largest packet the link reads is the framing's largest.
+const _: () = assert!(MAX_TCP_PACKET <= u16::MAX as usize);

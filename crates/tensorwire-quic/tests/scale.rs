@@ -354,7 +354,8 @@ async fn a_client_that_changes_address_keeps_its_connection() {
     let mut config = receiver_config();
     config.endpoints = 4;
     let (mut rx, addr) = receiver(config).await;
-    let (endpoint, raw) = raw_endpoint_connection(addr, b"tensorwire/1")
+    // Migration exists only over UDP (spec §16).
+    let (endpoint, raw) = common::raw_udp_connection(addr, b"tensorwire/1")
         .await
         .unwrap();
     for moves in 0..4 {

@@ -128,9 +128,18 @@ async fn open_tcp(
     let runtime = EndpointRuntime::start(settings.endpoint_threads, CONNECTING_THREAD)?;
     let handle = runtime.handle.clone();
     let (endpoint, link) = settings.endpoint_over_tcp(stream, None, runtime)?;
-    let connection = endpoint
-        .connect_with(client, addr, &config.server_name)?
-        .await?;
+    let connecting = endpoint.connect_with(client, addr, &config.server_name)?;
+    // A TCP connection closed before the handshake is a refusal (the receiver's caps), not
+    // a silence to wait out.
+    let connection = tokio::select! {
+        connected = connecting => connected?,
+        () = link.ended() => {
+            return Err(TransportError::TcpClosed {
+                addr,
+                why: link.failure().unwrap_or_else(|| "closed".into()),
+            });
+        }
+    };
     // A lost TCP connection ends the QUIC connection now, not at its idle timeout.
     let watched = connection.clone();
     handle.spawn(async move {

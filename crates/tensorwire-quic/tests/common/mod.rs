@@ -152,6 +152,24 @@ pub async fn raw_connection_from(
         BindingChoice::Tcp => raw_tcp_endpoint(addr, from).await,
         _ => quinn::Endpoint::client(std::net::SocketAddr::new(from, 0)).unwrap(),
     };
+    raw_connection_on(endpoint, addr, alpn).await
+}
+
+/// As [`raw_endpoint_connection`], over UDP whatever [`test_binding`] says: for what only
+/// UDP has (connection migration).
+pub async fn raw_udp_connection(
+    addr: std::net::SocketAddr,
+    alpn: &[u8],
+) -> Result<(quinn::Endpoint, quinn::Connection), String> {
+    let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    raw_connection_on(endpoint, addr, alpn).await
+}
+
+async fn raw_connection_on(
+    endpoint: quinn::Endpoint,
+    addr: std::net::SocketAddr,
+    alpn: &[u8],
+) -> Result<(quinn::Endpoint, quinn::Connection), String> {
     let connecting = endpoint
         .connect_with(raw_client_config(addr, alpn), addr, "localhost")
         .unwrap();
