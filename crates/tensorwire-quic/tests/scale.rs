@@ -10,8 +10,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::{
-    assert_budget_returned, cancel_code, land_host, pattern, raw_endpoint_connection, receiver,
-    receiver_config, sender, u8_meta,
+    assert_budget_returned, cancel_code, land_host, pattern, receiver, receiver_config, sender,
+    u8_meta,
 };
 use tensorwire_quic::proto::{ErrorCode, Frame, FrameDecoder, Limits};
 use tensorwire_quic::{Sender, Steering};
