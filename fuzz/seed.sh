@@ -34,4 +34,16 @@ while IFS=';' read -r client _; do
   done
   n=$((n + 1))
 done < ../spec/vectors/versions.txt
+mkdir -p corpus/tcp_framing
+# A split-step byte, then a case's bytes (spec/vectors/tcp_framing.txt).
+n=0
+while IFS=';' read -r bytes _; do
+  case "$bytes" in '#'*|'') continue ;; esac
+  bytes=$(echo "$bytes" | tr -d ' ')
+  [ "$bytes" = - ] && bytes=
+  for step in 00 02; do
+    { printf "\\x$step"; printf '%s' "$bytes" | xxd -r -p; } > "corpus/tcp_framing/seed-$n-$step"
+  done
+  n=$((n + 1))
+done < ../spec/vectors/tcp_framing.txt
 echo "seeded $(ls corpus/exec_message | wc -l) exec messages; $(ls corpus/frame_decoder | wc -l) + $(ls corpus/receiver_state | wc -l) + $(ls corpus/session_ops | wc -l) inputs"

@@ -435,3 +435,36 @@ pub fn negotiate_versions(data: &[u8]) {
         assert!(chosen <= server, "{chosen} chosen by a {server} server");
     }
 }
+
+/// The TCP binding's framing (spec §16): arbitrary bytes after a split-step byte, fed in
+/// pieces of that step, yield packets that frame back to exactly the bytes consumed, or a
+/// framing error; the deframer never holds more than one packet and its length beyond what
+/// it was last given.
+pub fn deframe_round_trip(data: &[u8]) {
+    use crate::tcp_framing::{MAX_TCP_PACKET, PACKET_LENGTH_BYTES, PacketDeframer, frame_packet};
+    let Some((&seed, input)) = data.split_first() else {
+        return;
+    };
+    let step = usize::from(seed) * 61 + 1;
+    let mut deframer = PacketDeframer::new();
+    let mut reframed = BytesMut::new();
+    let mut fed = 0;
+    while fed < input.len() {
+        let next = (fed + step).min(input.len());
+        deframer.push(&input[fed..next]);
+        fed = next;
+        loop {
+            match deframer.next_packet() {
+                Ok(Some(packet)) => {
+                    assert!(!packet.is_empty() && packet.len() <= MAX_TCP_PACKET);
+                    frame_packet(&mut reframed, &packet).expect("a deframed packet frames");
+                }
+                Ok(None) => break,
+                Err(_) => return,
+            }
+        }
+        assert!(deframer.buffered() < PACKET_LENGTH_BYTES + MAX_TCP_PACKET);
+        assert_eq!(&reframed[..], &input[..fed - deframer.buffered()]);
+    }
+    let _ = deframer.finish();
+}

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use tensorwire_proto::fuzzing::{decode_round_trip, receiver_ops, session_ops};
+use tensorwire_proto::fuzzing::{decode_round_trip, deframe_round_trip, receiver_ops, session_ops};
 
 fn replay(dir: &Path, run: fn(&[u8])) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -44,6 +44,12 @@ fn past_crashes_stay_fixed() {
 #[test]
 fn the_receiver_state_corpus_replays_cleanly() {
     let n = replay(&root().join("fuzz/corpus/receiver_state"), receiver_ops);
+    assert!(n >= 16, "only {n} corpus inputs: run fuzz/seed.sh");
+}
+
+#[test]
+fn the_tcp_framing_corpus_replays_cleanly() {
+    let n = replay(&root().join("fuzz/corpus/tcp_framing"), deframe_round_trip);
     assert!(n >= 16, "only {n} corpus inputs: run fuzz/seed.sh");
 }
 
