@@ -91,6 +91,10 @@ done
 echo "== GPU landing again over the TCP binding"
 TENSORWIRE_TEST_BINDING=tcp timeout 300 "$here/tests/gpu" --test-threads 1 2>&1 | tee "$logs/test-gpu-over-tcp.log"
 check "${PIPESTATUS[0]}" "test gpu over TCP"
+echo "== remote execution again over the TCP binding"
+TENSORWIRE_TEST_BINDING=tcp timeout 300 "$here/tests/exec-programs" --test-threads 1 2>&1 \
+  | tee "$logs/test-exec-programs-over-tcp.log"
+check "${PIPESTATUS[0]}" "test exec-programs over TCP"
 echo "== demo --require-gpu"
 "$here/bin/demo" --require-gpu 2>&1 | tee "$logs/demo.log"
 check "${PIPESTATUS[0]}" "demo --require-gpu"

@@ -89,21 +89,28 @@ impl Server {
         Server { child, addr }
     }
 
+    /// Runs `tensorwire-exec` against the server; unless `args` choose, over the binding
+    /// `TENSORWIRE_TEST_BINDING` names (`quic`, `tcp` or `auto`; the program's default, auto,
+    /// when unset).
     fn exec(&self, args: &[&str]) -> Output {
-        Command::new(exec_bin())
-            .args(["--connect", &self.addr])
-            .args(args)
-            .output()
-            .unwrap()
+        let mut command = Command::new(exec_bin());
+        command.args(["--connect", &self.addr]);
+        if let Ok(binding) = std::env::var("TENSORWIRE_TEST_BINDING") {
+            if !args.contains(&"--transport") {
+                command.args(["--transport", &binding]);
+            }
+        }
+        command.args(args).output().unwrap()
     }
 
     async fn client(&self) -> ExecClient {
-        ExecClient::connect(
-            self.addr.parse().unwrap(),
-            SenderConfig::new(ClientTls::Development),
-        )
-        .await
-        .unwrap()
+        let mut config = SenderConfig::new(ClientTls::Development);
+        if let Ok(binding) = std::env::var("TENSORWIRE_TEST_BINDING") {
+            config.binding = binding.parse().unwrap();
+        }
+        ExecClient::connect(self.addr.parse().unwrap(), config)
+            .await
+            .unwrap()
     }
 }
 
@@ -201,6 +208,13 @@ fn without_a_gpu_the_server_answers_info_and_refuses_runs_with_a_reason() {
     let (stdout, stderr) = text(&info);
     assert!(info.status.success(), "{stderr}");
     assert!(stdout.contains("exec: disabled: no GPU"), "{stdout}");
+    // The same answer over TCP (spec §16).
+    let over_tcp = server.exec(&["--transport", "tcp", "info"]);
+    assert!(
+        text(&over_tcp).0.contains("exec: disabled: no GPU"),
+        "{:?}",
+        text(&over_tcp)
+    );
     let health = server.exec(&["health"]);
     assert!(
         text(&health).0.contains("workers: 0"),

@@ -20,7 +20,7 @@ use anyhow::{Context, bail};
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 use tensorwire::exec::{ExecClient, ExecError, ExecReply, Module, Run, RunOutput};
 use tensorwire::proto::{Blame, DType};
-use tensorwire::quic::SenderConfig;
+use tensorwire::quic::{BindingChoice, SenderConfig};
 use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, size};
 use tensorwire_examples::files::{parse_shape, read_npy, write_npy};
 
@@ -31,6 +31,10 @@ struct Args {
     /// The receiver (started with --allow-exec).
     #[arg(long, default_value = "127.0.0.1:7000", value_parser = tensorwire_examples::cli::address)]
     connect: SocketAddr,
+    /// How to reach the receiver: quic (over UDP), tcp (QUIC over TCP), or auto (UDP, and
+    /// TCP too if UDP completes no handshake within a second).
+    #[arg(long = "transport", default_value = "auto")]
+    binding: BindingChoice,
     #[command(flatten)]
     tls: ClientTlsArgs,
     #[command(flatten)]
@@ -123,6 +127,7 @@ async fn run(args: Args, matches: &ArgMatches) -> anyhow::Result<()> {
     let mut config = SenderConfig::new(args.tls.tls());
     config.server_name = args.tls.server_name.clone();
     config.transport = args.transport.settings(args.connect);
+    config.binding = args.binding;
     let client = ExecClient::connect(args.connect, config)
         .await
         .with_context(|| format!("connecting to {}", args.connect))?;
