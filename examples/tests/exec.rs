@@ -95,10 +95,10 @@ impl Server {
     fn exec(&self, args: &[&str]) -> Output {
         let mut command = Command::new(exec_bin());
         command.args(["--connect", &self.addr]);
-        if let Ok(binding) = std::env::var("TENSORWIRE_TEST_BINDING") {
-            if !args.contains(&"--transport") {
-                command.args(["--transport", &binding]);
-            }
+        if let Ok(binding) = std::env::var("TENSORWIRE_TEST_BINDING")
+            && !args.contains(&"--transport")
+        {
+            command.args(["--transport", &binding]);
         }
         command.args(args).output().unwrap()
     }
