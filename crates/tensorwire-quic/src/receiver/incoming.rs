@@ -29,7 +29,7 @@ pub struct IncomingTensor {
     pub(super) ended: Ended,
     /// The connection it came on and its session, to send tensors back.
     pub(super) connection: quinn::Connection,
-    pub(super) binding: crate::Binding,
+    pub(super) binding: crate::binding::Binding,
     pub(super) session: ConnectionSession,
     /// Where the connection's work runs (its endpoint's runtime), for tensors sent back.
     pub(super) runtime: tokio::runtime::Handle,
@@ -91,8 +91,11 @@ impl IncomingTensor {
     /// either endpoint may open tensor streams) under the peer's credit, with `config`'s
     /// chunk size and progress timeout. The peer receives them with
     /// [`Connection::incoming`](crate::Connection::incoming).
-    pub fn connection(&self, config: &crate::SenderConfig) -> crate::Connection {
-        crate::Connection::accepted(
+    pub fn connection(
+        &self,
+        config: &crate::config::SenderConfig,
+    ) -> crate::connection::Connection {
+        crate::connection::Connection::accepted(
             self.connection.clone(),
             self.binding,
             self.session.clone(),

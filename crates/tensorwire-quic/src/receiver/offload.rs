@@ -27,9 +27,9 @@ use tokio::sync::mpsc;
 use tokio::task::JoinError;
 use tokio_util::task::AbortOnDropHandle;
 
-use crate::EndpointThreads;
 use crate::config::StoreOffload;
 use crate::error::TransportError;
+use crate::runtime::EndpointThreads;
 
 /// DATA handed to a tensor's stores off its thread and not yet taken up: with the payload
 /// being stored, at most this many plus one are held in the queue at once (each under its
