@@ -3,7 +3,7 @@
 //! error; framing the packets gives the bytes back.
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
-use std::path::Path;
+mod common;
 
 use bytes::BytesMut;
 use tensorwire_proto::{FramingError, MAX_TCP_PACKET, PacketDeframer, frame_packet};
@@ -45,17 +45,10 @@ fn deframe(bytes: &[u8], piece: usize) -> (Vec<Vec<u8>>, Option<FramingError>) {
 
 #[test]
 fn every_stored_case_deframes_as_documented() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../spec/vectors/tcp_framing.txt");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let mut cases = 0;
-    for line in text
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-    {
-        let fields: Vec<&str> = line.split(';').map(str::trim).collect();
-        let [bytes, packets, error] = fields[..] else {
-            panic!("not three fields: {line}");
-        };
+    let cases = common::text_cases("tcp_framing.txt", 3);
+    assert!(cases.len() >= 8, "only {} cases", cases.len());
+    for case in &cases {
+        let [bytes, packets, error] = [&case[0], &case[1], &case[2]].map(String::as_str);
         let bytes = hex(bytes);
         let expected: Vec<Vec<u8>> = match packets {
             "-" => Vec::new(),
@@ -63,19 +56,21 @@ fn every_stored_case_deframes_as_documented() {
         };
         for piece in [bytes.len(), 1] {
             let (packets, got) = deframe(&bytes, piece);
-            assert_eq!(packets, expected, "{line} (pieces of {piece})");
-            assert_eq!(got.as_ref().map(error_name).unwrap_or("-"), error, "{line}");
+            assert_eq!(packets, expected, "{case:?} (pieces of {piece})");
+            assert_eq!(
+                got.as_ref().map(error_name).unwrap_or("-"),
+                error,
+                "{case:?}"
+            );
         }
         if error == "-" {
             let mut framed = BytesMut::new();
             for packet in &expected {
                 frame_packet(&mut framed, packet).unwrap();
             }
-            assert_eq!(framed.to_vec(), bytes, "{line}");
+            assert_eq!(framed.to_vec(), bytes, "{case:?}");
         }
-        cases += 1;
     }
-    assert!(cases >= 8, "only {cases} cases");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! which means the stored version; this version's own offers are those the spec lists.
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
-use std::path::Path;
+mod common;
 
 use tensorwire_proto::{Feature, Version};
 
@@ -15,22 +15,16 @@ fn offers(list: &str) -> Vec<Vec<u8>> {
 
 #[test]
 fn every_stored_case_selects_its_version() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../spec/vectors/versions.txt");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let mut cases = 0;
-    for line in text
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-    {
-        let fields: Vec<&str> = line.split(';').map(str::trim).collect();
-        let [client, server, selected, version] = fields[..] else {
-            panic!("not four fields: {line}");
-        };
+    let cases = common::text_cases("versions.txt", 4);
+    assert!(cases.len() >= 8, "only {} cases", cases.len());
+    for case in &cases {
+        let [client, server, selected, version] =
+            [&case[0], &case[1], &case[2], &case[3]].map(String::as_str);
         let (client, server) = (offers(client), offers(server));
         let chosen = server.iter().find(|id| client.contains(id));
         match selected {
-            "-" => assert_eq!(chosen, None, "{line}"),
-            id => assert_eq!(chosen.map(Vec::as_slice), Some(id.as_bytes()), "{line}"),
+            "-" => assert_eq!(chosen, None, "{case:?}"),
+            id => assert_eq!(chosen.map(Vec::as_slice), Some(id.as_bytes()), "{case:?}"),
         }
         let parsed = chosen.and_then(|id| Version::from_alpn(id));
         assert_eq!(
@@ -39,11 +33,9 @@ fn every_stored_case_selects_its_version() {
                 "-" => None,
                 v => Some(v),
             },
-            "{line}"
+            "{case:?}"
         );
-        cases += 1;
     }
-    assert!(cases >= 8, "only {cases} cases");
 }
 
 #[test]

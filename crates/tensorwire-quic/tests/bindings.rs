@@ -34,6 +34,14 @@ async fn send_and_land(sender: &Sender, rx: &mut Receiver, lens: &[usize]) {
     }
 }
 
+/// A tensor of `len` bytes from a new sender over TCP lands intact at `rx`.
+async fn lands_over_tcp(addr: SocketAddr, rx: &mut Receiver, len: usize) {
+    let sender = Sender::connect(addr, sender_config(BindingChoice::Tcp))
+        .await
+        .unwrap();
+    send_and_land(&sender, rx, &[len]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tensors_arrive_over_tcp_as_over_udp() {
     init_tracing();
@@ -63,6 +71,24 @@ async fn auto_keeps_udp_where_it_answers() {
     assert_eq!(sender.binding(), Binding::Udp);
     send_and_land(&sender, &mut rx, &[1000]).await;
     assert_eq!(rx.connections()[0].binding, Binding::Udp);
+}
+
+/// A pool under `Auto` lets its first connection find the binding and opens the others
+/// over it: with UDP silent, every connection goes over TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_opens_every_connection_over_what_its_first_found() {
+    let mut config = receiver_config();
+    config.listening = Listening::Tcp;
+    let (mut rx, addr) = receiver(config).await;
+    let pool = tensorwire_quic::SenderPool::connect(addr, sender_config(BindingChoice::Auto), 3)
+        .await
+        .unwrap();
+    assert_eq!((pool.connections(), pool.binding()), (3, Binding::Tcp));
+    let sending = pool.send(u8_meta("pooled", 4096), pattern(4096, 9));
+    land_host(rx.next().await.unwrap()).await;
+    sending.finished().await.unwrap();
+    let bindings: Vec<Binding> = rx.connections().iter().map(|c| c.binding).collect();
+    assert_eq!(bindings, [Binding::Tcp; 3]);
 }
 
 /// UDP silent (a receiver on TCP only answers nothing over UDP, as a firewall that drops
@@ -152,10 +178,7 @@ async fn broken_framing_and_silence_close_the_tcp_connection() {
     assert!(closed_within(&mut broken, Duration::from_secs(5)).await);
     let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
     assert!(closed_within(&mut silent, Duration::from_secs(10)).await);
-    let sender = Sender::connect(addr, sender_config(BindingChoice::Tcp))
-        .await
-        .unwrap();
-    send_and_land(&sender, &mut rx, &[777]).await;
+    lands_over_tcp(addr, &mut rx, 777).await;
 }
 
 /// TCP connections that have not started a handshake are capped per peer (spec §10, §16):
@@ -176,10 +199,7 @@ async fn silent_tcp_connections_are_capped_per_peer() {
     let mut third = silent().await;
     assert!(closed_within(&mut third, Duration::from_secs(5)).await);
     assert!(!closed_within(&mut first, Duration::from_millis(300)).await);
-    let sender = Sender::connect(addr, sender_config(BindingChoice::Tcp))
-        .await
-        .unwrap();
-    send_and_land(&sender, &mut rx, &[4096]).await;
+    lands_over_tcp(addr, &mut rx, 4096).await;
 }
 
 /// One QUIC connection per TCP connection (spec §16): a second one on the same TCP
