@@ -20,9 +20,8 @@ use std::time::Duration;
 use bytes::{Buf, BytesMut};
 use quinn::udp::{RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, UdpPoller};
-use tensorwire_proto::{
-    FramingError, MAX_TCP_PACKET, PACKET_LENGTH_BYTES, frame_packet, packet_length,
-};
+use smallvec::SmallVec;
+use tensorwire_proto::{FramingError, MAX_TCP_PACKET, PACKET_LENGTH_BYTES, packet_length};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -228,39 +227,37 @@ impl TcpLink {
         }
     }
 
-    /// Writes `packets` (framed) to the socket, or queues what it does not take at once.
-    fn send_packets<'a>(&self, outbound: &mut Outbound, packets: impl Iterator<Item = &'a [u8]>) {
-        let mut direct = outbound.bytes.is_empty() && !outbound.writing;
-        for packet in packets {
-            let Ok(length) = u16::try_from(packet.len()) else {
-                continue; // quinn never builds one; `frame_packet` would refuse it too.
-            };
-            let header = length.to_le_bytes();
-            if direct {
-                let slices = [IoSlice::new(&header), IoSlice::new(packet)];
-                match self.stream.try_write_vectored(&slices) {
-                    Ok(written) if written == header.len() + packet.len() => continue,
-                    Ok(written) => {
-                        // The rest waits in the queue, and every packet after it.
-                        direct = false;
-                        if written < header.len() {
-                            outbound.bytes.extend_from_slice(&header[written..]);
-                            outbound.bytes.extend_from_slice(packet);
-                        } else {
-                            outbound
-                                .bytes
-                                .extend_from_slice(&packet[written - header.len()..]);
-                        }
-                        continue;
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => direct = false,
-                    Err(e) => {
-                        return fail(&self.shared, format!("writing the TCP connection: {e}"));
-                    }
-                }
+    /// Writes `packets` (framed) to the socket in one call, or queues what it does not take
+    /// at once.
+    fn send_packets(&self, outbound: &mut Outbound, packets: &[&[u8]]) {
+        // quinn builds no packet that the framing refuses; one would be dropped here.
+        let framed: SmallVec<[([u8; PACKET_LENGTH_BYTES], &[u8]); SEGMENTS_PER_TRANSMIT]> = packets
+            .iter()
+            .filter(|packet| !packet.is_empty() && packet.len() <= MAX_TCP_PACKET)
+            .filter_map(|&packet| Some((u16::try_from(packet.len()).ok()?.to_le_bytes(), packet)))
+            .collect();
+        let mut written = 0;
+        if outbound.bytes.is_empty() && !outbound.writing {
+            let slices: SmallVec<[IoSlice<'_>; 2 * SEGMENTS_PER_TRANSMIT]> = framed
+                .iter()
+                .flat_map(|(header, packet)| [IoSlice::new(header), IoSlice::new(packet)])
+                .collect();
+            match self.stream.try_write_vectored(&slices) {
+                Ok(taken) => written = taken,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return fail(&self.shared, format!("writing the TCP connection: {e}")),
             }
-            if frame_packet(&mut outbound.bytes, packet).is_err() {
-                continue; // Empty or too long: never built by quinn.
+        }
+        // What the socket did not take waits in the queue, in order.
+        let mut skip = written;
+        for (header, packet) in &framed {
+            for part in [&header[..], packet] {
+                if skip >= part.len() {
+                    skip -= part.len();
+                } else {
+                    outbound.bytes.extend_from_slice(&part[skip..]);
+                    skip = 0;
+                }
             }
         }
         if !outbound.bytes.is_empty() {
@@ -370,7 +367,9 @@ impl AsyncUdpSocket for TcpLink {
             return Err(io::ErrorKind::WouldBlock.into());
         }
         let segment = transmit.segment_size.unwrap_or(transmit.contents.len());
-        self.send_packets(&mut outbound, transmit.contents.chunks(segment.max(1)));
+        let packets: SmallVec<[&[u8]; SEGMENTS_PER_TRANSMIT]> =
+            transmit.contents.chunks(segment.max(1)).collect();
+        self.send_packets(&mut outbound, &packets);
         Ok(())
     }
 
