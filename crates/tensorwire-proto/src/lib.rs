@@ -102,7 +102,8 @@ pub use session::{
 };
 pub use stream_clock::DECISION_GRACE;
 pub use tcp_framing::{
-    FramingError, MAX_TCP_PACKET, PACKET_LENGTH_BYTES, PacketDeframer, frame_packet, packet_length,
+    FramingError, MAX_TCP_PACKET, PACKET_LENGTH_BYTES, PacketDeframer, frame_packet, packet_header,
+    packet_length,
 };
 pub use turn::TurnTicket;
 pub use version::{Feature, Version};

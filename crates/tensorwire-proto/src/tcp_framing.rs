@@ -36,11 +36,16 @@ pub enum FramingError {
 
 /// Appends `packet`, framed, to `out`.
 pub fn frame_packet(out: &mut BytesMut, packet: &[u8]) -> Result<(), FramingError> {
-    let length = check_length(packet.len())?;
+    let header = packet_header(packet.len())?;
     out.reserve(PACKET_LENGTH_BYTES + packet.len());
-    out.put_u16_le(length);
+    out.put_slice(&header);
     out.put_slice(packet);
     Ok(())
+}
+
+/// The length bytes that go before a packet of `length` bytes, if a packet may have it.
+pub fn packet_header(length: usize) -> Result<[u8; PACKET_LENGTH_BYTES], FramingError> {
+    Ok(check_length(length)?.to_le_bytes())
 }
 
 /// The length a packet's two length bytes announce, if a packet may have it.

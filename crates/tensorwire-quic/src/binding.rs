@@ -38,6 +38,16 @@ pub enum BindingChoice {
     Auto,
 }
 
+impl From<Binding> for BindingChoice {
+    /// The choice of exactly `binding`.
+    fn from(binding: Binding) -> Self {
+        match binding {
+            Binding::Udp => Self::Udp,
+            Binding::Tcp => Self::Tcp,
+        }
+    }
+}
+
 /// How long [`BindingChoice::Auto`] waits for a UDP handshake before it tries TCP beside it.
 pub const UDP_HEAD_START: Duration = Duration::from_millis(1000);
 

@@ -138,14 +138,7 @@ impl TransportSettings {
         sharing: PortSharing,
     ) -> Result<socket2::Socket, TransportError> {
         self.validate()?;
-        let socket = socket2::Socket::new(
-            socket2::Domain::for_address(addr),
-            socket2::Type::DGRAM,
-            Some(socket2::Protocol::UDP),
-        )?;
-        if addr.is_ipv6() {
-            socket.set_only_v6(false)?;
-        }
+        let socket = socket_for(addr, socket2::Type::DGRAM, socket2::Protocol::UDP)?;
         if sharing == PortSharing::ReusePort {
             // Linux admits only sockets of the same effective user to the group.
             socket.set_reuse_port(true)?;
@@ -226,6 +219,20 @@ impl TransportSettings {
             quinn::Endpoint::new_with_abstract_socket(endpoint, server, link, runtime.quinn)?;
         Ok((endpoint, end))
     }
+}
+
+/// An unbound socket of `kind` for `addr`'s family; on IPv6, dual-stack, so that `[::]`
+/// serves IPv4 peers too.
+pub(crate) fn socket_for(
+    addr: SocketAddr,
+    kind: socket2::Type,
+    protocol: socket2::Protocol,
+) -> std::io::Result<socket2::Socket> {
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), kind, Some(protocol))?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(false)?;
+    }
+    Ok(socket)
 }
 
 /// Attaches connection-ID steering to a bound reuse-port group; `None`, logged, where the

@@ -21,7 +21,7 @@ use bytes::{Buf, BytesMut};
 use quinn::udp::{RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, UdpPoller};
 use smallvec::SmallVec;
-use tensorwire_proto::{FramingError, MAX_TCP_PACKET, PACKET_LENGTH_BYTES, packet_length};
+use tensorwire_proto::{FramingError, PACKET_LENGTH_BYTES, packet_header, packet_length};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -78,8 +78,10 @@ struct Reading {
     /// The next packet's length bytes, `header_read` of them read.
     header: [u8; PACKET_LENGTH_BYTES],
     header_read: usize,
-    /// A packet that arrived in part: its length, and what arrived of it.
-    partial: Option<(usize, Vec<u8>)>,
+    /// The length of a packet that arrived in part (0: none), and what arrived of it. The
+    /// buffer is kept for the next such packet.
+    gathering: usize,
+    gathered: Vec<u8>,
 }
 
 /// How reading ended.
@@ -138,48 +140,41 @@ impl TcpLink {
         filled: &mut usize,
     ) -> Result<(), ReadEnd> {
         while let (Some(buf), Some(meta)) = (bufs.get_mut(*filled), meta.get_mut(*filled)) {
-            let length = match reading.partial.take() {
-                Some((length, mut body)) => {
-                    let before = body.len();
-                    body.resize(length, 0);
-                    let read = self.read_body(reading, &mut body[before..]);
-                    let Some(read) = read? else {
-                        body.truncate(before);
-                        reading.partial = Some((length, body));
+            let length = if reading.gathering > 0 {
+                // A packet that arrived in pieces: go on gathering it.
+                let (length, had) = (reading.gathering, reading.gathered.len());
+                reading.gathered.resize(length, 0);
+                let read = self.read_body(
+                    &mut reading.header,
+                    &mut reading.header_read,
+                    &mut reading.gathered[had..],
+                )?;
+                reading.gathered.truncate(had + read);
+                if had + read < length {
+                    if read == 0 {
                         return Ok(());
-                    };
-                    if before + read < length {
-                        body.truncate(before + read);
-                        reading.partial = Some((length, body));
-                        continue;
                     }
-                    copy_packet(buf, &body)?;
-                    length
+                    continue;
                 }
-                None => {
-                    if reading.header_read < PACKET_LENGTH_BYTES {
-                        self.read_header(reading)?;
-                        if reading.header_read < PACKET_LENGTH_BYTES {
-                            return Ok(());
-                        }
-                    }
-                    let length = packet_length(reading.header).map_err(framing)?;
-                    reading.header_read = 0;
-                    let Some(target) = buf.get_mut(..length) else {
-                        return Err(ReadEnd::Failed(format!(
-                            "a packet of {length} bytes, more than the endpoint receives"
-                        )));
-                    };
-                    let read = self.read_body(reading, target)?.unwrap_or(0);
-                    if read < length {
-                        // Gathered in a buffer of its own: quinn's may be reused meanwhile.
-                        let mut body = Vec::with_capacity(length);
-                        body.extend_from_slice(&target[..read]);
-                        reading.partial = Some((length, body));
-                        continue;
-                    }
-                    length
+                room(buf, length)?.copy_from_slice(&reading.gathered);
+                reading.gathered.clear();
+                reading.gathering = 0;
+                length
+            } else {
+                if !self.read_header(reading)? {
+                    return Ok(());
                 }
+                let length = packet_length(reading.header).map_err(framing)?;
+                reading.header_read = 0;
+                let target = room(buf, length)?;
+                let read = self.read_body(&mut reading.header, &mut reading.header_read, target)?;
+                if read < length {
+                    // Gathered apart: quinn may reuse its buffer before the rest arrives.
+                    reading.gathered.extend_from_slice(&target[..read]);
+                    reading.gathering = length;
+                    continue;
+                }
+                length
             };
             *meta = RecvMeta {
                 addr: self.peer,
@@ -193,37 +188,42 @@ impl TcpLink {
         Ok(())
     }
 
-    /// Reads what has arrived of the rest of the next packet's length.
-    fn read_header(&self, reading: &mut Reading) -> Result<(), ReadEnd> {
-        let read = match self
-            .stream
-            .try_read(&mut reading.header[reading.header_read..])
-        {
-            Ok(0) if reading.header_read == 0 => return Err(ReadEnd::Closed),
-            Ok(0) => return Err(truncated(PACKET_LENGTH_BYTES - reading.header_read)),
-            Ok(read) => read,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
-            Err(e) => return Err(ReadEnd::Failed(format!("reading the TCP connection: {e}"))),
-        };
-        reading.header_read += read;
-        Ok(())
+    /// Reads what has arrived of the next packet's length; whether it is all in.
+    fn read_header(&self, reading: &mut Reading) -> Result<bool, ReadEnd> {
+        if reading.header_read < PACKET_LENGTH_BYTES {
+            match self
+                .stream
+                .try_read(&mut reading.header[reading.header_read..])
+            {
+                Ok(0) if reading.header_read == 0 => return Err(ReadEnd::Closed),
+                Ok(0) => return Err(truncated(PACKET_LENGTH_BYTES - reading.header_read)),
+                Ok(read) => reading.header_read += read,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(failed_read(&e)),
+            }
+        }
+        Ok(reading.header_read == PACKET_LENGTH_BYTES)
     }
 
     /// Reads into `body` (the rest of a packet) and, in the same call, the next packet's
-    /// length if it has arrived too; how many bytes of `body` were read, `None` if none had
-    /// arrived.
-    fn read_body(&self, reading: &mut Reading, body: &mut [u8]) -> Result<Option<usize>, ReadEnd> {
+    /// length into `next` (counted in `next_read`) if it has arrived too; how many bytes of
+    /// `body` were read (0: none had arrived).
+    fn read_body(
+        &self,
+        next: &mut [u8; PACKET_LENGTH_BYTES],
+        next_read: &mut usize,
+        body: &mut [u8],
+    ) -> Result<usize, ReadEnd> {
         let wanted = body.len();
-        let mut slices = [IoSliceMut::new(body), IoSliceMut::new(&mut reading.header)];
+        let mut slices = [IoSliceMut::new(body), IoSliceMut::new(next)];
         match self.stream.try_read_vectored(&mut slices) {
             Ok(0) => Err(truncated(wanted)),
-            Ok(read) if read > wanted => {
-                reading.header_read = read - wanted;
-                Ok(Some(wanted))
+            Ok(read) => {
+                *next_read = read.saturating_sub(wanted);
+                Ok(read.min(wanted))
             }
-            Ok(read) => Ok(Some(read)),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
-            Err(e) => Err(ReadEnd::Failed(format!("reading the TCP connection: {e}"))),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+            Err(e) => Err(failed_read(&e)),
         }
     }
 
@@ -233,8 +233,7 @@ impl TcpLink {
         // quinn builds no packet that the framing refuses; one would be dropped here.
         let framed: SmallVec<[([u8; PACKET_LENGTH_BYTES], &[u8]); SEGMENTS_PER_TRANSMIT]> = packets
             .iter()
-            .filter(|packet| !packet.is_empty() && packet.len() <= MAX_TCP_PACKET)
-            .filter_map(|&packet| Some((u16::try_from(packet.len()).ok()?.to_le_bytes(), packet)))
+            .filter_map(|&packet| Some((packet_header(packet.len()).ok()?, packet)))
             .collect();
         let mut written = 0;
         if outbound.bytes.is_empty() && !outbound.writing {
@@ -273,16 +272,17 @@ impl Drop for TcpLink {
     }
 }
 
-/// Copies a gathered packet into quinn's buffer.
-fn copy_packet(buf: &mut [u8], packet: &[u8]) -> Result<(), ReadEnd> {
-    let Some(target) = buf.get_mut(..packet.len()) else {
-        return Err(ReadEnd::Failed(format!(
-            "a packet of {} bytes, more than the endpoint receives",
-            packet.len()
-        )));
-    };
-    target.copy_from_slice(packet);
-    Ok(())
+/// The first `length` bytes of quinn's buffer, which holds its largest packet.
+fn room(buf: &mut [u8], length: usize) -> Result<&mut [u8], ReadEnd> {
+    buf.get_mut(..length).ok_or_else(|| {
+        ReadEnd::Failed(format!(
+            "a packet of {length} bytes, more than the endpoint receives"
+        ))
+    })
+}
+
+fn failed_read(error: &io::Error) -> ReadEnd {
+    ReadEnd::Failed(format!("reading the TCP connection: {error}"))
 }
 
 fn framing(error: FramingError) -> ReadEnd {
@@ -438,6 +438,3 @@ impl UdpPoller for RoomPoller {
         Poll::Pending
     }
 }
-
-/// The largest packet the link reads is the framing's largest.
-const _: () = assert!(MAX_TCP_PACKET <= u16::MAX as usize);

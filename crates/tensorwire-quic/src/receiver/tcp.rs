@@ -17,21 +17,16 @@ use super::Shared;
 use super::connection::serve_connection;
 use super::incoming::IncomingTensor;
 use crate::binding::Binding;
+use crate::endpoint::socket_for;
 use crate::error::TransportError;
 use crate::runtime::EndpointRuntime;
 use crate::steering::ConnectionSlot;
+use crate::tcp_link::LinkEnd;
 use crate::transport::TransportSettings;
 
 /// Binds a TCP listener on `addr` (the UDP endpoints' address and port).
 pub(super) fn listen(addr: SocketAddr) -> Result<TcpListener, std::io::Error> {
-    let socket = socket2::Socket::new(
-        socket2::Domain::for_address(addr),
-        socket2::Type::STREAM,
-        Some(socket2::Protocol::TCP),
-    )?;
-    if addr.is_ipv6() {
-        socket.set_only_v6(false)?;
-    }
+    let socket = socket_for(addr, socket2::Type::STREAM, socket2::Protocol::TCP)?;
     // A restarted receiver binds its port again while the last one's connections linger.
     socket.set_reuse_address(true)?;
     socket.set_nonblocking(true)?;
@@ -192,7 +187,7 @@ impl Link {
     ) -> Result<(), TransportError> {
         let (endpoint, link) =
             self.settings
-                .endpoint_over_tcp(stream, Some(self.server), runtime)?;
+                .endpoint_over_tcp(stream, Some(self.server.clone()), runtime)?;
         let id = LINK_IDS.fetch_add(1, Ordering::Relaxed);
         shared.tcp_endpoints.insert(id, endpoint.clone());
         let incoming = tokio::select! {
@@ -215,40 +210,47 @@ impl Link {
         if let Some(incoming) = incoming {
             // Spec §16: one QUIC connection per TCP connection; any other is refused.
             tokio::spawn(refuse_others(endpoint.clone()));
-            match shared.admit_connection(self.peer.ip()) {
-                Ok(peer_slot) => {
-                    let serving = serve_connection(
-                        self.index,
-                        Binding::Tcp,
-                        shared.clone(),
-                        incoming,
-                        (ConnectionSlot::unbalanced(), peer_slot),
-                        tx,
-                    );
-                    tokio::pin!(serving);
-                    tokio::select! {
-                        () = &mut serving => {}
-                        () = link.ended() => {
-                            let why = link.failure().unwrap_or_else(|| "the peer closed it".into());
-                            warn!(%why, "the TCP connection under a QUIC connection ended");
-                            endpoint.close(
-                                VarInt::from_u32(ErrorCode::CANCELLED.0),
-                                b"the TCP connection ended",
-                            );
-                            serving.await;
-                        }
-                    }
-                }
-                Err(cap) => {
-                    warn!(%cap, "refusing a connection");
-                    incoming.refuse();
-                }
-            }
+            self.serve_admitted(incoming, (&endpoint, &link), shared.clone(), tx)
+                .await;
         }
         shared.tcp_endpoints.remove(&id);
         endpoint.close(VarInt::from_u32(0), b"done");
         // The close leaves through the link, which quinn drops once the endpoint is idle.
         let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
         Ok(())
+    }
+
+    /// Serves the QUIC connection `incoming` starts if the receiver's caps admit it; ends
+    /// it at once if the TCP connection under it ends.
+    async fn serve_admitted(
+        &self,
+        incoming: quinn::Incoming,
+        (endpoint, link): (&quinn::Endpoint, &LinkEnd),
+        shared: Arc<Shared>,
+        tx: mpsc::Sender<IncomingTensor>,
+    ) {
+        let peer_slot = match shared.admit_connection(self.peer.ip()) {
+            Ok(peer_slot) => peer_slot,
+            Err(cap) => {
+                warn!(%cap, "refusing a connection");
+                incoming.refuse();
+                return;
+            }
+        };
+        let slots = (ConnectionSlot::unbalanced(), peer_slot);
+        let serving = serve_connection(self.index, Binding::Tcp, shared, incoming, slots, tx);
+        tokio::pin!(serving);
+        tokio::select! {
+            () = &mut serving => {}
+            () = link.ended() => {
+                let why = link.failure().unwrap_or_else(|| "the peer closed it".into());
+                warn!(%why, "the TCP connection under a QUIC connection ended");
+                endpoint.close(
+                    VarInt::from_u32(ErrorCode::CANCELLED.0),
+                    b"the TCP connection ended",
+                );
+                serving.await;
+            }
+        }
     }
 }

@@ -67,10 +67,7 @@ impl SenderPool {
                 .await
             {
                 Ok(first) => {
-                    config.binding = match first.binding() {
-                        Binding::Udp => BindingChoice::Udp,
-                        Binding::Tcp => BindingChoice::Tcp,
-                    };
+                    config.binding = first.binding().into();
                     senders.push(first);
                 }
                 Err(e) if e.is_refused_connection() => refused += 1,
