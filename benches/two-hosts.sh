@@ -126,42 +126,26 @@ cpu_ticks() {
   awk '{ print $14 + $15 }' "/proc/$1/stat" 2>/dev/null || echo 0
 }
 
-# Raw quinn as two processes: `bench --raw-server` and `bench --raw-client`, the file's bytes.
-raw_quinn() {
-  local payload=$1 server addr start end
-  : > "$work/raw-server.log"
-  with_cpu_time "$work/raw-server.cpu" "$work/raw-server.log" \
-    in_rx "$bin/bench" --raw-server "$work/raw.der" --listen "$rx_ip:0" \
-    --connections "$connections" --mtu "$payload" &
+# An anchor as two processes: `bench --KIND-server` in the receiver's namespace and
+# `bench --KIND-client` sending the file's bytes from the other, with EXTRA flags on both
+# (raw: raw quinn; tls: TCP + TLS 1.3, rustls over tokio's TCP).
+anchor() {
+  local kind=$1 server addr start end
+  shift
+  : > "$work/$kind-server.log"
+  with_cpu_time "$work/$kind-server.cpu" "$work/$kind-server.log" \
+    in_rx "$bin/bench" "--$kind-server" "$work/$kind.der" --listen "$rx_ip:0" \
+    --connections "$connections" "$@" &
   server=$!
-  addr=$(listening_address "$work/raw-server.log")
+  addr=$(listening_address "$work/$kind-server.log")
   start=$(date +%s.%N)
-  TOKIO_WORKER_THREADS=$((2 * connections)) with_cpu_time "$work/raw-client.cpu" "$work/raw-client.log" \
-    in_tx "$bin/bench" --raw-client "$addr" --cert "$work/raw.der" --connections "$connections" \
-    --mtu "$payload" --mib "$mib" --source "$work/model.safetensors" \
-    || { cat "$work/raw-client.log" >&2; return 1; }
+  TOKIO_WORKER_THREADS=$((2 * connections)) with_cpu_time "$work/$kind-client.cpu" "$work/$kind-client.log" \
+    in_tx "$bin/bench" "--$kind-client" "$addr" --cert "$work/$kind.der" --connections "$connections" \
+    "$@" --mib "$mib" --source "$work/model.safetensors" \
+    || { cat "$work/$kind-client.log" >&2; return 1; }
   end=$(date +%s.%N)
-  wait "$server" || { cat "$work/raw-server.log" >&2; return 1; }
-  echo "$(rate "$start" "$end") $(per_gib "$work/raw-client.cpu") $(per_gib "$work/raw-server.cpu")"
-}
-
-# TCP + TLS 1.3 as two processes: `bench --tls-server` and `bench --tls-client`.
-tcp_tls() {
-  local server addr start end
-  : > "$work/tls-server.log"
-  with_cpu_time "$work/tls-server.cpu" "$work/tls-server.log" \
-    in_rx "$bin/bench" --tls-server "$work/tls.der" --listen "$rx_ip:0" \
-    --connections "$connections" &
-  server=$!
-  addr=$(listening_address "$work/tls-server.log")
-  start=$(date +%s.%N)
-  TOKIO_WORKER_THREADS=$((2 * connections)) with_cpu_time "$work/tls-client.cpu" "$work/tls-client.log" \
-    in_tx "$bin/bench" --tls-client "$addr" --cert "$work/tls.der" --connections "$connections" \
-    --mib "$mib" --source "$work/model.safetensors" \
-    || { cat "$work/tls-client.log" >&2; return 1; }
-  end=$(date +%s.%N)
-  wait "$server" || { cat "$work/tls-server.log" >&2; return 1; }
-  echo "$(rate "$start" "$end") $(per_gib "$work/tls-client.cpu") $(per_gib "$work/tls-server.cpu")"
+  wait "$server" || { cat "$work/$kind-server.log" >&2; return 1; }
+  echo "$(rate "$start" "$end") $(per_gib "$work/$kind-client.cpu") $(per_gib "$work/$kind-server.cpu")"
 }
 
 # With UDP dropped at the receiver's host, `sender --transport auto` against a receiver on
@@ -203,8 +187,8 @@ for mtu in $mtus; do
     # They take turns within a round, so each ratio compares runs seconds apart.
     read -r t ts tr packets < <(programs "$payload" quic)
     read -r w ws wr _ < <(programs "$payload" tcp)
-    read -r q qs qr < <(raw_quinn "$payload")
-    read -r c cs cr < <(tcp_tls)
+    read -r q qs qr < <(anchor raw --mtu "$payload")
+    read -r c cs cr < <(anchor tls)
     tw+=("$t") tw_tcp+=("$w") quinn+=("$q") tcp+=("$c")
     to_quinn+=("$(ratio_to "$t" "$q")") to_tcp+=("$(ratio_to "$t" "$c")") tcp_to_tcp+=("$(ratio_to "$w" "$c")")
     tw_cpu+=("$(awk -v a="$ts" -v b="$tr" 'BEGIN { printf "%.2f", a + b }')")
