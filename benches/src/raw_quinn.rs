@@ -49,6 +49,8 @@ pub(crate) fn quinn_server_config(
         client_ca: None,
     };
     let (crypto, _) = tensorwire::quic::tls::server_crypto(&tls)?;
+    // The files were read; nothing else needs them.
+    std::fs::remove_dir_all(&dir)?;
     let mut config = quinn::ServerConfig::with_crypto(crypto);
     config.transport_config(setup.transport().transport_config()?);
     Ok((config, cert.cert))

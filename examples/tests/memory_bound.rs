@@ -189,6 +189,7 @@ fn peak_memory_under_attack_stays_within_the_documented_bound_and_comes_back() {
     // Its summary is read to the end, so it never writes to a closed pipe.
     lines.for_each(drop);
     receiver.wait().unwrap();
+    std::fs::remove_dir_all(file.parent().unwrap()).unwrap();
     let mib = |b: u64| b as f64 / MIB as f64;
     eprintln!(
         "baseline {:.0} MiB, peak {:.0} MiB (bound {:.0} above baseline), settled {:.0} MiB",

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import pathlib
+import shutil
 import struct
 import subprocess
 import tempfile
@@ -353,9 +354,12 @@ def test_gpu_status_and_devices_describe_this_host():
     assert pinned["reached"] <= pinned["capacity"]
 
 
-def short_socket_path() -> pathlib.Path:
-    """A socket path well under the 108-byte limit of Unix socket addresses."""
-    return pathlib.Path(tempfile.mkdtemp(prefix="tw")) / "share" / "tw.sock"
+@pytest.fixture
+def short_socket_path():
+    """A socket path well under the 108-byte limit of Unix socket addresses, removed after."""
+    top = pathlib.Path(tempfile.mkdtemp(prefix="tw"))
+    yield top / "share" / "tw.sock"
+    shutil.rmtree(top, ignore_errors=True)
 
 
 def test_a_socket_path_over_the_limit_is_refused_with_the_reason(tmp_path):
@@ -364,10 +368,10 @@ def test_a_socket_path_over_the_limit_is_refused_with_the_reason(tmp_path):
         tensorwire.ShareService(long_dir / "tw.sock")
 
 
-def test_host_arrays_published_from_python_are_read_by_other_processes():
+def test_host_arrays_published_from_python_are_read_by_other_processes(short_socket_path):
     import sys
 
-    sock = short_socket_path()
+    sock = short_socket_path
     service = tensorwire.ShareService(sock)
     array = np.arange(24, dtype=np.int32).reshape(4, 6)
     assert service.publish("ids", array) >= 1
@@ -480,11 +484,13 @@ def test_received_gpu_tensors_go_to_torch_with_no_copy_and_back_to_the_pool():
         assert 0 < after["reached"] <= after["capacity"], after
 
 
-def test_a_tensor_published_from_python_is_mapped_by_rust_and_python_and_written_in_place():
+def test_a_tensor_published_from_python_is_mapped_by_rust_and_python_and_written_in_place(
+    short_socket_path,
+):
     import sys
 
     torch = cuda_or_skip()
-    sock = short_socket_path()
+    sock = short_socket_path
     service = tensorwire.ShareService(sock)
     buf = tensorwire.empty((256, 256), "F32", device="cuda:0")
     w = torch.from_dlpack(buf)

@@ -2,14 +2,41 @@
 //! another process or thread does.
 #![allow(dead_code, unreachable_pub)] // Each test binary uses some.
 
-use std::path::PathBuf;
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// A socket path in a directory of its own (removed first) for `test` in this process.
-pub fn socket_path(test: &str) -> PathBuf {
+/// A socket path in a directory of its own, removed when the path is dropped.
+pub struct SocketPath {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl Deref for SocketPath {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for SocketPath {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for SocketPath {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A socket path in a fresh directory of its own for `test` in this process.
+pub fn socket_path(test: &str) -> SocketPath {
     let dir = std::env::temp_dir().join(format!("tensorwire-ipc-{test}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    dir.join("share.sock")
+    let path = dir.join("share.sock");
+    SocketPath { dir, path }
 }
 
 /// Polls `condition` for up to 10 s; fails the test naming `what` if it never holds.
