@@ -2,6 +2,7 @@
 //! another process or thread does.
 #![allow(dead_code, unreachable_pub)] // Each test binary uses some.
 
+use std::ffi::OsStr;
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -22,6 +23,12 @@ impl Deref for SocketPath {
 impl AsRef<Path> for SocketPath {
     fn as_ref(&self) -> &Path {
         &self.path
+    }
+}
+
+impl AsRef<OsStr> for SocketPath {
+    fn as_ref(&self) -> &OsStr {
+        self.path.as_os_str()
     }
 }
 
