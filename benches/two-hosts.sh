@@ -97,7 +97,8 @@ programs() {
   receiver=$!
   addr=$(listening_address "$work/receiver.log")
   local rx_pid rx_before=0
-  rx_pid=$(pgrep -n -f "receiver --listen $rx_ip" || true)
+  # Anchored: under PROFILE_DIR, perf's own command line names the receiver too.
+  rx_pid=$(pgrep -n -f "^$bin/receiver --listen $rx_ip" || true)
   if [ "$pushes" -eq 2 ]; then
     in_tx "$bin/sender" --connect "$addr" "${mtu_flag[@]}" --quiet \
       --connections "$connections" "$work/model.safetensors" > "$work/warm-up.log" 2>&1 \
@@ -206,7 +207,8 @@ done
 if [ -n "${PROFILE_DIR:-}" ]; then
   for profile in "$PROFILE_DIR"/*.perf; do
     echo "== $(basename "$profile"): hottest symbols (self time)"
-    perf report -i "$profile" --no-children --sort symbol --stdio 2>/dev/null \
-      | grep -E '^ +[0-9]' | head -15
+    # perf is cut off by head: its SIGPIPE is no failure.
+    { perf report -i "$profile" --no-children --sort symbol --stdio 2>/dev/null || true; } \
+      | grep -E '^ +[0-9]' | head -15 || true
   done
 fi
