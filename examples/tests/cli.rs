@@ -623,6 +623,70 @@ fn refused_tensors_count_as_failures_in_the_receivers_summary() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// `receiver --metrics-listen` serves Prometheus metrics that follow what lands and what is
+/// refused, scraped by a real HTTP client.
+#[test]
+fn the_receiver_serves_metrics_that_follow_its_tensors() {
+    let dir = temp_dir("metrics");
+    let (small, big) = (dir.join("small.bin"), dir.join("big.bin"));
+    std::fs::write(&small, vec![1u8; 4096]).unwrap();
+    std::fs::write(&big, vec![1u8; 3 << 20]).unwrap();
+    let (mut receiver, mut lines, addr) = spawn_receiver(&[
+        "--metrics-listen".as_ref(),
+        "127.0.0.1:0".as_ref(),
+        "--max-tensor-mib".as_ref(),
+        "1".as_ref(),
+        "--device".as_ref(),
+        "host".as_ref(),
+    ]);
+    let url = lines
+        .by_ref()
+        .map(Result::unwrap)
+        .find_map(|line| line.strip_prefix("metrics at ").map(str::to_owned))
+        .expect("the receiver says where its metrics are");
+    let scrape = || {
+        let mut response = ureq::get(&url).call().unwrap();
+        assert!(
+            response
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|kind| kind.starts_with("application/openmetrics-text")),
+            "{:?}",
+            response.headers()
+        );
+        response.body_mut().read_to_string().unwrap()
+    };
+    let sample = |text: &str, series: &str| -> String {
+        text.lines()
+            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no {series} in {text}"))
+            .to_owned()
+    };
+    let completed = r#"tensorwire_received_tensors_total{outcome="completed"}"#;
+    let too_large = r#"tensorwire_received_tensor_failures_total{code="TENSOR_TOO_LARGE"}"#;
+    let before = scrape();
+    assert_eq!(sample(&before, completed), "0");
+    assert!(!before.contains(too_large), "{before}");
+    assert!(send_raw(&addr, 4096, &small, &[]).status.success());
+    assert!(
+        !send_raw(&addr, 3 << 20, &big, &["--no-split"])
+            .status
+            .success()
+    );
+    let after = scrape();
+    assert_eq!(sample(&after, completed), "1");
+    assert_eq!(sample(&after, too_large), "1");
+    assert_eq!(
+        sample(&after, "tensorwire_received_payload_bytes_total"),
+        "4096"
+    );
+    terminate(&receiver);
+    lines.for_each(drop);
+    receiver.wait().unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A save that fails (here: a file-size limit makes the disk refuse a large tensor) fails
 /// that tensor at its sender with the code, never after telling it COMPLETE; the receiver
 /// keeps serving and saves the next tensor.

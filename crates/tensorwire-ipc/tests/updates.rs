@@ -7,14 +7,16 @@ mod common;
 
 use std::time::Duration;
 
-use common::socket_path;
+use common::{SocketPath, socket_path};
 use tensorwire_ipc::{EventKind, IpcError, OnExisting, ShareClient, ShareConfig, ShareService};
 use tensorwire_proto::{DType, ErrorCode, TensorMeta};
 
-fn service(name: &str, on_existing: OnExisting) -> ShareService {
+/// A service and its socket path, whose directory goes when the path is dropped.
+fn service(name: &str, on_existing: OnExisting) -> (ShareService, SocketPath) {
     let mut config = ShareConfig::default();
     config.on_existing = on_existing;
-    ShareService::start(socket_path(name), config).unwrap()
+    let path = socket_path(name);
+    (ShareService::start(&path, config).unwrap(), path)
 }
 
 fn weights(fill: u8) -> (TensorMeta, Vec<u8>) {
@@ -26,7 +28,7 @@ fn weights(fill: u8) -> (TensorMeta, Vec<u8>) {
 
 #[test]
 fn replace_gives_the_name_a_new_generation_and_a_lease_keeps_the_old_one_alive() {
-    let service = service("replace", OnExisting::Replace);
+    let (service, _socket) = service("replace", OnExisting::Replace);
     let (meta, old) = weights(1);
     assert_eq!(service.publish_host(&meta, &old).unwrap().generation(), 1);
     let client = ShareClient::connect(service.path()).unwrap();
@@ -56,7 +58,7 @@ fn replace_gives_the_name_a_new_generation_and_a_lease_keeps_the_old_one_alive()
 
 #[test]
 fn in_place_writes_the_memory_a_consumer_already_mapped() {
-    let service = service("in-place", OnExisting::InPlace);
+    let (service, _socket) = service("in-place", OnExisting::InPlace);
     let (meta, old) = weights(1);
     let first = service.publish_host(&meta, &old).unwrap();
     let client = ShareClient::connect(service.path()).unwrap();
@@ -86,7 +88,7 @@ fn in_place_writes_the_memory_a_consumer_already_mapped() {
 
 #[test]
 fn reject_refuses_a_name_already_shared_and_keeps_the_first() {
-    let service = service("reject", OnExisting::Reject);
+    let (service, _socket) = service("reject", OnExisting::Reject);
     let (meta, old) = weights(1);
     service.publish_host(&meta, &old).unwrap();
     let refused = service.check_update(&meta).unwrap_err();
@@ -108,7 +110,7 @@ fn reject_refuses_a_name_already_shared_and_keeps_the_first() {
 
 #[test]
 fn a_watcher_started_first_sees_published_updated_and_deleted_in_order() {
-    let service = service("watch", OnExisting::Replace);
+    let (service, _socket) = service("watch", OnExisting::Replace);
     let client = ShareClient::connect(service.path()).unwrap();
     let mut watch = client.watch("layers.").unwrap();
     let (meta, bytes) = weights(1);
@@ -147,7 +149,7 @@ fn a_watcher_started_first_sees_published_updated_and_deleted_in_order() {
 
 #[test]
 fn open_waits_for_a_name_until_it_is_published_or_the_wait_ends() {
-    let service = service("open-wait", OnExisting::Replace);
+    let (service, _socket) = service("open-wait", OnExisting::Replace);
     let client = ShareClient::connect(service.path()).unwrap();
     let err = client
         .open_wait("late", Duration::from_millis(100))
@@ -174,7 +176,7 @@ fn open_waits_for_a_name_until_it_is_published_or_the_wait_ends() {
 
 #[test]
 fn listings_carry_the_senders_attributes_and_the_full_metadata() {
-    let service = service("metadata", OnExisting::Replace);
+    let (service, _socket) = service("metadata", OnExisting::Replace);
     let meta = TensorMeta::new([16_000], DType::F32)
         .unwrap()
         .with_name("speech")

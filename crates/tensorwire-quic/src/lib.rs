@@ -67,8 +67,10 @@ pub use config::{MAX_DEFAULT_ENDPOINTS, ReceiverConfig, SenderConfig, StoreOfflo
 pub use connection::Connection;
 pub use dev_trust::dev_cert_path;
 pub use error::TransportError;
-pub use metrics::MetricsSnapshot;
-pub use receiver::{CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, TensorHandle};
+pub use metrics::{AdmissionSnapshot, LATENCY_BUCKETS_US, MetricsSnapshot};
+pub use receiver::{
+    CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, ReceiverObserver, TensorHandle,
+};
 pub use resolve::resolve;
 pub use runtime::EndpointThreads;
 pub use send::{MIN_PART, SendHandle, SendProgress, SendReport, SendWaits, Sender, SenderPool};

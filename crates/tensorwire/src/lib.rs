@@ -3,8 +3,9 @@
 //! This facade re-exports the layers; each lives in its own crate, and data flows one way:
 //! [`proto`] (sans-IO protocol) → [`sink`] (where bytes land: the `Sink` trait, credit
 //! permits, memory budgets, host memory) → [`quic`] (QUIC driver) and [`gpu`] (GPU sink,
-//! pools) → [`ipc`] (re-sharing with local processes, no QUIC stack) and [`exec`] (remote
-//! kernel execution on received tensors, in isolated worker processes).
+//! pools) → [`ipc`] (re-sharing with local processes, no QUIC stack), [`exec`] (remote
+//! kernel execution on received tensors, in isolated worker processes) and [`metrics`]
+//! (a receiver's counters for Prometheus, over HTTP).
 //!
 //! Guides: `docs/` in the repository (operators, Rust, Python, sharing, remote execution,
 //! performance); the wire protocol: `spec/protocol.md`.
@@ -39,6 +40,7 @@
 pub use tensorwire_exec as exec;
 pub use tensorwire_gpu as gpu;
 pub use tensorwire_ipc as ipc;
+pub use tensorwire_metrics as metrics;
 pub use tensorwire_proto as proto;
 pub use tensorwire_quic as quic;
 pub use tensorwire_sink as sink;

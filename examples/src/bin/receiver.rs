@@ -14,6 +14,7 @@ use clap::Parser;
 use tensorwire::exec::{ExecAccess, ExecConfig, ExecServer, WorkerCommand, refuse_exec};
 use tensorwire::gpu::{ChecksumOn, DeviceRequest, GpuRequirement, Placement, TensorBuffer};
 use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
+use tensorwire::metrics::{MetricsServer, ReceiverMetrics};
 use tensorwire::proto::TensorMeta;
 use tensorwire::proto::split::SplitPart;
 use tensorwire::quic::Listening;
@@ -162,6 +163,10 @@ struct Args {
     /// program).
     #[arg(long, requires = "allow_exec")]
     exec_worker: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9400; docs/operators.md
+    /// lists them). Plain HTTP with no authentication: bind it where only scrapers reach.
+    #[arg(long, value_parser = tensorwire_examples::cli::address)]
+    metrics_listen: Option<SocketAddr>,
     /// Exit after this many tensors (0: run until interrupted).
     #[arg(long, default_value_t = 0)]
     count: u64,
@@ -294,6 +299,21 @@ async fn main() -> anyhow::Result<()> {
         "host memory for landed tensors: {} ({host_memory_from})",
         size(receiver.host_memory().limit)
     );
+    let metrics = match args.metrics_listen {
+        Some(addr) => {
+            let device_budgets = match &placement {
+                Placement::Gpu(gpu) => vec![gpu.memory_budget().clone()],
+                Placement::Host { .. } => Vec::new(),
+            };
+            let metrics = ReceiverMetrics::with_memory(receiver.observer(), device_budgets);
+            let server = MetricsServer::bind(addr, metrics)
+                .await
+                .with_context(|| format!("--metrics-listen {addr}"))?;
+            println!("metrics at http://{}/metrics", server.local_addr());
+            Some(server)
+        }
+        None => None,
+    };
     if let Some(path) = &args.share {
         println!(
             "sharing tensors on {} (a name shared again: {:?})",
@@ -536,6 +556,9 @@ async fn main() -> anyhow::Result<()> {
         report_save(saved);
     }
     receiver.close().await;
+    if let Some(metrics) = metrics {
+        metrics.close().await;
+    }
     Ok(())
 }
 

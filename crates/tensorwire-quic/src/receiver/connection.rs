@@ -76,6 +76,7 @@ pub(super) async fn serve_connection(
         Ok(connection) => connection,
         Err(e) => {
             warn!(error = %e, "handshake failed");
+            shared.admissions.handshake_failed();
             return;
         }
     };

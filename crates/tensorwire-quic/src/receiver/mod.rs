@@ -35,7 +35,7 @@ use crate::budget::{Budget, BudgetSnapshot};
 use crate::config::ReceiverConfig;
 use crate::connection::Connection;
 use crate::error::TransportError;
-use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::metrics::{AdmissionSnapshot, Admissions, Metrics, MetricsSnapshot};
 use crate::steering::ServerEndpoint;
 use crate::transport::CLOSE_DRAIN;
 use connection::accept_connections;
@@ -89,9 +89,14 @@ impl Shared {
         match admitted {
             Ok(()) => {}
             Err(CapExceeded::Total { .. }) if self.close_idle_connection_for(peer) => {
-                self.peers().admit_in_place_of_another(&peer)?;
+                self.peers()
+                    .admit_in_place_of_another(&peer)
+                    .inspect_err(|cap| self.admissions.refused(*cap))?;
             }
-            Err(cap) => return Err(cap),
+            Err(cap) => {
+                self.admissions.refused(cap);
+                return Err(cap);
+            }
         }
         Ok(PeerSlot {
             shared: self.clone(),
@@ -148,6 +153,7 @@ impl Shared {
             budget: Arc::new(budget),
             host_memory,
             metrics: Metrics::default(),
+            admissions: Admissions::default(),
             connections: DashMap::new(),
             tcp_endpoints: DashMap::new(),
             shutdown: CancellationToken::new(),
@@ -173,6 +179,8 @@ struct Shared {
     budget: Arc<Budget>,
     host_memory: MemoryBudget,
     metrics: Metrics,
+    /// Connections refused at the caps, and failed handshakes.
+    admissions: Admissions,
     connections: DashMap<usize, Arc<ConnectionState>>,
     /// The endpoint of each open TCP connection (spec §16), to close them with the receiver.
     tcp_endpoints: DashMap<u64, quinn::Endpoint>,
@@ -209,6 +217,64 @@ pub struct ConnectionSnapshot {
     /// and has our last frame (spec §4), for [`CLOSE_GRACE`] at most. A few at a time;
     /// many means the peer leaves its streams open after its tensors.
     pub closing_streams: usize,
+}
+
+/// Reads a receiver's counters from anywhere; cloned freely, it keeps only the counters
+/// alive, not the receiver's endpoints.
+#[derive(Clone)]
+pub struct ReceiverObserver {
+    shared: Arc<Shared>,
+}
+
+impl ReceiverObserver {
+    /// Tensor and byte counters over all connections.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.shared.metrics.snapshot()
+    }
+
+    /// The shared byte budget's state.
+    pub fn budget(&self) -> BudgetSnapshot {
+        self.shared.budget.snapshot()
+    }
+
+    /// The host-memory budget's state.
+    pub fn host_memory(&self) -> MemorySnapshot {
+        self.shared.host_memory.snapshot()
+    }
+
+    /// The METADATA budget's state: bytes of METADATA the open tensor streams hold (spec
+    /// §10).
+    pub fn metadata_memory(&self) -> MemorySnapshot {
+        self.shared.metadata.snapshot()
+    }
+
+    /// Connections refused at the caps, and failed handshakes.
+    pub fn admissions(&self) -> AdmissionSnapshot {
+        self.shared.admissions.snapshot()
+    }
+
+    /// Counters of each open connection.
+    pub fn connections(&self) -> Vec<ConnectionSnapshot> {
+        self.shared
+            .connections
+            .iter()
+            .map(|c| ConnectionSnapshot {
+                remote: c.connection.remote_address(),
+                endpoint: c.endpoint,
+                binding: c.binding,
+                metrics: c.metrics.snapshot(),
+                closing_streams: c.closing_streams(),
+            })
+            .collect()
+    }
+}
+
+impl std::fmt::Debug for ReceiverObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReceiverObserver")
+            .field("metrics", &self.metrics())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Receiver {
@@ -302,17 +368,17 @@ impl Receiver {
 
     /// Tensor and byte counters over all connections.
     pub fn metrics(&self) -> MetricsSnapshot {
-        self.shared.metrics.snapshot()
+        self.observer().metrics()
     }
 
     /// The shared byte budget's state.
     pub fn budget(&self) -> BudgetSnapshot {
-        self.shared.budget.snapshot()
+        self.observer().budget()
     }
 
     /// The host-memory budget that [`IncomingTensor::accept_host`] admits tensors against.
     pub fn host_memory(&self) -> MemorySnapshot {
-        self.shared.host_memory.snapshot()
+        self.observer().host_memory()
     }
 
     /// The receiver's host-memory budget itself (shared, not a copy), to watch it from other
@@ -323,17 +389,15 @@ impl Receiver {
 
     /// Counters of each open connection.
     pub fn connections(&self) -> Vec<ConnectionSnapshot> {
-        self.shared
-            .connections
-            .iter()
-            .map(|c| ConnectionSnapshot {
-                remote: c.connection.remote_address(),
-                endpoint: c.endpoint,
-                binding: c.binding,
-                metrics: c.metrics.snapshot(),
-                closing_streams: c.closing_streams(),
-            })
-            .collect()
+        self.observer().connections()
+    }
+
+    /// A handle that reads this receiver's counters from other tasks (a metrics endpoint),
+    /// while the receiver itself is busy in [`next`](Self::next).
+    pub fn observer(&self) -> ReceiverObserver {
+        ReceiverObserver {
+            shared: self.shared.clone(),
+        }
     }
 
     /// Stops accepting, lets tensors in progress finish for up to [`CLOSE_GRACE`], then

@@ -119,7 +119,7 @@ pub(crate) async fn send_tensor(
         outcome.map(|()| bytes)
     }
     .await;
-    count.finish(result.is_ok());
+    count.finish(result.as_ref().map(drop).map_err(TransportError::code));
     debug!(ok = result.is_ok(), elapsed = ?started.elapsed(), "send finished");
     result.map(|bytes| SendReport {
         bytes,
@@ -146,8 +146,12 @@ impl CountedSend {
         }
     }
 
-    pub(crate) fn finish(&mut self, ok: bool) {
-        self.metrics.finished(ok, self.started.elapsed());
+    /// Counts the outcome: completed, or failed with the code where one is known.
+    pub(crate) fn finish(&mut self, outcome: Result<(), Option<ErrorCode>>) {
+        match outcome {
+            Ok(()) => self.metrics.completed(self.started.elapsed()),
+            Err(code) => self.metrics.failed(code),
+        }
         self.finished = true;
     }
 }
@@ -155,7 +159,7 @@ impl CountedSend {
 impl Drop for CountedSend {
     fn drop(&mut self) {
         if !self.finished {
-            self.metrics.finished(false, self.started.elapsed());
+            self.metrics.failed(Some(ErrorCode::CANCELLED));
         }
     }
 }

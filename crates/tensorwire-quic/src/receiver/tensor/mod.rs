@@ -193,14 +193,16 @@ impl Accepted {
         self.early.clear();
         self.stream
             .close(error.map(|e| e.code().unwrap_or(ErrorCode::INTERNAL)));
-        let (closed, topped_up, window) = {
+        let (closed, topped_up, window, ending) = {
             let mut session = self.connection.session();
             let window = session.stream_window(self.id).unwrap_or(0);
+            // Why it ended, whoever ended it (a REJECT, either side's CANCEL), for the metrics.
+            let ending = session.ending(self.id).map(|e| e.code());
             let closed = self
                 .shared
                 .budget
                 .with_tracker(|credit| session.close_stream(self.id, credit, Instant::now()));
-            (closed, session.has_control_frames(), window)
+            (closed, session.has_control_frames(), window, ending)
         };
         self.shared.budget.wake();
         // A stream closed while undecided frees its place among the undecided.
@@ -209,12 +211,14 @@ impl Accepted {
             // Closing topped up the peer's early credit: the control stream sends it.
             self.connection.control_queued.notify_one();
         }
-        let ok = closed == StreamClosed::Completed;
-        let elapsed = self.started.elapsed();
         self.shared.metrics.window_reached(window);
         self.connection.metrics.window_reached(window);
-        self.shared.metrics.finished(ok, elapsed);
-        self.connection.metrics.finished(ok, elapsed);
+        for metrics in [&self.shared.metrics, &self.connection.metrics] {
+            match closed {
+                StreamClosed::Completed => metrics.completed(self.started.elapsed()),
+                _ => metrics.failed(ending.or_else(|| error.and_then(TransportError::code))),
+            }
+        }
         if let StreamClosed::Flood(flood) = closed {
             let reason: &[u8] = if flood.code == ErrorCode::PROGRESS_TIMEOUT {
                 b"too many streams made no progress"

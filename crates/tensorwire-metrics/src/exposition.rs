@@ -1,0 +1,289 @@
+//! A receiver's counters as Prometheus metrics, read at each scrape.
+
+use std::fmt;
+use std::sync::Arc;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use tensorwire_quic::{Binding, ReceiverObserver};
+use tensorwire_sink::{MemoryBudget, MemorySnapshot};
+
+/// Labels of one sample: `(name, value)` pairs.
+type Labels<'a> = &'a [(&'a str, &'a str)];
+
+/// A receiver's metrics, encoded on demand in the OpenMetrics text format; cheap to clone.
+#[derive(Clone)]
+pub struct ReceiverMetrics {
+    registry: Arc<Registry>,
+}
+
+impl ReceiverMetrics {
+    /// The metrics of the receiver `observer` reads (its host and METADATA memory included).
+    pub fn new(observer: ReceiverObserver) -> Self {
+        Self::with_memory(observer, Vec::new())
+    }
+
+    /// The same, with the state of further memory budgets (each GPU's) beside the host's.
+    pub fn with_memory(observer: ReceiverObserver, budgets: Vec<MemoryBudget>) -> Self {
+        let mut registry = Registry::with_prefix("tensorwire");
+        registry.register_collector(Box::new(ReceiverCollector { observer, budgets }));
+        Self {
+            registry: Arc::new(registry),
+        }
+    }
+
+    /// Every metric now, as an OpenMetrics text exposition (ends with `# EOF`).
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail, and every collector below returns only the
+        // writer's errors.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+impl fmt::Debug for ReceiverMetrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReceiverMetrics").finish_non_exhaustive()
+    }
+}
+
+/// Reads the receiver and the budgets at each scrape.
+#[derive(Debug)]
+struct ReceiverCollector {
+    observer: ReceiverObserver,
+    budgets: Vec<MemoryBudget>,
+}
+
+impl Collector for ReceiverCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let out = &mut encoder;
+        let metrics = self.observer.metrics();
+        counter(
+            out,
+            "received_tensors",
+            "Tensors received, by outcome: completed (landed and confirmed with COMPLETE) or \
+             failed (refused, cancelled by either side, or lost with their connection).",
+            &[
+                (&[("outcome", "completed")], metrics.tensors_completed),
+                (&[("outcome", "failed")], metrics.tensors_failed),
+            ],
+        )?;
+        let registered: u64 = metrics.failures_by_code.iter().map(|(_, n)| n).sum();
+        let codes: Vec<([(&str, &str); 1], u64)> = metrics
+            .failures_by_code
+            .iter()
+            .map(|(code, n)| ([("code", code.name().unwrap_or("other"))], *n))
+            .chain(std::iter::once((
+                [("code", "other")],
+                metrics.tensors_failed.saturating_sub(registered),
+            )))
+            .collect();
+        let by_code: Vec<(Labels, u64)> = codes.iter().map(|(l, n)| (&l[..], *n)).collect();
+        counter(
+            out,
+            "received_tensor_failures",
+            "Failed received tensors by wire code (spec §9.2); other: an unregistered code, \
+             or none (a connection lost).",
+            &by_code,
+        )?;
+        counter(
+            out,
+            "received_payload_bytes",
+            "DATA payload bytes received.",
+            &[(&[], metrics.payload_bytes)],
+        )?;
+        {
+            let mut metric = out.encode_descriptor(
+                "receive_latency_seconds",
+                "Completed tensors by latency, METADATA received to COMPLETE sent.",
+                None,
+                MetricType::Histogram,
+            )?;
+            // The encoder sums the buckets itself and writes f64::MAX as +Inf: each bucket
+            // goes with its own count, not the cumulative one the snapshot holds.
+            let mut below = 0;
+            let buckets: Vec<(f64, u64)> = metrics
+                .latency_buckets
+                .iter()
+                .chain(std::iter::once(&(u64::MAX, metrics.tensors_completed)))
+                .map(|&(bound, cumulative)| {
+                    let own = cumulative.saturating_sub(below);
+                    below = cumulative.max(below);
+                    let seconds = match bound {
+                        u64::MAX => f64::MAX,
+                        us => us as f64 / 1e6,
+                    };
+                    (seconds, own)
+                })
+                .collect();
+            metric.encode_histogram::<NoLabelSet>(
+                metrics.latency_sum_us as f64 / 1e6,
+                metrics.tensors_completed,
+                &buckets,
+                None,
+            )?;
+        }
+
+        let admissions = self.observer.admissions();
+        counter(
+            out,
+            "refused_connections",
+            "Connections refused before their handshake (spec §10), by the cap they met: \
+             peer (one peer's connections) or total (all peers').",
+            &[
+                (&[("cap", "peer")], admissions.refused_at_peer_cap),
+                (&[("cap", "total")], admissions.refused_at_total_cap),
+            ],
+        )?;
+        counter(
+            out,
+            "failed_handshakes",
+            "Admitted connections whose TLS handshake failed (a certificate refused, a timeout).",
+            &[(&[], admissions.handshakes_failed)],
+        )?;
+
+        let connections = self.observer.connections();
+        let over = |binding: Binding| connections.iter().filter(|c| c.binding == binding).count();
+        gauge(
+            out,
+            "connections",
+            "Connections open now, by what carries their packets (spec §16).",
+            &[
+                (&[("binding", "udp")], over(Binding::Udp) as u64),
+                (&[("binding", "tcp")], over(Binding::Tcp) as u64),
+            ],
+        )?;
+        gauge(
+            out,
+            "closing_streams",
+            "Streams whose tensor ended, kept until the peer finishes its half (spec §4).",
+            &[(
+                &[],
+                connections.iter().map(|c| c.closing_streams as u64).sum(),
+            )],
+        )?;
+
+        let credit = self.observer.budget();
+        gauge(
+            out,
+            "credit_budget_bytes",
+            "The receiver's byte-credit budget (spec §7.1).",
+            &[(&[], credit.budget)],
+        )?;
+        gauge(
+            out,
+            "credit_bytes",
+            "Credit outstanding now: in_flight (granted, not yet arrived; early credit \
+             included), early_offered (of in_flight, early credit offered and unused, spec \
+             §7.6), held (arrived, not yet durable in a sink).",
+            &[
+                (&[("state", "in_flight")], credit.in_flight),
+                (&[("state", "early_offered")], credit.early_offered),
+                (&[("state", "held")], credit.held),
+            ],
+        )?;
+        gauge(
+            out,
+            "credit_peak_bytes",
+            "The most credit ever outstanding at once (in flight plus held).",
+            &[(&[], credit.peak_outstanding)],
+        )?;
+
+        let mut memories: Vec<(String, MemorySnapshot)> = vec![
+            ("host".to_owned(), self.observer.host_memory()),
+            ("metadata".to_owned(), self.observer.metadata_memory()),
+        ];
+        memories.extend(
+            self.budgets
+                .iter()
+                .map(|b| (b.what().to_owned(), b.snapshot())),
+        );
+        let one: Vec<[(&str, &str); 1]> = memories
+            .iter()
+            .map(|(what, _)| [("memory", what.as_str())])
+            .collect();
+        let each = |value: fn(&MemorySnapshot) -> u64| -> Vec<(Labels, u64)> {
+            one.iter()
+                .zip(&memories)
+                .map(|(labels, (_, snapshot))| (&labels[..], value(snapshot)))
+                .collect()
+        };
+        gauge(
+            out,
+            "memory_limit_bytes",
+            "Each memory budget's limit: host (landed tensors in host memory), metadata \
+             (METADATA of open streams, spec §10), cuda:N (a GPU's).",
+            &each(|m| m.limit),
+        )?;
+        let two: Vec<[(&str, &str); 2]> = memories
+            .iter()
+            .flat_map(|(what, _)| {
+                [
+                    [("memory", what.as_str()), ("state", "reserved")],
+                    [("memory", what.as_str()), ("state", "kept")],
+                ]
+            })
+            .collect();
+        let values = memories.iter().flat_map(|(_, m)| [m.reserved, m.kept]);
+        gauge(
+            out,
+            "memory_bytes",
+            "Each memory budget's use now: reserved (for tensors landed or landing), kept \
+             (buffers of dropped tensors kept for reuse).",
+            &two.iter().map(|l| &l[..]).zip(values).collect::<Vec<_>>(),
+        )?;
+        gauge(
+            out,
+            "memory_peak_bytes",
+            "The most each memory budget ever held at once, kept buffers included.",
+            &each(|m| m.peak),
+        )?;
+        Ok(())
+    }
+}
+
+/// One counter family: a sample for each label set.
+fn counter(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: &[(Labels, u64)],
+) -> fmt::Result {
+    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, value) in samples {
+        sample(&mut metric, labels, |m| {
+            m.encode_counter::<NoLabelSet, _, u64>(value, None)
+        })?;
+    }
+    Ok(())
+}
+
+/// One gauge family: a sample for each label set.
+fn gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: &[(Labels, u64)],
+) -> fmt::Result {
+    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, value) in samples {
+        sample(&mut metric, labels, |m| m.encode_gauge(value))?;
+    }
+    Ok(())
+}
+
+/// Encodes one sample, with its labels if it has any.
+fn sample(
+    metric: &mut MetricEncoder,
+    labels: Labels,
+    encode: impl FnOnce(&mut MetricEncoder) -> fmt::Result,
+) -> fmt::Result {
+    if labels.is_empty() {
+        encode(metric)
+    } else {
+        encode(&mut metric.encode_family(&labels)?)
+    }
+}
