@@ -129,7 +129,15 @@ pub fn init_logging(default: &str) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(colour_on_stderr())
         .init();
+}
+
+/// Whether stderr may carry colour: a terminal, and no `NO_COLOR` (no-color.org). A log
+/// redirected to a file gets plain text.
+pub fn colour_on_stderr() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 /// Bytes per second as a short human figure.

@@ -18,4 +18,5 @@ static ALLOCATOR: tensorwire::gpu::PinnedDatagrams<mimalloc::MiMalloc> =
 
 pub mod cli;
 pub mod files;
+pub mod progress;
 pub mod save;

@@ -687,6 +687,92 @@ fn the_receiver_serves_metrics_that_follow_its_tensors() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// `sender --json` prints one object with every documented field (docs/operators.md), a
+/// result per tensor: delivered with its waits, or failed with code, blame and cause.
+#[test]
+fn the_senders_json_has_every_documented_field() {
+    let dir = temp_dir("json");
+    write_model(&dir.join("model.safetensors"));
+    let big = dir.join("big.bin");
+    std::fs::write(&big, vec![1u8; 3 << 20]).unwrap();
+    let (mut receiver, lines, addr) = spawn_receiver(&[
+        "--max-tensor-mib".as_ref(),
+        "1".as_ref(),
+        "--device".as_ref(),
+        "host".as_ref(),
+    ]);
+    let run = |args: &[&str], file: &Path| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_sender"))
+            .args(["--connect", &addr, "--json"])
+            .args(args)
+            .arg(file)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(stdout.lines().count(), 1, "one line, the object: {stdout}");
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    };
+    let ok = run(&[], &dir.join("model.safetensors"));
+    for (field, check) in [
+        (
+            "receiver",
+            serde_json::Value::is_string as fn(&serde_json::Value) -> bool,
+        ),
+        ("transport", serde_json::Value::is_string),
+        ("protocol_version", serde_json::Value::is_string),
+        ("connections", serde_json::Value::is_u64),
+        ("packet_bytes", serde_json::Value::is_u64),
+        ("seconds", serde_json::Value::is_f64),
+        ("tensors", serde_json::Value::is_u64),
+        ("delivered_tensors", serde_json::Value::is_u64),
+        ("delivered_bytes", serde_json::Value::is_u64),
+        ("total_bytes", serde_json::Value::is_u64),
+        ("failed_tensors", serde_json::Value::is_u64),
+        ("interrupted", serde_json::Value::is_boolean),
+        ("waited_s", serde_json::Value::is_object),
+        ("results", serde_json::Value::is_array),
+    ] {
+        assert!(ok.get(field).is_some_and(check), "{field} in {ok}");
+    }
+    assert_eq!(ok["receiver"], addr.as_str());
+    assert!(ok["transport"] == "udp" || ok["transport"] == "tcp", "{ok}");
+    assert_eq!(ok["failed_tensors"], 0);
+    assert_eq!(ok["delivered_bytes"], ok["total_bytes"]);
+    let results = ok["results"].as_array().unwrap();
+    assert_eq!(results.len() as u64, ok["tensors"].as_u64().unwrap());
+    for tensor in results {
+        assert_eq!(tensor["outcome"], "delivered", "{tensor}");
+        assert!(
+            tensor["name"].is_string() && tensor["bytes"].is_u64(),
+            "{tensor}"
+        );
+        assert!(tensor["seconds"].is_f64(), "{tensor}");
+        for wait in ["receiver", "source", "transport", "turn"] {
+            assert!(tensor["waited_s"][wait].is_f64(), "{wait} in {tensor}");
+        }
+    }
+
+    let refused = run(&["--dtype", "U8", "--shape", "3145728", "--no-split"], &big);
+    assert_eq!(refused["failed_tensors"], 1);
+    assert_eq!(refused["delivered_bytes"], 0);
+    let tensor = &refused["results"][0];
+    assert_eq!(tensor["outcome"], "failed", "{tensor}");
+    assert_eq!(tensor["code"], "TENSOR_TOO_LARGE", "{tensor}");
+    assert_eq!(tensor["code_value"], 0x0211, "{tensor}");
+    assert_eq!(tensor["blame"], "PeerBrokeRule", "{tensor}");
+    assert!(
+        tensor["cause"]
+            .as_str()
+            .unwrap()
+            .contains("TENSOR_TOO_LARGE"),
+        "{tensor}"
+    );
+    terminate(&receiver);
+    lines.for_each(drop);
+    receiver.wait().unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A save that fails (here: a file-size limit makes the disk refuse a large tensor) fails
 /// that tensor at its sender with the code, never after telling it COMPLETE; the receiver
 /// keeps serving and saves the next tensor.

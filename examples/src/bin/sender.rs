@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tensorwire::proto::{DType, Device};
 use tensorwire::quic::{
     Binding, BindingChoice, EndpointThreads, SenderConfig, SenderPool, TransportError,
@@ -20,6 +19,7 @@ use tensorwire_examples::cli::{
     ClientTlsArgs, TransportArgs, init_logging, rate, seconds, shutdown_signal, size,
 };
 use tensorwire_examples::files::{Outgoing, SENDER_ATTR, load, parse_shape};
+use tensorwire_examples::progress::{Drawing, PushProgress, TensorState};
 use tokio_util::sync::CancellationToken;
 
 /// Send tensors over QUIC.
@@ -46,6 +46,10 @@ struct Args {
     /// No progress bars.
     #[arg(long)]
     quiet: bool,
+    /// Print the result as one JSON object on stdout instead of the summary lines (the
+    /// fields are listed in docs/operators.md); failures are still told on stderr.
+    #[arg(long)]
+    json: bool,
     /// Connections to open to the receiver (0: one per core, at most 8 and at most one per
     /// tensor). One connection moves about one core's worth of QUIC; tensors are spread over
     /// them, largest first. The process runs two worker threads per connection (at most one
@@ -156,19 +160,14 @@ async fn send(
     // Largest first: each goes to the connection with the fewest bytes so far, so the
     // connections finish together and the last tensor to finish is small.
     outgoing.sort_by_key(|item| std::cmp::Reverse(item.meta.byte_len()));
-    let bars = MultiProgress::new();
-    if args.quiet {
-        bars.set_draw_target(indicatif::ProgressDrawTarget::hidden());
-    }
-    let style = ProgressStyle::with_template(
-        "{msg:30!} {bar:30} {bytes:>10}/{total_bytes:10} {bytes_per_sec:>12}",
-    )
-    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    let drawing = match args.quiet {
+        true => Drawing::Never,
+        false => Drawing::OnTerminal,
+    };
+    let mut progress = PushProgress::new(total, drawing);
     let started = Instant::now();
     let mut sends = Vec::new();
     for item in outgoing {
-        let bar = bars.add(ProgressBar::new(item.meta.byte_len()).with_style(style.clone()));
-        bar.set_message(item.meta.name().to_owned());
         let name = item.meta.name().to_owned();
         // A tensor larger than a connection's fair share goes over several (spec §15).
         let parts = match args.no_split {
@@ -181,8 +180,10 @@ async fn send(
                 .send_split(item.meta, item.source, parts)
                 .with_context(|| format!("splitting {name} into {parts} parts"))?,
         };
-        sends.push((name, bar, send));
+        let status = progress.track(name.clone(), send.progress());
+        sends.push((name, status, send));
     }
+    let progress = progress.start();
     let tensors = sends.len();
     // Ctrl-C or SIGTERM cancels what is not yet delivered (the receiver gets CANCEL and
     // frees it at once); what was delivered is still reported.
@@ -202,54 +203,81 @@ async fn send(
     };
     let tasks: Vec<_> = sends
         .into_iter()
-        .map(|(name, bar, send)| {
+        .map(|(name, status, send)| {
             let len = send.total_bytes();
-            tokio::spawn(async move { (name, len, send_with_progress(send, &bar).await, bar) })
+            tokio::spawn(async move {
+                let result = send.finished().await;
+                status.set(match result {
+                    Ok(_) => TensorState::Delivered,
+                    Err(_) => TensorState::Failed,
+                });
+                (
+                    name,
+                    len,
+                    started.elapsed(),
+                    result.map_err(anyhow::Error::from),
+                )
+            })
         })
         .collect();
-    let (mut failed, mut delivered_bytes) = (Vec::new(), 0u64);
+    let (mut failed, mut delivered_bytes, mut results) = (Vec::new(), 0u64, Vec::new());
     let mut waited = tensorwire::quic::SendWaits::default();
     let peer = Peer {
         addr: args.connect,
         idle_timeout_s: args.transport.idle_timeout_s,
     };
     for task in tasks {
-        let (name, len, result, bar) = task.await?;
-        match result {
+        let (name, len, ended, result) = task.await?;
+        match &result {
             Ok(report) => {
                 waited += report.waited;
                 delivered_bytes += len;
-                bar.finish();
             }
             Err(e) => {
-                bar.abandon_with_message(format!("{name}: {e}"));
-                // Also without progress bars (--quiet, no terminal): name, code, and why.
-                bars.suspend(|| eprintln!("failed: {name}: {}", explain(&e, &peer)));
-                failed.push(name);
+                // With bars or without (--quiet, no terminal): name, code, and why.
+                progress.println(&format!("failed: {name}: {}", explain(e, &peer)));
             }
         }
+        results.push(tensor_json(&name, len, ended, &result, &peer));
+        if result.is_err() {
+            failed.push(name);
+        }
     }
+    progress.finished().await;
     on_signal.abort();
     let elapsed = started.elapsed().as_secs_f64();
-    let metrics = sender.metrics();
-    println!(
-        "sent {} of {tensors} tensors ({} streams), {} of {} in {elapsed:.2} s over {} \
-         connections ({}): {}; packets of {} bytes; latency p50 {}, p99 {}; {} failed",
-        tensors - failed.len(),
-        metrics.tensors_completed,
-        size(delivered_bytes),
-        size(total),
-        sender.connections(),
-        sender.binding(),
-        rate(delivered_bytes, elapsed),
-        sender.path_mtu(),
-        micros(metrics.latency_p50_us),
-        micros(metrics.latency_p99_us),
-        failed.len(),
-    );
-    // Which side held the tensors up: the receiver (credit, its decisions), the files, or
-    // the network (QUIC's send buffer full).
-    println!("waited, summed over the tensors sent: {waited}");
+    if args.json {
+        let summary = serde_json::json!({
+            "receiver": args.connect.to_string(),
+            "transport": match sender.binding() {
+                Binding::Udp => "udp",
+                Binding::Tcp => "tcp",
+            },
+            "protocol_version": version.to_string(),
+            "connections": sender.connections(),
+            "packet_bytes": sender.path_mtu(),
+            "seconds": elapsed,
+            "tensors": tensors,
+            "delivered_tensors": tensors - failed.len(),
+            "delivered_bytes": delivered_bytes,
+            "total_bytes": total,
+            "failed_tensors": failed.len(),
+            "interrupted": interrupted.load(Ordering::SeqCst),
+            "waited_s": waits_json(&waited),
+            "results": results,
+        });
+        println!("{summary}");
+    } else {
+        print_summary(&SummaryLine {
+            tensors,
+            failed: failed.len(),
+            delivered_bytes,
+            total,
+            elapsed,
+            sender: &sender,
+            waited,
+        });
+    }
     sender.close().await;
     if interrupted.load(Ordering::SeqCst) {
         eprintln!(
@@ -263,6 +291,96 @@ async fn send(
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// What the human summary says.
+struct SummaryLine<'a> {
+    tensors: usize,
+    failed: usize,
+    delivered_bytes: u64,
+    total: u64,
+    elapsed: f64,
+    sender: &'a SenderPool,
+    waited: tensorwire::quic::SendWaits,
+}
+
+/// The summary for people: what was delivered, how fast, over what, and who waited.
+fn print_summary(line: &SummaryLine) {
+    let SummaryLine {
+        tensors,
+        failed,
+        delivered_bytes,
+        total,
+        elapsed,
+        sender,
+        waited,
+    } = line;
+    let metrics = sender.metrics();
+    println!(
+        "sent {} of {tensors} tensors ({} streams), {} of {} in {elapsed:.2} s over {} \
+         connections ({}): {}; packets of {} bytes; latency p50 {}, p99 {}; {} failed",
+        tensors - failed,
+        metrics.tensors_completed,
+        size(*delivered_bytes),
+        size(*total),
+        sender.connections(),
+        sender.binding(),
+        rate(*delivered_bytes, *elapsed),
+        sender.path_mtu(),
+        micros(metrics.latency_p50_us),
+        micros(metrics.latency_p99_us),
+        failed,
+    );
+    // Which side held the tensors up: the receiver (credit, its decisions), the files, or
+    // the network (QUIC's send buffer full).
+    println!("waited, summed over the tensors sent: {waited}");
+}
+
+/// One tensor's result for `--json`: delivered with its waits, or failed with the code,
+/// who is to blame, and why.
+fn tensor_json(
+    name: &str,
+    bytes: u64,
+    ended: Duration,
+    result: &anyhow::Result<tensorwire::quic::SendReport>,
+    peer: &Peer,
+) -> serde_json::Value {
+    let mut tensor = serde_json::json!({
+        "name": name,
+        "bytes": bytes,
+        "seconds": ended.as_secs_f64(),
+    });
+    let fields = match result {
+        Ok(report) => serde_json::json!({
+            "outcome": "delivered",
+            "waited_s": waits_json(&report.waited),
+        }),
+        Err(e) => {
+            let transport = e.downcast_ref::<TransportError>();
+            let code = transport.and_then(TransportError::code);
+            serde_json::json!({
+                "outcome": "failed",
+                "code": code.map(|c| c.name().map_or_else(|| c.to_string(), str::to_owned)),
+                "code_value": code.map(|c| c.0),
+                "blame": transport.and_then(TransportError::blame).map(|b| format!("{b:?}")),
+                "cause": explain(e, peer),
+            })
+        }
+    };
+    if let (Some(tensor), serde_json::Value::Object(fields)) = (tensor.as_object_mut(), fields) {
+        tensor.extend(fields);
+    }
+    tensor
+}
+
+/// Seconds waited, by whom.
+fn waits_json(waited: &tensorwire::quic::SendWaits) -> serde_json::Value {
+    serde_json::json!({
+        "receiver": waited.receiver.as_secs_f64(),
+        "source": waited.source.as_secs_f64(),
+        "transport": waited.transport.as_secs_f64(),
+        "turn": waited.turn.as_secs_f64(),
+    })
 }
 
 /// The receiver, as failures name it.
@@ -321,25 +439,5 @@ fn explain(e: &anyhow::Error, peer: &Peer) -> String {
     match t.blame() {
         Some(blame) => format!("{coded} [blame: {blame:?}]"),
         None => coded,
-    }
-}
-
-async fn send_with_progress(
-    send: tensorwire::quic::SendHandle,
-    bar: &ProgressBar,
-) -> anyhow::Result<tensorwire::quic::SendReport> {
-    let progress = send.progress();
-    let finished = send.finished();
-    tokio::pin!(finished);
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    loop {
-        tokio::select! {
-            result = &mut finished => {
-                let report = result?;
-                bar.set_position(progress.total_bytes());
-                return Ok(report);
-            }
-            _ = tick.tick() => bar.set_position(progress.sent_bytes()),
-        }
     }
 }
