@@ -413,6 +413,21 @@ fn received_tensors_are_shared_with_local_processes() {
     for name in ["layer.a", "layer.b", "tokens"] {
         assert!(listing.contains(name), "{listing}");
     }
+    // --json: a line per tensor, each the sharing protocol's Info (spec/ipc.md §2).
+    let listed = Command::new(env!("CARGO_BIN_EXE_tensorwire-share"))
+        .arg("--socket")
+        .arg(&socket)
+        .args(["list", "--json"])
+        .output()
+        .unwrap();
+    let infos: Vec<tensorwire::ipc::Info> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}")))
+        .collect();
+    let mut names: Vec<&str> = infos.iter().map(|i| i.tensor.name.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["layer.a", "layer.b", "tokens"]);
+    assert!(infos.iter().all(|i| i.leases == 0 && !i.deleting));
 
     let python = Command::new("python3")
         .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../python/consume.py"))
@@ -770,6 +785,77 @@ fn the_senders_json_has_every_documented_field() {
     terminate(&receiver);
     lines.for_each(drop);
     receiver.wait().unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `receiver --json` prints only JSON lines on stdout: listening, an event per tensor
+/// (received, failed with its code), and the summary, with the documented fields.
+#[test]
+fn the_receivers_json_events_have_every_documented_field() {
+    let dir = temp_dir("receiver-json");
+    let (small, big) = (dir.join("small.bin"), dir.join("big.bin"));
+    std::fs::write(&small, vec![1u8; 4096]).unwrap();
+    std::fs::write(&big, vec![1u8; 2 << 20]).unwrap();
+    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
+        .args(["--listen", "127.0.0.1:0", "--json", "--device", "host"])
+        .args(["--host-memory-mib", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
+    let parse = |line: String| -> serde_json::Value {
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"))
+    };
+    let listening = parse(lines.next().unwrap().unwrap());
+    assert_eq!(listening["event"], "listening", "{listening}");
+    let addr = listening["address"].as_str().unwrap().to_owned();
+    for field in ["transports", "lands_in"] {
+        assert!(listening[field].is_string(), "{field} in {listening}");
+    }
+    assert!(listening["host_memory_bytes"].is_u64(), "{listening}");
+    assert!(send_raw(&addr, 4096, &small, &[]).status.success());
+    assert!(
+        !send_raw(&addr, 2 << 20, &big, &["--no-split"])
+            .status
+            .success()
+    );
+    terminate(&receiver);
+    let events: Vec<serde_json::Value> = lines.map(|l| parse(l.unwrap())).collect();
+    receiver.wait().unwrap();
+    let find = |kind: &str| {
+        events
+            .iter()
+            .find(|e| e["event"] == kind)
+            .unwrap_or_else(|| panic!("no {kind} event in {events:?}"))
+    };
+    let received = find("received");
+    assert_eq!(received["bytes"], 4096, "{received}");
+    assert_eq!(received["dtype"], "U8", "{received}");
+    assert_eq!(received["shape"], serde_json::json!([4096]), "{received}");
+    for field in ["name", "from", "location"] {
+        assert!(received[field].is_string(), "{field} in {received}");
+    }
+    assert!(received["seconds"].is_f64(), "{received}");
+    let failed = find("failed");
+    assert_eq!(failed["code"], "RESOURCE_EXHAUSTED", "{failed}");
+    assert!(
+        failed["code_value"].is_u64() && failed["cause"].is_string(),
+        "{failed}"
+    );
+    let summary = find("summary");
+    assert_eq!(summary["tensors"], 1, "{summary}");
+    assert_eq!(summary["failed"], 1, "{summary}");
+    for field in [
+        "bytes",
+        "streams_failed",
+        "credit_peak_bytes",
+        "credit_budget_bytes",
+        "host_peak_bytes",
+        "host_limit_bytes",
+    ] {
+        assert!(summary[field].is_u64(), "{field} in {summary}");
+    }
     std::fs::remove_dir_all(dir).unwrap();
 }
 

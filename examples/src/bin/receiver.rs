@@ -16,7 +16,7 @@ use tensorwire::gpu::{ChecksumOn, DeviceRequest, GpuRequirement, Placement, Tens
 use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::metrics::{MetricsServer, ReceiverMetrics};
 use tensorwire::proto::TensorMeta;
-use tensorwire::proto::split::SplitPart;
+use tensorwire::proto::split::{SplitId, SplitPart};
 use tensorwire::quic::Listening;
 use tensorwire::quic::{IncomingTensor, Receiver, ReceiverConfig, Steering, StoreOffload};
 use tensorwire::sink::{Landing, SinkError, SplitTensors};
@@ -167,6 +167,11 @@ struct Args {
     /// lists them). Plain HTTP with no authentication: bind it where only scrapers reach.
     #[arg(long, value_parser = tensorwire_examples::cli::address)]
     metrics_listen: Option<SocketAddr>,
+    /// Print events as JSON lines on stdout (listening, received, received_part, shared,
+    /// failed, saved, not_saved, summary; fields in docs/operators.md); the lines for people
+    /// go to stderr instead.
+    #[arg(long)]
+    json: bool,
     /// Exit after this many tensors (0: run until interrupted).
     #[arg(long, default_value_t = 0)]
     count: u64,
@@ -283,9 +288,17 @@ async fn main() -> anyhow::Result<()> {
     // Watched from before "listening on", so that a stop asked for at once still saves.
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
+    let json = args.json;
+    // Lines for people: on stdout, or on stderr when stdout carries JSON events.
+    macro_rules! say {
+        ($($arg:tt)*) => {
+            if json { eprintln!($($arg)*) } else { println!($($arg)*) }
+        };
+    }
     let mut receiver = Receiver::bind(config).await?;
-    println!("listening on {}", receiver.local_addr()?);
-    println!(
+    say!("listening on {}", receiver.local_addr()?);
+    let (listening_at, host_limit) = (receiver.local_addr()?, receiver.host_memory().limit);
+    say!(
         "{} endpoints (UDP sockets) share the address; {}",
         receiver.endpoint_count(),
         match args.listening {
@@ -294,8 +307,8 @@ async fn main() -> anyhow::Result<()> {
             _ => "TCP on the same port too",
         }
     );
-    println!("tensors land in {}", placement.describe());
-    println!(
+    say!("tensors land in {}", placement.describe());
+    say!(
         "host memory for landed tensors: {} ({host_memory_from})",
         size(receiver.host_memory().limit)
     );
@@ -309,13 +322,13 @@ async fn main() -> anyhow::Result<()> {
             let server = MetricsServer::bind(addr, metrics)
                 .await
                 .with_context(|| format!("--metrics-listen {addr}"))?;
-            println!("metrics at http://{}/metrics", server.local_addr());
+            say!("metrics at http://{}/metrics", server.local_addr());
             Some(server)
         }
         None => None,
     };
     if let Some(path) = &args.share {
-        println!(
+        say!(
             "sharing tensors on {} (a name shared again: {:?})",
             path.display(),
             args.on_existing
@@ -323,25 +336,41 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(exec) = &exec {
         match exec.unavailable() {
-            None => println!(
+            None => say!(
                 "remote execution: on, {} worker(s), kernels limited to {} ms",
-                args.exec_workers, args.exec_time_limit_ms
+                args.exec_workers,
+                args.exec_time_limit_ms
             ),
-            Some(why) => println!("remote execution: on, but runs are refused: no GPU ({why})"),
+            Some(why) => say!("remote execution: on, but runs are refused: no GPU ({why})"),
         }
+    }
+    if json {
+        event(serde_json::json!({
+            "event": "listening",
+            "address": listening_at.to_string(),
+            "transports": match args.listening {
+                Listening::Udp => "udp",
+                Listening::Tcp => "tcp",
+                _ => "udp+tcp",
+            },
+            "lands_in": placement.describe(),
+            "host_memory_bytes": host_limit,
+            "metrics": metrics.as_ref().map(|m| format!("http://{}/metrics", m.local_addr())),
+            "share": args.share.as_ref().map(|p| p.display().to_string()),
+        }));
     }
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let mut saves: tokio::task::JoinSet<Saved> = tokio::task::JoinSet::new();
     if let Some(recovery) = recovered {
         if recovery.unconfirmed_removed > 0 {
-            println!(
+            say!(
                 "removed {} spooled tensor(s) a previous receiver never confirmed (their senders \
                  were told they failed)",
                 recovery.unconfirmed_removed
             );
         }
         for job in recovery.jobs {
-            println!(
+            say!(
                 "recovering {} confirmed tensor(s) a previous receiver left as {}",
                 job.tensor_count(),
                 job.file()
@@ -435,10 +464,10 @@ async fn main() -> anyhow::Result<()> {
                                 }
                                 Landing::Part => Landed::Part(meta),
                             })
-                            .map_err(|e| e.to_string()),
-                        Err(e) => Err(refuse(incoming, e)),
+                            .map_err(|e| (e.code(), e.to_string())),
+                        Err(e) => Err((Some(e.code), refuse(incoming, e))),
                     };
-                    let result = result.map_err(|e| {
+                    let result = result.map_err(|(code, e)| {
                         let what = match &part {
                             Some(part) => format!(
                                 "{} (rows from {} of a split tensor, {})",
@@ -446,12 +475,17 @@ async fn main() -> anyhow::Result<()> {
                             ),
                             None => format!("{} ({})", meta.name(), size(meta.byte_len())),
                         };
-                        (part.as_ref().map(SplitPart::id), format!("{what} from {origin}: {e}"))
+                        Failure {
+                            split: part.as_ref().map(SplitPart::id),
+                            name: meta.name().to_owned(),
+                            code,
+                            message: format!("{what} from {origin}: {e}"),
+                        }
                     });
                     let _ = done_tx.send((result, started.elapsed(), origin));
                 });
             }
-            Some(saved) = saves.join_next(), if !saves.is_empty() => report_save(saved),
+            Some(saved) = saves.join_next(), if !saves.is_empty() => report_save(saved, json),
             () = &mut shutdown => {
                 eprintln!("stopping: a signal asked the receiver to stop");
                 break;
@@ -460,23 +494,44 @@ async fn main() -> anyhow::Result<()> {
                 match result {
                     Ok(Landed::Part(meta)) => {
                         let rows = meta.shape().first().copied().unwrap_or(0);
-                        println!(
-                            "received {} rows of {} ({}) in {:.3} s",
-                            rows, meta.name(), size(meta.byte_len()), elapsed.as_secs_f64()
-                        );
+                        match json {
+                            true => event(serde_json::json!({
+                                "event": "received_part", "name": meta.name(), "rows": rows,
+                                "bytes": meta.byte_len(), "seconds": elapsed.as_secs_f64(),
+                                "from": origin,
+                            })),
+                            false => println!(
+                                "received {} rows of {} ({}) in {:.3} s",
+                                rows, meta.name(), size(meta.byte_len()), elapsed.as_secs_f64()
+                            ),
+                        }
                         continue;
                     }
                     Ok(Landed::Whole(meta, buffer, spooled)) => {
                         finished += 1;
                         bytes += meta.byte_len();
-                        println!(
-                            "received {} {} {:?} {} in {:.3} s ({}) -> {}",
-                            meta.name(), meta.dtype(), meta.shape(), size(meta.byte_len()),
-                            elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64()),
-                            buffer.location()
-                        );
+                        match json {
+                            true => event(serde_json::json!({
+                                "event": "received", "name": meta.name(),
+                                "dtype": meta.dtype().name(), "shape": meta.shape(),
+                                "bytes": meta.byte_len(), "seconds": elapsed.as_secs_f64(),
+                                "from": origin, "location": buffer.location().to_string(),
+                            })),
+                            false => println!(
+                                "received {} {} {:?} {} in {:.3} s ({}) -> {}",
+                                meta.name(), meta.dtype(), meta.shape(), size(meta.byte_len()),
+                                elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64()),
+                                buffer.location()
+                            ),
+                        }
                         if let Some(service) = &share {
                             match service.publish_buffer(&meta, buffer) {
+                                Ok(shared) if json => event(serde_json::json!({
+                                    "event": "shared", "name": meta.name(),
+                                    "id": shared.id().to_string(),
+                                    "export": shared.export().name(),
+                                    "generation": shared.generation(),
+                                })),
                                 Ok(shared) => println!(
                                     "shared {} as {} ({}), generation {}",
                                     meta.name(), shared.id(), shared.export().name(),
@@ -493,12 +548,21 @@ async fn main() -> anyhow::Result<()> {
                             spawn_save(&mut saves, job);
                         }
                     }
-                    Err((split, e)) => {
+                    Err(failure) => {
                         // A split tensor fails once, however many of its parts fail.
-                        if split.is_none_or(|id| failed_wholes.insert(id)) {
+                        if failure.split.is_none_or(|id| failed_wholes.insert(id)) {
                             failed += 1;
                         }
-                        eprintln!("tensor failed: {e}");
+                        eprintln!("tensor failed: {}", failure.message);
+                        if json {
+                            let code = failure.code;
+                            event(serde_json::json!({
+                                "event": "failed", "name": failure.name, "from": origin,
+                                "code": code.map(|c| c.name().map_or_else(|| c.to_string(), str::to_owned)),
+                                "code_value": code.map(|c| c.0),
+                                "cause": failure.message,
+                            }));
+                        }
                     }
                 }
                 if args.count > 0 && finished + failed >= args.count {
@@ -530,7 +594,15 @@ async fn main() -> anyhow::Result<()> {
     // Streams the receiver refused or lost before they reached this program (a limit, a
     // budget, a protocol error) count as failures too.
     let streams_failed = receiver.metrics().tensors_failed;
-    println!(
+    if json {
+        event(serde_json::json!({
+            "event": "summary", "tensors": finished, "bytes": bytes, "seconds": elapsed,
+            "failed": failed, "streams_failed": streams_failed,
+            "credit_peak_bytes": credit.peak_outstanding, "credit_budget_bytes": credit.budget,
+            "host_peak_bytes": host.peak, "host_limit_bytes": host.limit,
+        }));
+    }
+    say!(
         "{finished} tensors, {} in {elapsed:.2} s ({}), {failed} failed ({streams_failed} tensor \
          streams refused or failed in all, each logged with its code); peak credit held {} of \
          the {} budget (one tensor's window up to {}), peak host memory {} of {}{outside_pool}",
@@ -553,7 +625,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     while let Some(saved) = saves.join_next().await {
-        report_save(saved);
+        report_save(saved, json);
     }
     receiver.close().await;
     if let Some(metrics) = metrics {
@@ -584,10 +656,35 @@ fn refuse(incoming: IncomingTensor, e: SinkError) -> String {
     format!("refused: {why}")
 }
 
-fn report_save(saved: Result<Saved, tokio::task::JoinError>) {
-    match saved {
-        Ok(Ok(path)) => println!("saved {}", path.display()),
-        Ok(Err((file, e))) => eprintln!("not saved: {file}: {e:#}"),
-        Err(e) => eprintln!("not saved: the writer failed: {e}"),
+/// Says whether a file was saved: to people, and as an event with `--json`.
+fn report_save(saved: Result<Saved, tokio::task::JoinError>, json: bool) {
+    let (file, failure) = match saved {
+        Ok(Ok(path)) => (path.display().to_string(), None),
+        Ok(Err((file, e))) => (file, Some(format!("{e:#}"))),
+        Err(e) => (String::new(), Some(format!("the writer failed: {e}"))),
+    };
+    match &failure {
+        None if json => event(serde_json::json!({"event": "saved", "file": file})),
+        None => println!("saved {file}"),
+        Some(why) => {
+            eprintln!("not saved: {file}: {why}");
+            if json {
+                event(serde_json::json!({"event": "not_saved", "file": file, "cause": why}));
+            }
+        }
     }
+}
+
+/// One JSON event line on stdout (`--json`).
+fn event(value: serde_json::Value) {
+    println!("{value}");
+}
+
+/// A tensor that did not land: which, with what code, and the line for people.
+struct Failure {
+    /// The split tensor it was a part of.
+    split: Option<SplitId>,
+    name: String,
+    code: Option<tensorwire::proto::ErrorCode>,
+    message: String,
 }

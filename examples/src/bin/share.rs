@@ -18,6 +18,10 @@ struct Args {
     /// The receiver's sharing socket (`receiver --share`).
     #[arg(long)]
     socket: Option<PathBuf>,
+    /// Print JSON lines instead of text: one object per tensor, event or GPU, as the
+    /// sharing protocol's messages carry them (spec/ipc.md §2).
+    #[arg(long, global = true)]
+    json: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -68,6 +72,11 @@ fn main() -> anyhow::Result<()> {
         Ok(ShareClient::connect(socket)?)
     };
     match &args.command {
+        Command::List if args.json => {
+            for t in client()?.list()? {
+                println!("{}", serde_json::to_string(&t)?);
+            }
+        }
         Command::List => {
             for t in client()?.list()? {
                 let state = if t.deleting { " (deleting)" } else { "" };
@@ -83,10 +92,7 @@ fn main() -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Info { tensor } => println!(
-            "{}",
-            serde_json::to_string_pretty(&client()?.info(tensor)?)?
-        ),
+        Command::Info { tensor } => println!("{}", to_json(&client()?.info(tensor)?, args.json)?),
         Command::Watch { prefix, count } => {
             let watch = client()?.watch(prefix)?;
             for (seen, event) in watch.enumerate() {
@@ -95,16 +101,25 @@ fn main() -> anyhow::Result<()> {
                 let now_us = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_micros() as u64);
-                println!(
-                    "{:<9} {} generation {} {} {:?} {}: seen {:.3} ms after it landed",
-                    format!("{:?}", event.event).to_lowercase(),
-                    t.name,
-                    t.generation,
-                    t.dtype,
-                    t.shape,
-                    size(t.byte_len),
-                    now_us.saturating_sub(t.landed_unix_us) as f64 / 1e3
-                );
+                let seen_ms = now_us.saturating_sub(t.landed_unix_us) as f64 / 1e3;
+                if args.json {
+                    let mut line = serde_json::to_value(&event)?;
+                    if let Some(fields) = line.as_object_mut() {
+                        fields.insert("seen_ms".into(), seen_ms.into());
+                    }
+                    println!("{line}");
+                } else {
+                    println!(
+                        "{:<9} {} generation {} {} {:?} {}: seen {:.3} ms after it landed",
+                        format!("{:?}", event.event).to_lowercase(),
+                        t.name,
+                        t.generation,
+                        t.dtype,
+                        t.shape,
+                        size(t.byte_len),
+                        seen_ms
+                    );
+                }
                 if *count > 0 && seen + 1 == *count {
                     break;
                 }
@@ -113,10 +128,17 @@ fn main() -> anyhow::Result<()> {
         Command::Wait { tensor, timeout_s } => {
             let wait = std::time::Duration::from_secs_f64(timeout_s.max(0.0));
             let opened = client()?.open_wait(tensor, wait)?;
-            println!("{}", serde_json::to_string_pretty(opened.descriptor())?);
+            println!("{}", to_json(opened.descriptor(), args.json)?);
         }
         Command::Delete { tensor } => {
             let deferred = client()?.delete(tensor)?;
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"deleted": tensor, "deferred": deferred})
+                );
+                return Ok(());
+            }
             println!(
                 "{}",
                 if deferred {
@@ -132,6 +154,12 @@ fn main() -> anyhow::Result<()> {
                 Some(_) => client()?.devices()?,
                 None => local_gpus()?,
             };
+            if args.json {
+                for d in &devices {
+                    println!("{}", serde_json::to_string(d)?);
+                }
+                return Ok(());
+            }
             if devices.is_empty() {
                 println!("no GPUs ({})", GpuStatus::detect());
             }
@@ -150,4 +178,12 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// One line for `--json`, else indented for people.
+fn to_json(value: &impl serde::Serialize, one_line: bool) -> serde_json::Result<String> {
+    match one_line {
+        true => serde_json::to_string(value),
+        false => serde_json::to_string_pretty(value),
+    }
 }
