@@ -150,6 +150,15 @@ pub fn rate(bytes: u64, seconds: f64) -> String {
     )
 }
 
+/// Microseconds in the unit that reads best: `840 µs`, `12.3 ms`, `1.45 s`.
+pub fn micros(us: u64) -> String {
+    match us {
+        0..1_000 => format!("{us} µs"),
+        1_000..1_000_000 => format!("{:.1} ms", us as f64 / 1e3),
+        _ => format!("{:.2} s", us as f64 / 1e6),
+    }
+}
+
 /// A byte count as a short human figure.
 pub fn size(bytes: u64) -> String {
     match bytes {

@@ -649,6 +649,7 @@ fn the_receiver_serves_metrics_that_follow_its_tensors() {
     let (mut receiver, mut lines, addr) = spawn_receiver(&[
         "--metrics-listen".as_ref(),
         "127.0.0.1:0".as_ref(),
+        "--allow-exec".as_ref(),
         "--max-tensor-mib".as_ref(),
         "1".as_ref(),
         "--device".as_ref(),
@@ -682,6 +683,8 @@ fn the_receiver_serves_metrics_that_follow_its_tensors() {
     let too_large = r#"tensorwire_received_tensor_failures_total{code="TENSOR_TOO_LARGE"}"#;
     let before = scrape();
     assert_eq!(sample(&before, completed), "0");
+    // The program's own families beside the receiver's: here, remote execution's.
+    assert_eq!(sample(&before, r#"tensorwire_exec_runs_total{outcome="succeeded"}"#), "0");
     assert!(!before.contains(too_large), "{before}");
     assert!(send_raw(&addr, 4096, &small, &[]).status.success());
     assert!(

@@ -16,7 +16,55 @@ type Labels<'a> = &'a [(&'a str, &'a str)];
 /// A receiver's metrics, encoded on demand in the OpenMetrics text format; cheap to clone.
 #[derive(Clone)]
 pub struct ReceiverMetrics {
-    registry: Arc<Registry>,
+    collector: Arc<ReceiverCollector>,
+}
+
+/// Whether a [`Family`] only grows or goes up and down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FamilyKind {
+    /// Only grows (Prometheus appends `_total` to its name).
+    Counter,
+    /// Goes up and down.
+    Gauge,
+}
+
+/// One sample of a [`Family`]: its labels (name, value) and its value.
+pub type Sample = (Vec<(&'static str, String)>, u64);
+
+/// A metric family of the application's own (a GPU pool's hits, kernel runs), read at each
+/// scrape beside the receiver's.
+#[derive(Clone)]
+pub struct Family {
+    name: &'static str,
+    help: &'static str,
+    kind: FamilyKind,
+    read: Arc<dyn Fn() -> Vec<Sample> + Send + Sync>,
+}
+
+impl Family {
+    /// `tensorwire_NAME`, described by `help`, whose samples `read` returns at each scrape.
+    pub fn new(
+        name: &'static str,
+        help: &'static str,
+        kind: FamilyKind,
+        read: impl Fn() -> Vec<Sample> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name,
+            help,
+            kind,
+            read: Arc::new(read),
+        }
+    }
+}
+
+impl fmt::Debug for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Family")
+            .field("name", &self.name)
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ReceiverMetrics {
@@ -27,19 +75,29 @@ impl ReceiverMetrics {
 
     /// The same, with the state of further memory budgets (each GPU's) beside the host's.
     pub fn with_memory(observer: ReceiverObserver, budgets: Vec<MemoryBudget>) -> Self {
-        let mut registry = Registry::with_prefix("tensorwire");
-        registry.register_collector(Box::new(ReceiverCollector { observer, budgets }));
         Self {
-            registry: Arc::new(registry),
+            collector: Arc::new(ReceiverCollector {
+                observer,
+                budgets,
+                families: Vec::new(),
+            }),
         }
+    }
+
+    /// Adds a family of the application's own; its name must not be one of the receiver's.
+    pub fn with_family(mut self, family: Family) -> Self {
+        Arc::make_mut(&mut self.collector).families.push(family);
+        self
     }
 
     /// Every metric now, as an OpenMetrics text exposition (ends with `# EOF`).
     pub fn encode(&self) -> String {
+        let mut registry = Registry::with_prefix("tensorwire");
+        registry.register_collector(Box::new(self.collector.clone()));
         let mut out = String::new();
         // Writing into a String cannot fail, and every collector below returns only the
         // writer's errors.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
         out
     }
 }
@@ -50,11 +108,12 @@ impl fmt::Debug for ReceiverMetrics {
     }
 }
 
-/// Reads the receiver and the budgets at each scrape.
-#[derive(Debug)]
+/// Reads the receiver, the budgets and the application's families at each scrape.
+#[derive(Clone, Debug)]
 struct ReceiverCollector {
     observer: ReceiverObserver,
     budgets: Vec<MemoryBudget>,
+    families: Vec<Family>,
 }
 
 impl Collector for ReceiverCollector {
@@ -241,6 +300,23 @@ impl Collector for ReceiverCollector {
             "The most each memory budget ever held at once, kept buffers included.",
             &each(|m| m.peak),
         )?;
+
+        for family in &self.families {
+            let samples = (family.read)();
+            let labels: Vec<Vec<(&str, &str)>> = samples
+                .iter()
+                .map(|(labels, _)| labels.iter().map(|(k, v)| (*k, v.as_str())).collect())
+                .collect();
+            let samples: Vec<(Labels, u64)> = labels
+                .iter()
+                .zip(&samples)
+                .map(|(labels, (_, value))| (&labels[..], *value))
+                .collect();
+            match family.kind {
+                FamilyKind::Counter => counter(out, family.name, family.help, &samples)?,
+                FamilyKind::Gauge => gauge(out, family.name, family.help, &samples)?,
+            }
+        }
         Ok(())
     }
 }

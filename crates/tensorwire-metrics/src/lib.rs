@@ -25,5 +25,5 @@
 mod exposition;
 mod server;
 
-pub use exposition::ReceiverMetrics;
+pub use exposition::{Family, FamilyKind, ReceiverMetrics, Sample};
 pub use server::{MAX_SCRAPERS, MetricsServer};

@@ -244,3 +244,44 @@ async fn the_endpoint_answers_only_what_it_serves() {
     assert!(std::net::TcpStream::connect(addr).is_err());
     receiver.close().await;
 }
+
+#[tokio::test]
+async fn an_applications_family_is_read_at_each_scrape() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tensorwire_metrics::{Family, FamilyKind};
+
+    let receiver = Receiver::bind(ReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        ServerTls::Development,
+    ))
+    .await
+    .unwrap();
+    let hits = Arc::new(AtomicU64::new(0));
+    let read = hits.clone();
+    let metrics = ReceiverMetrics::new(receiver.observer()).with_family(Family::new(
+        "pool_requests",
+        "Requests to a pool, by outcome.",
+        FamilyKind::Counter,
+        move || {
+            vec![
+                (
+                    vec![("outcome", "hit".into())],
+                    read.load(Ordering::Relaxed),
+                ),
+                (vec![("outcome", "miss".into())], 1),
+            ]
+        },
+    ));
+    let hit = r#"tensorwire_pool_requests_total{outcome="hit"}"#;
+    assert_eq!(value(&metrics.encode(), hit), 0.0);
+    hits.store(41, Ordering::Relaxed);
+    let text = metrics.clone().encode();
+    assert_well_formed(&text);
+    assert_eq!(value(&text, hit), 41.0);
+    assert_eq!(
+        value(&text, r#"tensorwire_pool_requests_total{outcome="miss"}"#),
+        1.0
+    );
+    receiver.close().await;
+}

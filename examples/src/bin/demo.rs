@@ -8,7 +8,7 @@ use clap::Parser;
 use tensorwire::gpu::{DeviceRequest, GpuRequirement, Placement, TensorBuffer};
 use tensorwire::proto::{DType, TensorMeta};
 use tensorwire::quic::{Receiver, ReceiverConfig, Sender, SenderConfig, TransportSettings};
-use tensorwire_examples::cli::{init_logging, rate, size};
+use tensorwire_examples::cli::{init_logging, micros, rate, size};
 
 /// Stream generated tensors over loopback QUIC.
 #[derive(Parser, Debug)]
@@ -182,11 +182,11 @@ async fn main() -> anyhow::Result<()> {
     }
     let metrics = sender.metrics();
     println!(
-        "{count} tensors, {} in {elapsed:.2} s: {}; tensor latency p50 {} µs, p99 {} µs; peak credit held {} of {}",
+        "{count} tensors, {} in {elapsed:.2} s: {}; tensor latency p50 {}, p99 {}; peak credit held {} of {}",
         size(total),
         rate(total, elapsed),
-        metrics.latency_p50_us,
-        metrics.latency_p99_us,
+        micros(metrics.latency_p50_us),
+        micros(metrics.latency_p99_us),
         size(budget.peak_outstanding),
         size(budget.budget)
     );

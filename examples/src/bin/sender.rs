@@ -16,7 +16,7 @@ use tensorwire::quic::{
     UDP_HEAD_START,
 };
 use tensorwire_examples::cli::{
-    ClientTlsArgs, TransportArgs, init_logging, rate, seconds, shutdown_signal, size,
+    ClientTlsArgs, TransportArgs, init_logging, micros, rate, seconds, shutdown_signal, size,
 };
 use tensorwire_examples::files::{Outgoing, SENDER_ATTR, load, parse_shape};
 use tensorwire_examples::progress::{Drawing, PushProgress, TensorState};
@@ -387,15 +387,6 @@ fn waits_json(waited: &tensorwire::quic::SendWaits) -> serde_json::Value {
 struct Peer {
     addr: SocketAddr,
     idle_timeout_s: u64,
-}
-
-/// Microseconds in the unit that reads best: `840 µs`, `12.3 ms`, `1.45 s`.
-fn micros(us: u64) -> String {
-    match us {
-        0..1_000 => format!("{us} µs"),
-        1_000..1_000_000 => format!("{:.1} ms", us as f64 / 1e3),
-        _ => format!("{:.2} s", us as f64 / 1e6),
-    }
 }
 
 /// A safetensors dtype name in any case; an unknown one is answered with the known ones.
