@@ -1,12 +1,13 @@
-//! A push's progress on a terminal: one bar for all its bytes and tensors, and bars for the
+//! Progress on a terminal. A push: one bar for all its bytes and tensors, and bars for the
 //! few largest tensors in flight, so a file of hundreds of tensors draws a handful of lines.
+//! A receiver: one line of what has landed, how fast, and what is in flight.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use tensorwire::quic::SendProgress;
+use tensorwire::quic::{ReceiverObserver, SendProgress};
 
 /// Tensors drawn with a bar of their own at once: the largest in flight.
 pub const MAX_TENSOR_BARS: usize = 4;
@@ -189,4 +190,66 @@ pub enum Drawing {
 
 fn style(template: &str) -> ProgressStyle {
     ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar())
+}
+
+/// A receiver's one line on a terminal (stderr): tensors landed and failed, bytes, rate,
+/// connections open. Ends when dropped.
+pub struct ReceiverProgress {
+    task: tokio::task::JoinHandle<()>,
+    line: ProgressBar,
+}
+
+impl ReceiverProgress {
+    /// Draws `observer`'s counters every [`TICK`], where `draw` allows and stderr is a
+    /// terminal.
+    pub fn start(observer: ReceiverObserver, draw: Drawing) -> Self {
+        let target = match draw {
+            Drawing::OnTerminal => ProgressDrawTarget::stderr(),
+            Drawing::Never => ProgressDrawTarget::hidden(),
+        };
+        let line = ProgressBar::with_draw_target(None, target).with_style(style(
+            "{spinner} {msg} {bytes:>10} {bytes_per_sec:>12} {elapsed:>4}",
+        ));
+        let drawn = line.clone();
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(TICK);
+            loop {
+                tick.tick().await;
+                let metrics = observer.metrics();
+                drawn.set_position(metrics.payload_bytes);
+                drawn.set_message(format!(
+                    "{} tensors landed, {} failed, {} connections",
+                    metrics.tensors_completed,
+                    metrics.tensors_failed,
+                    observer.connections().len()
+                ));
+                drawn.tick();
+            }
+        });
+        Self { task, line }
+    }
+
+    /// Writes a line to stdout above the progress line.
+    pub fn println(&self, line: &str) {
+        self.line.suspend(|| println!("{line}"));
+    }
+
+    /// Writes a line to stderr above the progress line.
+    pub fn eprintln(&self, line: &str) {
+        self.line.suspend(|| eprintln!("{line}"));
+    }
+}
+
+impl ReceiverProgress {
+    /// Stops drawing and clears the line; lines written afterwards go straight out.
+    pub fn stop(&self) {
+        self.task.abort();
+        self.line.finish_and_clear();
+    }
+}
+
+impl Drop for ReceiverProgress {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }

@@ -684,7 +684,13 @@ fn the_receiver_serves_metrics_that_follow_its_tensors() {
     let before = scrape();
     assert_eq!(sample(&before, completed), "0");
     // The program's own families beside the receiver's: here, remote execution's.
-    assert_eq!(sample(&before, r#"tensorwire_exec_runs_total{outcome="succeeded"}"#), "0");
+    assert_eq!(
+        sample(
+            &before,
+            r#"tensorwire_exec_runs_total{outcome="succeeded"}"#
+        ),
+        "0"
+    );
     assert!(!before.contains(too_large), "{before}");
     assert!(send_raw(&addr, 4096, &small, &[]).status.success());
     assert!(

@@ -137,3 +137,51 @@ fn a_file_of_300_tensors_draws_one_total_bar_and_a_few_tensor_bars() {
     receiver.wait().unwrap();
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn the_receiver_draws_one_line_on_a_terminal_and_its_output_stays_whole() {
+    let dir = std::env::temp_dir().join(format!("tensorwire-rx-progress-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = many_tensors(&dir, 300, 64 << 10);
+    let (mut master, terminal) = terminal();
+    let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
+        .args(["--listen", "127.0.0.1:0", "--device", "host", "--count", "300"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(terminal))
+        .spawn()
+        .unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut drawn = Vec::new();
+        let mut chunk = [0u8; 65536];
+        while let Ok(n @ 1..) = master.read(&mut chunk) {
+            drawn.extend_from_slice(&chunk[..n]);
+        }
+        String::from_utf8_lossy(&drawn).into_owned()
+    });
+    let mut stdout = String::new();
+    let mut out = receiver.stdout.take().unwrap();
+    let mut first = Vec::new();
+    let mut byte = [0u8; 1];
+    while out.read(&mut byte).unwrap() == 1 && byte[0] != b'\n' {
+        first.push(byte[0]);
+    }
+    let first = String::from_utf8(first).unwrap();
+    let addr = first.strip_prefix("listening on ").unwrap().to_owned();
+    // Slow enough to be drawn a few times.
+    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
+        .args(["--connect", &addr, "--quiet", "--connections", "1"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(sent.status.success(), "{}", String::from_utf8_lossy(&sent.stderr));
+    out.read_to_string(&mut stdout).unwrap();
+    assert!(receiver.wait().unwrap().success());
+    let drawn = reader.join().unwrap();
+    assert!(drawn.contains("tensors landed"), "{drawn:?}");
+    assert_eq!(most_lines_redrawn(&drawn), 0, "one line: {drawn:?}");
+    // stdout is not the terminal: its lines are whole, one per tensor, then the summary.
+    let received = stdout.lines().filter(|l| l.starts_with("received ")).count();
+    assert_eq!(received, 300, "{stdout}");
+    assert!(!stdout.contains('\x1b'), "{stdout}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -23,6 +23,7 @@ use tensorwire::sink::{Landing, SinkError, SplitTensors};
 use tensorwire_examples::cli::{
     ServerTlsArgs, TransportArgs, init_logging, mebibytes, rate, seconds, shutdown_signal, size,
 };
+use tensorwire_examples::progress::{Drawing, ReceiverProgress};
 use tensorwire_examples::save::{OnCollision, SaveDir, SaveJob, Spooled, SpoolingSink};
 use tokio::sync::mpsc;
 
@@ -387,6 +388,22 @@ async fn main() -> anyhow::Result<()> {
     let mut failed_wholes = HashSet::new();
     // Parts still to come of split tensors whose first part arrived.
     let mut arriving = HashMap::new();
+    // One line on a terminal of what landed, how fast; people's lines go above it.
+    let drawing = match json {
+        true => Drawing::Never,
+        false => Drawing::OnTerminal,
+    };
+    let progress = ReceiverProgress::start(receiver.observer(), drawing);
+    macro_rules! tell {
+        ($($arg:tt)*) => {
+            progress.println(&format!($($arg)*))
+        };
+    }
+    macro_rules! etell {
+        ($($arg:tt)*) => {
+            progress.eprintln(&format!($($arg)*))
+        };
+    }
     let started = Instant::now();
     let (mut accepted, mut finished, mut failed, mut bytes) = (0u64, 0u64, 0u64, 0u64);
     loop {
@@ -404,7 +421,7 @@ async fn main() -> anyhow::Result<()> {
                 let part = match SplitPart::of(incoming.meta(), args.max_tensor) {
                     Ok(part) => part,
                     Err(e) => {
-                        eprintln!("tensor refused: {} from {}: {e}", incoming.meta().name(), incoming.peer());
+                        etell!("tensor refused: {} from {}: {e}", incoming.meta().name(), incoming.peer());
                         incoming.reject(e.code(), e.to_string());
                         continue;
                     }
@@ -488,9 +505,9 @@ async fn main() -> anyhow::Result<()> {
                     let _ = done_tx.send((result, started.elapsed(), origin));
                 });
             }
-            Some(saved) = saves.join_next(), if !saves.is_empty() => report_save(saved, json),
+            Some(saved) = saves.join_next(), if !saves.is_empty() => report_save(saved, json, &progress),
             () = &mut shutdown => {
-                eprintln!("stopping: a signal asked the receiver to stop");
+                etell!("stopping: a signal asked the receiver to stop");
                 break;
             }
             Some((result, elapsed, origin)) = done_rx.recv() => {
@@ -503,7 +520,7 @@ async fn main() -> anyhow::Result<()> {
                                 "bytes": meta.byte_len(), "seconds": elapsed.as_secs_f64(),
                                 "from": origin,
                             })),
-                            false => println!(
+                            false => tell!(
                                 "received {} rows of {} ({}) in {:.3} s",
                                 rows, meta.name(), size(meta.byte_len()), elapsed.as_secs_f64()
                             ),
@@ -520,7 +537,7 @@ async fn main() -> anyhow::Result<()> {
                                 "bytes": meta.byte_len(), "seconds": elapsed.as_secs_f64(),
                                 "from": origin, "location": buffer.location().to_string(),
                             })),
-                            false => println!(
+                            false => tell!(
                                 "received {} {} {:?} {} in {:.3} s ({}) -> {}",
                                 meta.name(), meta.dtype(), meta.shape(), size(meta.byte_len()),
                                 elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64()),
@@ -535,12 +552,12 @@ async fn main() -> anyhow::Result<()> {
                                     "export": shared.export().name(),
                                     "generation": shared.generation(),
                                 })),
-                                Ok(shared) => println!(
+                                Ok(shared) => tell!(
                                     "shared {} as {} ({}), generation {}",
                                     meta.name(), shared.id(), shared.export().name(),
                                     shared.generation()
                                 ),
-                                Err(e) => eprintln!("not shared: {}: {e}", meta.name()),
+                                Err(e) => etell!("not shared: {}: {e}", meta.name()),
                             }
                         }
                         // Assembled from the spool off the async path; a failed write is
@@ -556,7 +573,7 @@ async fn main() -> anyhow::Result<()> {
                         if failure.split.is_none_or(|id| failed_wholes.insert(id)) {
                             failed += 1;
                         }
-                        eprintln!("tensor failed: {}", failure.message);
+                        etell!("tensor failed: {}", failure.message);
                         if json {
                             let code = failure.code;
                             event(serde_json::json!({
@@ -574,6 +591,7 @@ async fn main() -> anyhow::Result<()> {
             }
         }
     }
+    progress.stop();
     let elapsed = started.elapsed().as_secs_f64();
     let credit = receiver.budget();
     let host = receiver.host_memory();
@@ -619,7 +637,7 @@ async fn main() -> anyhow::Result<()> {
     );
     if let Some(save) = &mut save {
         for (file, got, expected) in save.incomplete() {
-            eprintln!(
+            etell!(
                 "incomplete: {file} has {got} of {expected} tensors; saving those as a partial file"
             );
         }
@@ -628,7 +646,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     while let Some(saved) = saves.join_next().await {
-        report_save(saved, json);
+        report_save(saved, json, &progress);
     }
     receiver.close().await;
     if let Some(metrics) = metrics {
@@ -660,7 +678,11 @@ fn refuse(incoming: IncomingTensor, e: SinkError) -> String {
 }
 
 /// Says whether a file was saved: to people, and as an event with `--json`.
-fn report_save(saved: Result<Saved, tokio::task::JoinError>, json: bool) {
+fn report_save(
+    saved: Result<Saved, tokio::task::JoinError>,
+    json: bool,
+    progress: &ReceiverProgress,
+) {
     let (file, failure) = match saved {
         Ok(Ok(path)) => (path.display().to_string(), None),
         Ok(Err((file, e))) => (file, Some(format!("{e:#}"))),
@@ -668,7 +690,7 @@ fn report_save(saved: Result<Saved, tokio::task::JoinError>, json: bool) {
     };
     match &failure {
         None if json => event(serde_json::json!({"event": "saved", "file": file})),
-        None => println!("saved {file}"),
+        None => progress.println(&format!("saved {file}")),
         Some(why) => {
             eprintln!("not saved: {file}: {why}");
             if json {
