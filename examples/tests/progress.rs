@@ -145,7 +145,14 @@ fn the_receiver_draws_one_line_on_a_terminal_and_its_output_stays_whole() {
     let file = many_tensors(&dir, 300, 64 << 10);
     let (mut master, terminal) = terminal();
     let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
-        .args(["--listen", "127.0.0.1:0", "--device", "host", "--count", "300"])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--device",
+            "host",
+            "--count",
+            "300",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::from(terminal))
         .spawn()
@@ -173,14 +180,21 @@ fn the_receiver_draws_one_line_on_a_terminal_and_its_output_stays_whole() {
         .arg(&file)
         .output()
         .unwrap();
-    assert!(sent.status.success(), "{}", String::from_utf8_lossy(&sent.stderr));
+    assert!(
+        sent.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
     out.read_to_string(&mut stdout).unwrap();
     assert!(receiver.wait().unwrap().success());
     let drawn = reader.join().unwrap();
     assert!(drawn.contains("tensors landed"), "{drawn:?}");
     assert_eq!(most_lines_redrawn(&drawn), 0, "one line: {drawn:?}");
     // stdout is not the terminal: its lines are whole, one per tensor, then the summary.
-    let received = stdout.lines().filter(|l| l.starts_with("received ")).count();
+    let received = stdout
+        .lines()
+        .filter(|l| l.starts_with("received "))
+        .count();
     assert_eq!(received, 300, "{stdout}");
     assert!(!stdout.contains('\x1b'), "{stdout}");
     std::fs::remove_dir_all(dir).unwrap();

@@ -285,3 +285,37 @@ async fn an_applications_family_is_read_at_each_scrape() {
     );
     receiver.close().await;
 }
+
+/// Scrapers that connect and send nothing hold every place for at most the header timeout:
+/// a real scrape then gets through.
+#[tokio::test]
+async fn silent_connections_cannot_keep_scrapers_out() {
+    use tensorwire_metrics::MAX_SCRAPERS;
+
+    let receiver = Receiver::bind(ReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        ServerTls::Development,
+    ))
+    .await
+    .unwrap();
+    let server = MetricsServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        ReceiverMetrics::new(receiver.observer()),
+    )
+    .await
+    .unwrap();
+    let addr = server.local_addr();
+    let mut silent = Vec::new();
+    for _ in 0..MAX_SCRAPERS + 4 {
+        silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    // Every place is held now; the scrape waits for the silent ones to be dropped, within
+    // the header timeout (10 s), and is bounded here well past it.
+    let scrape = tokio::time::timeout(std::time::Duration::from_secs(30), get(addr, "/metrics"));
+    let (status, _, body) = scrape.await.expect("a scrape gets through");
+    assert_eq!(status, 200);
+    assert!(body.ends_with("# EOF\n"));
+    drop(silent);
+    server.close().await;
+    receiver.close().await;
+}
