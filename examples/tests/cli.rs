@@ -868,6 +868,72 @@ fn the_receivers_json_events_have_every_documented_field() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// One `sender` pushes the same file to several receivers at once and reports each: the
+/// two that listen get every tensor, the one that does not is named with the cause, and the
+/// exit status says not every receiver got everything.
+#[test]
+fn one_push_reaches_several_receivers_and_reports_each() {
+    let dir = temp_dir("fan-out");
+    let model = dir.join("model.safetensors");
+    write_model(&model);
+    let host = ["--device".as_ref(), "host".as_ref()];
+    let (mut first, first_lines, first_addr) = spawn_receiver(&host);
+    let (mut second, second_lines, second_addr) = spawn_receiver(&host);
+    let port = second_addr.rsplit(':').next().unwrap();
+    // Nothing listens on port 9; the second receiver is also named through dns:.
+    let targets = format!("{first_addr},127.0.0.1:9,dns:127.0.0.1:{port}");
+    let run = |json: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_sender"))
+            .args(["--connect", &targets, "--quiet", "--idle-timeout-s", "2"])
+            .args(["--transport", "quic"])
+            .args(json)
+            .arg(&model)
+            .output()
+            .unwrap()
+    };
+    let human = run(&[]);
+    let said = String::from_utf8_lossy(&human.stdout);
+    assert_eq!(human.status.code(), Some(1), "{said}");
+    for addr in [&first_addr, &second_addr] {
+        assert!(
+            said.contains(&format!("to {addr}: sent 3 of 3 tensors")),
+            "{said}"
+        );
+    }
+    assert!(said.contains("2 of 3 receivers got every tensor"), "{said}");
+    let stderr = String::from_utf8_lossy(&human.stderr);
+    assert!(stderr.contains("not connected: 127.0.0.1:9"), "{stderr}");
+
+    let json = run(&["--json"]);
+    let hosts: Vec<serde_json::Value> = String::from_utf8_lossy(&json.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(hosts.len(), 3, "{hosts:?}");
+    for host in &hosts {
+        let connected = host["receiver"] != "127.0.0.1:9";
+        assert_eq!(host["connected"], connected, "{host}");
+        let delivered = if connected { 3 } else { 0 };
+        assert_eq!(host["delivered_tensors"], delivered, "{host}");
+        if !connected {
+            assert!(
+                host["cause"].as_str().unwrap().contains("127.0.0.1:9"),
+                "{host}"
+            );
+        }
+    }
+    for (receiver, lines) in [(&mut first, first_lines), (&mut second, second_lines)] {
+        terminate(receiver);
+        let received = lines
+            .map(Result::unwrap)
+            .filter(|l| l.starts_with("received "))
+            .count();
+        assert_eq!(received, 6, "each receiver got both pushes");
+        receiver.wait().unwrap();
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A save that fails (here: a file-size limit makes the disk refuse a large tensor) fails
 /// that tensor at its sender with the code, never after telling it COMPLETE; the receiver
 /// keeps serving and saves the next tensor.

@@ -26,9 +26,11 @@ use tokio_util::sync::CancellationToken;
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
-    /// Receiver address.
-    #[arg(long, value_parser = tensorwire_examples::cli::address)]
-    connect: SocketAddr,
+    /// Receiver address (HOST:PORT); repeat it, or list several with commas, to push the
+    /// same tensors to each at once; `dns:NAME:PORT` means every address NAME resolves to
+    /// (a Kubernetes headless Service's pods).
+    #[arg(long, required = true, value_delimiter = ',', value_parser = receivers)]
+    connect: Vec<Receivers>,
     /// Files to send.
     #[arg(required = true)]
     files: Vec<PathBuf>,
@@ -133,64 +135,86 @@ async fn send(
             item.meta = item.meta.clone().with_device(device);
         }
     }
-    let mut config = SenderConfig::new(tensorwire::quic::ClientTls::Development);
-    config.tls = args.tls.tls();
-    config.transport = args.transport.settings(args.connect);
-    config.server_name = args.tls.server_name.clone();
-    config.progress_timeout = args.progress_timeout;
-    config.binding = args.binding;
-    let sender = SenderPool::connect(args.connect, config, connections)
-        .await
-        .with_context(|| format!("connecting to {}", args.connect))?;
-    if sender.binding() == Binding::Tcp && args.binding == BindingChoice::Auto {
-        eprintln!(
-            "UDP to {} completed no handshake within {} ms (blocked or lost?): sending over TCP",
-            args.connect,
-            UDP_HEAD_START.as_millis()
-        );
-    }
-    let version = sender.peer_version();
-    if !version.has(tensorwire::proto::Feature::SplitTensors) {
-        eprintln!(
-            "the receiver at {} negotiated protocol version {version} (it predates 1.4): every \
-             tensor goes whole, none split",
-            args.connect
-        );
-    }
     // Largest first: each goes to the connection with the fewest bytes so far, so the
     // connections finish together and the last tensor to finish is small.
     outgoing.sort_by_key(|item| std::cmp::Reverse(item.meta.byte_len()));
+    let mut hosts: Vec<SocketAddr> = Vec::new();
+    for addr in args.connect.iter().flat_map(|r| r.0.iter()) {
+        // Named twice, pushed once.
+        if !hosts.contains(addr) {
+            hosts.push(*addr);
+        }
+    }
+    let connecting = hosts.iter().map(|&addr| connect(&args, addr, connections));
+    // Handshakes side by side.
+    let connected = futures_util::future::join_all(connecting).await;
+    if let [Err(e)] = &connected[..] {
+        // One receiver, unreachable: that is the whole run's failure.
+        return Err(anyhow::anyhow!("{e:#}"));
+    }
     let drawing = match args.quiet {
         true => Drawing::Never,
         false => Drawing::OnTerminal,
     };
-    let mut progress = PushProgress::new(total, drawing);
+    let reached = connected.iter().filter(|c| c.is_ok()).count() as u64;
+    let mut progress = PushProgress::new(total * reached, drawing);
     let started = Instant::now();
-    let mut sends = Vec::new();
-    for item in outgoing {
-        let name = item.meta.name().to_owned();
-        // A tensor larger than a connection's fair share goes over several (spec §15).
-        let parts = match args.no_split {
-            true => 1,
-            false => sender.parts_for(&item.meta, total),
+    let mut pushes = Vec::new();
+    let mut cancels = Vec::new();
+    for (addr, sender) in hosts.iter().zip(connected) {
+        let sender = match sender {
+            Ok(sender) => sender,
+            Err(e) => {
+                pushes.push(Err((*addr, e)));
+                continue;
+            }
         };
-        let send = match parts {
-            1 => sender.send(item.meta, item.source),
-            parts => sender
-                .send_split(item.meta, item.source, parts)
-                .with_context(|| format!("splitting {name} into {parts} parts"))?,
+        // Each receiver gets its own view of the same sources (a file is mapped again).
+        let items = outgoing
+            .iter()
+            .map(|item| {
+                let source = item
+                    .source
+                    .slice(0, item.meta.byte_len())
+                    .with_context(|| {
+                        format!(
+                            "{} is read once, so it goes to one receiver",
+                            item.meta.name()
+                        )
+                    })?;
+                Ok(Outgoing {
+                    meta: item.meta.clone(),
+                    source,
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let label = |name: &str| match hosts.len() {
+            1 => name.to_owned(),
+            _ => format!("{addr} {name}"),
         };
-        let status = progress.track(name.clone(), send.progress());
-        sends.push((name, status, send));
+        let mut sends = Vec::new();
+        for item in items {
+            let name = item.meta.name().to_owned();
+            // A tensor larger than a connection's fair share goes over several (spec §15).
+            let parts = match args.no_split {
+                true => 1,
+                false => sender.parts_for(&item.meta, total),
+            };
+            let send = match parts {
+                1 => sender.send(item.meta, item.source),
+                parts => sender
+                    .send_split(item.meta, item.source, parts)
+                    .with_context(|| format!("splitting {name} into {parts} parts"))?,
+            };
+            cancels.push(send.cancel_token());
+            let status = progress.track(label(&name), send.progress());
+            sends.push((name, status, send));
+        }
+        pushes.push(Ok((*addr, sender, sends)));
     }
     let progress = progress.start();
-    let tensors = sends.len();
     // Ctrl-C or SIGTERM cancels what is not yet delivered (the receiver gets CANCEL and
     // frees it at once); what was delivered is still reported.
-    let cancels: Vec<_> = sends
-        .iter()
-        .map(|(_, _, send)| send.cancel_token())
-        .collect();
     let interrupted = Arc::new(AtomicBool::new(false));
     let on_signal = {
         let (interrupted, signal) = (interrupted.clone(), shutdown_signal());
@@ -201,139 +225,286 @@ async fn send(
             cancels.iter().for_each(CancellationToken::cancel);
         })
     };
-    let tasks: Vec<_> = sends
-        .into_iter()
-        .map(|(name, status, send)| {
-            let len = send.total_bytes();
-            tokio::spawn(async move {
-                let result = send.finished().await;
-                status.set(match result {
-                    Ok(_) => TensorState::Delivered,
-                    Err(_) => TensorState::Failed,
-                });
-                (
-                    name,
-                    len,
-                    started.elapsed(),
-                    result.map_err(anyhow::Error::from),
-                )
+    let mut outcomes = Vec::new();
+    for push in pushes {
+        let (addr, sender, sends) = match push {
+            Ok(push) => push,
+            Err((addr, e)) => {
+                progress.println(&format!("not connected: {addr}: {e:#}"));
+                outcomes.push(HostOutcome::Unreachable(addr, e));
+                continue;
+            }
+        };
+        let peer = Peer {
+            addr,
+            idle_timeout_s: args.transport.idle_timeout_s,
+        };
+        let tasks: Vec<_> = sends
+            .into_iter()
+            .map(|(name, status, send)| {
+                let len = send.total_bytes();
+                tokio::spawn(async move {
+                    let result = send.finished().await;
+                    status.set(match result {
+                        Ok(_) => TensorState::Delivered,
+                        Err(_) => TensorState::Failed,
+                    });
+                    (
+                        name,
+                        len,
+                        started.elapsed(),
+                        result.map_err(anyhow::Error::from),
+                    )
+                })
             })
-        })
-        .collect();
-    let (mut failed, mut delivered_bytes, mut results) = (Vec::new(), 0u64, Vec::new());
-    let mut waited = tensorwire::quic::SendWaits::default();
-    let peer = Peer {
-        addr: args.connect,
-        idle_timeout_s: args.transport.idle_timeout_s,
-    };
-    for task in tasks {
-        let (name, len, ended, result) = task.await?;
-        match &result {
-            Ok(report) => {
-                waited += report.waited;
-                delivered_bytes += len;
-            }
-            Err(e) => {
+            .collect();
+        let mut host = HostPush::new(addr, sender, tasks.len(), total);
+        for task in tasks {
+            let (name, len, ended, result) = task.await?;
+            if let Err(e) = &result {
                 // With bars or without (--quiet, no terminal): name, code, and why.
-                progress.println(&format!("failed: {name}: {}", explain(e, &peer)));
+                let to = match hosts.len() {
+                    1 => String::new(),
+                    _ => format!(" (to {})", peer.addr),
+                };
+                progress.println(&format!("failed: {name}{to}: {}", explain(e, &peer)));
             }
+            host.add(name, len, ended, &result, &peer);
         }
-        results.push(tensor_json(&name, len, ended, &result, &peer));
-        if result.is_err() {
-            failed.push(name);
-        }
+        host.elapsed = started.elapsed().as_secs_f64();
+        outcomes.push(HostOutcome::Pushed(host));
     }
     progress.finished().await;
     on_signal.abort();
-    let elapsed = started.elapsed().as_secs_f64();
-    if args.json {
-        let summary = serde_json::json!({
-            "receiver": args.connect.to_string(),
-            "transport": match sender.binding() {
-                Binding::Udp => "udp",
-                Binding::Tcp => "tcp",
-            },
-            "protocol_version": version.to_string(),
-            "connections": sender.connections(),
-            "packet_bytes": sender.path_mtu(),
-            "seconds": elapsed,
-            "tensors": tensors,
-            "delivered_tensors": tensors - failed.len(),
-            "delivered_bytes": delivered_bytes,
-            "total_bytes": total,
-            "failed_tensors": failed.len(),
-            "interrupted": interrupted.load(Ordering::SeqCst),
-            "waited_s": waits_json(&waited),
-            "results": results,
-        });
-        println!("{summary}");
-    } else {
-        print_summary(&SummaryLine {
-            tensors,
-            failed: failed.len(),
-            delivered_bytes,
-            total,
-            elapsed,
-            sender: &sender,
-            waited,
-        });
+    let interrupted = interrupted.load(Ordering::SeqCst);
+    let several = hosts.len() > 1;
+    let mut complete = 0;
+    for outcome in &outcomes {
+        match outcome {
+            HostOutcome::Pushed(host) if args.json => println!("{}", host.json(interrupted)),
+            HostOutcome::Pushed(host) => host.print_summary(several),
+            HostOutcome::Unreachable(addr, e) if args.json => {
+                println!("{}", unreachable_json(*addr, e, total, outgoing.len()));
+            }
+            HostOutcome::Unreachable(..) => {}
+        }
+        if let HostOutcome::Pushed(host) = outcome
+            && host.failed.is_empty()
+        {
+            complete += 1;
+        }
     }
-    sender.close().await;
-    if interrupted.load(Ordering::SeqCst) {
+    if several && !args.json {
+        println!("{complete} of {} receivers got every tensor", hosts.len());
+    }
+    let mut not_delivered = Vec::new();
+    for outcome in outcomes {
+        if let HostOutcome::Pushed(host) = outcome {
+            not_delivered.extend(host.failed.iter().cloned());
+            host.sender.close().await;
+        }
+    }
+    if interrupted {
         eprintln!(
-            "interrupted: {} of {tensors} tensors delivered; not delivered: {}",
-            tensors - failed.len(),
-            failed.join(", ")
+            "interrupted: not delivered: {}",
+            match not_delivered.is_empty() {
+                true => "none".to_owned(),
+                false => not_delivered.join(", "),
+            }
         );
         std::process::exit(130);
     }
-    if !failed.is_empty() {
+    if complete < hosts.len() {
         std::process::exit(1);
     }
     Ok(())
 }
 
-/// What the human summary says.
-struct SummaryLine<'a> {
-    tensors: usize,
-    failed: usize,
-    delivered_bytes: u64,
-    total: u64,
-    elapsed: f64,
-    sender: &'a SenderPool,
-    waited: tensorwire::quic::SendWaits,
+/// Connects to one receiver, saying so when it fell back to TCP or is older.
+async fn connect(args: &Args, addr: SocketAddr, connections: usize) -> anyhow::Result<SenderPool> {
+    let mut config = SenderConfig::new(tensorwire::quic::ClientTls::Development);
+    config.tls = args.tls.tls();
+    config.transport = args.transport.settings(addr);
+    config.server_name = args.tls.server_name.clone();
+    config.progress_timeout = args.progress_timeout;
+    config.binding = args.binding;
+    let sender = SenderPool::connect(addr, config, connections)
+        .await
+        .with_context(|| format!("connecting to {addr}"))?;
+    if sender.binding() == Binding::Tcp && args.binding == BindingChoice::Auto {
+        eprintln!(
+            "UDP to {addr} completed no handshake within {} ms (blocked or lost?): sending over TCP",
+            UDP_HEAD_START.as_millis()
+        );
+    }
+    let version = sender.peer_version();
+    if !version.has(tensorwire::proto::Feature::SplitTensors) {
+        eprintln!(
+            "the receiver at {addr} negotiated protocol version {version} (it predates 1.4): \
+             every tensor goes whole, none split"
+        );
+    }
+    Ok(sender)
 }
 
-/// The summary for people: what was delivered, how fast, over what, and who waited.
-fn print_summary(line: &SummaryLine) {
-    let SummaryLine {
-        tensors,
-        failed,
-        delivered_bytes,
-        total,
-        elapsed,
-        sender,
-        waited,
-    } = line;
-    let metrics = sender.metrics();
-    println!(
-        "sent {} of {tensors} tensors ({} streams), {} of {} in {elapsed:.2} s over {} \
-         connections ({}): {}; packets of {} bytes; latency p50 {}, p99 {}; {} failed",
-        tensors - failed,
-        metrics.tensors_completed,
-        size(*delivered_bytes),
-        size(*total),
-        sender.connections(),
-        sender.binding(),
-        rate(*delivered_bytes, *elapsed),
-        sender.path_mtu(),
-        micros(metrics.latency_p50_us),
-        micros(metrics.latency_p99_us),
-        failed,
-    );
-    // Which side held the tensors up: the receiver (credit, its decisions), the files, or
-    // the network (QUIC's send buffer full).
-    println!("waited, summed over the tensors sent: {waited}");
+/// How one receiver's part of the push went.
+enum HostOutcome {
+    /// Connected; its tensors sent, delivered or failed.
+    Pushed(HostPush),
+    /// Never connected.
+    Unreachable(SocketAddr, anyhow::Error),
+}
+
+/// One receiver's tensors as they end.
+struct HostPush {
+    addr: SocketAddr,
+    sender: SenderPool,
+    tensors: usize,
+    total: u64,
+    delivered_bytes: u64,
+    failed: Vec<String>,
+    waited: tensorwire::quic::SendWaits,
+    results: Vec<serde_json::Value>,
+    /// Seconds from the push's start until this receiver's last tensor ended.
+    elapsed: f64,
+}
+
+impl HostPush {
+    fn new(addr: SocketAddr, sender: SenderPool, tensors: usize, total: u64) -> Self {
+        Self {
+            addr,
+            sender,
+            tensors,
+            total,
+            delivered_bytes: 0,
+            failed: Vec::new(),
+            waited: tensorwire::quic::SendWaits::default(),
+            results: Vec::new(),
+            elapsed: 0.0,
+        }
+    }
+
+    /// Counts one tensor's end.
+    fn add(
+        &mut self,
+        name: String,
+        len: u64,
+        ended: Duration,
+        result: &anyhow::Result<tensorwire::quic::SendReport>,
+        peer: &Peer,
+    ) {
+        self.results
+            .push(tensor_json(&name, len, ended, result, peer));
+        match result {
+            Ok(report) => {
+                self.waited += report.waited;
+                self.delivered_bytes += len;
+            }
+            Err(_) => self.failed.push(name),
+        }
+    }
+
+    /// The summary for people: what was delivered, how fast, over what, and who waited.
+    fn print_summary(&self, name_the_receiver: bool) {
+        let sender = &self.sender;
+        let metrics = sender.metrics();
+        let to = match name_the_receiver {
+            true => format!("to {}: ", self.addr),
+            false => String::new(),
+        };
+        println!(
+            "{to}sent {} of {} tensors ({} streams), {} of {} in {:.2} s over {} \
+             connections ({}): {}; packets of {} bytes; latency p50 {}, p99 {}; {} failed",
+            self.tensors - self.failed.len(),
+            self.tensors,
+            metrics.tensors_completed,
+            size(self.delivered_bytes),
+            size(self.total),
+            self.elapsed,
+            sender.connections(),
+            sender.binding(),
+            rate(self.delivered_bytes, self.elapsed),
+            sender.path_mtu(),
+            micros(metrics.latency_p50_us),
+            micros(metrics.latency_p99_us),
+            self.failed.len(),
+        );
+        // Which side held the tensors up: the receiver (credit, its decisions), the files,
+        // or the network (QUIC's send buffer full).
+        println!("{to}waited, summed over the tensors sent: {}", self.waited);
+    }
+
+    /// The result object of `--json` (docs/operators.md).
+    fn json(&self, interrupted: bool) -> serde_json::Value {
+        let sender = &self.sender;
+        serde_json::json!({
+            "receiver": self.addr.to_string(),
+            "connected": true,
+            "transport": match sender.binding() {
+                Binding::Udp => "udp",
+                Binding::Tcp => "tcp",
+            },
+            "protocol_version": sender.peer_version().to_string(),
+            "connections": sender.connections(),
+            "packet_bytes": sender.path_mtu(),
+            "seconds": self.elapsed,
+            "tensors": self.tensors,
+            "delivered_tensors": self.tensors - self.failed.len(),
+            "delivered_bytes": self.delivered_bytes,
+            "total_bytes": self.total,
+            "failed_tensors": self.failed.len(),
+            "interrupted": interrupted,
+            "waited_s": waits_json(&self.waited),
+            "results": self.results,
+        })
+    }
+}
+
+/// `--json` for a receiver never connected to: nothing delivered, and why.
+fn unreachable_json(
+    addr: SocketAddr,
+    e: &anyhow::Error,
+    total: u64,
+    tensors: usize,
+) -> serde_json::Value {
+    let transport = e.downcast_ref::<TransportError>();
+    let code = transport.and_then(TransportError::code);
+    serde_json::json!({
+        "receiver": addr.to_string(),
+        "connected": false,
+        "tensors": tensors,
+        "delivered_tensors": 0,
+        "delivered_bytes": 0,
+        "total_bytes": total,
+        "failed_tensors": tensors,
+        "code": code.map(|c| c.name().map_or_else(|| c.to_string(), str::to_owned)),
+        "code_value": code.map(|c| c.0),
+        "cause": format!("{e:#}"),
+    })
+}
+
+/// The receivers one `--connect` value names: one address, or every address of a name.
+#[derive(Clone, Debug)]
+struct Receivers(Vec<SocketAddr>);
+
+/// `HOST:PORT`, or `dns:NAME:PORT` for every address NAME resolves to.
+fn receivers(s: &str) -> Result<Receivers, String> {
+    match s.strip_prefix("dns:") {
+        None => tensorwire_examples::cli::address(s).map(|addr| Receivers(vec![addr])),
+        Some(name) => {
+            use std::net::ToSocketAddrs;
+            let mut found: Vec<SocketAddr> = name
+                .to_socket_addrs()
+                .map_err(|e| format!("dns:{name}: {e} (expected dns:NAME:PORT)"))?
+                .collect();
+            found.sort();
+            found.dedup();
+            match found.is_empty() {
+                true => Err(format!("dns:{name} resolves to no address")),
+                false => Ok(Receivers(found)),
+            }
+        }
+    }
 }
 
 /// One tensor's result for `--json`: delivered with its waits, or failed with the code,
