@@ -1,6 +1,7 @@
 //! Shared pieces of the `sender`, `receiver` and `demo` programs: reading tensors from
 //! `.safetensors`, `.npy`, `.wav` and raw files, saving received tensors as `.safetensors`,
-//! and the TLS and transport options every program takes.
+//! the TLS and transport options every program takes, progress on a terminal, a push's
+//! report, and the receiver's metric families.
 
 /// Every program's allocator: mimalloc, with received datagrams in pinned memory once a
 /// receiver opens a GPU.
@@ -18,5 +19,7 @@ static ALLOCATOR: tensorwire::gpu::PinnedDatagrams<mimalloc::MiMalloc> =
 
 pub mod cli;
 pub mod files;
+pub mod metric_families;
 pub mod progress;
+pub mod report;
 pub mod save;
