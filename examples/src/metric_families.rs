@@ -2,62 +2,32 @@
 //! pools' and remote execution's (docs/operators.md lists them).
 
 use tensorwire::exec::ExecServer;
-use tensorwire::gpu::Placement;
-use tensorwire::metrics::{Family, FamilyKind};
+use tensorwire::gpu::{GpuSinkFactory, Placement, PoolStats};
+use tensorwire::metrics::{Family, FamilyKind, Sample};
 
 /// The GPU pools' and remote execution's metrics, beside the receiver's (docs/operators.md).
 pub fn families(placement: &Placement, exec: Option<&ExecServer>) -> Vec<Family> {
     let mut families = Vec::new();
     if let Placement::Gpu(gpu) = placement {
-        let pools = gpu.clone();
         families.push(Family::new(
             "pool_requests",
             "Buffers asked of the GPU pools (staging: pinned host memory; device: the GPU's), \
              by outcome: hit (a free buffer reused) or miss (allocated).",
             FamilyKind::Counter,
-            move || {
-                let pools = [
-                    ("staging", pools.staging_stats()),
-                    ("device", pools.memory_stats()),
-                ];
-                pools
-                    .iter()
-                    .flat_map(|(pool, stats)| {
-                        [("hit", stats.hits), ("miss", stats.misses)].map(|(outcome, n)| {
-                            (
-                                vec![("pool", (*pool).to_owned()), ("outcome", outcome.into())],
-                                n,
-                            )
-                        })
-                    })
-                    .collect()
-            },
+            pool_samples(gpu, "outcome", |stats| {
+                [("hit", stats.hits), ("miss", stats.misses)]
+            }),
         ));
-        let pools = gpu.clone();
         families.push(Family::new(
             "pool_bytes",
             "Bytes the GPU pools hold, by state: allocated (free and in use) or in_use.",
             FamilyKind::Gauge,
-            move || {
-                let pools = [
-                    ("staging", pools.staging_stats()),
-                    ("device", pools.memory_stats()),
-                ];
-                pools
-                    .iter()
-                    .flat_map(|(pool, stats)| {
-                        [
-                            ("allocated", stats.pool_bytes),
-                            ("in_use", stats.in_use_bytes),
-                        ]
-                        .map(|(state, n)| {
-                            let labels =
-                                vec![("pool", (*pool).to_owned()), ("state", state.into())];
-                            (labels, n as u64)
-                        })
-                    })
-                    .collect()
-            },
+            pool_samples(gpu, "state", |stats| {
+                [
+                    ("allocated", stats.pool_bytes as u64),
+                    ("in_use", stats.in_use_bytes as u64),
+                ]
+            }),
         ));
         let pools = gpu.clone();
         families.push(Family::new(
@@ -103,4 +73,31 @@ pub fn families(placement: &Placement, exec: Option<&ExecServer>) -> Vec<Family>
         ));
     }
     families
+}
+
+/// Reads `values` of the staging and device pools at each scrape, each value labelled
+/// `pool` and `label`.
+fn pool_samples(
+    gpu: &GpuSinkFactory,
+    label: &'static str,
+    values: impl Fn(&PoolStats) -> [(&'static str, u64); 2] + Send + Sync + 'static,
+) -> impl Fn() -> Vec<Sample> + Send + Sync + 'static {
+    let pools = gpu.clone();
+    move || {
+        [
+            ("staging", pools.staging_stats()),
+            ("device", pools.memory_stats()),
+        ]
+        .iter()
+        .flat_map(|(pool, stats)| {
+            values(stats).map(|(value_label, n)| {
+                let labels = vec![
+                    ("pool", (*pool).to_owned()),
+                    (label, value_label.to_owned()),
+                ];
+                (labels, n)
+            })
+        })
+        .collect()
+    }
 }

@@ -94,7 +94,7 @@ impl PushProgress {
         status
     }
 
-    /// Starts redrawing, every [`TICK`] until every tracked tensor has ended.
+    /// Starts redrawing, every 100 ms until every tracked tensor has ended.
     pub fn start(self) -> RunningProgress {
         let bars = self.bars.clone();
         let task = tokio::spawn(self.run());
@@ -200,7 +200,7 @@ pub struct ReceiverProgress {
 }
 
 impl ReceiverProgress {
-    /// Draws `observer`'s counters every [`TICK`], where `draw` allows and stderr is a
+    /// Draws `observer`'s counters every 100 ms, where `draw` allows and stderr is a
     /// terminal.
     pub fn start(observer: ReceiverObserver, draw: Drawing) -> Self {
         let target = match draw {

@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use common::{spawn_receiver, spawn_receiver_on, terminate};
+use common::{send_file, spawn_receiver, spawn_receiver_on, stop, terminate};
 use tensorwire::proto::DType;
 use tensorwire_examples::files::load;
 
@@ -53,23 +53,6 @@ fn a_dtype_is_named_in_any_case_and_an_unknown_one_lists_the_known() {
         "{unknown_err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Runs `sender --quiet` with `args` (the connect address among them) on `file`; fails the
-/// test if it fails; returns its summary line(s).
-fn send_file(args: &[&str], file: &Path) -> String {
-    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
-        .args(["--quiet"])
-        .args(args)
-        .arg(file)
-        .output()
-        .unwrap();
-    assert!(
-        sent.status.success(),
-        "sender: {}",
-        String::from_utf8_lossy(&sent.stderr)
-    );
-    String::from_utf8_lossy(&sent.stdout).into_owned()
 }
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -646,7 +629,7 @@ fn the_receiver_serves_metrics_that_follow_its_tensors() {
     let (small, big) = (dir.join("small.bin"), dir.join("big.bin"));
     std::fs::write(&small, vec![1u8; 4096]).unwrap();
     std::fs::write(&big, vec![1u8; 3 << 20]).unwrap();
-    let (mut receiver, mut lines, addr) = spawn_receiver(&[
+    let (receiver, mut lines, addr) = spawn_receiver(&[
         "--metrics-listen".as_ref(),
         "127.0.0.1:0".as_ref(),
         "--allow-exec".as_ref(),
@@ -705,9 +688,7 @@ fn the_receiver_serves_metrics_that_follow_its_tensors() {
         sample(&after, "tensorwire_received_payload_bytes_total"),
         "4096"
     );
-    terminate(&receiver);
-    lines.for_each(drop);
-    receiver.wait().unwrap();
+    stop(receiver, lines);
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -719,7 +700,7 @@ fn the_senders_json_has_every_documented_field() {
     write_model(&dir.join("model.safetensors"));
     let big = dir.join("big.bin");
     std::fs::write(&big, vec![1u8; 3 << 20]).unwrap();
-    let (mut receiver, lines, addr) = spawn_receiver(&[
+    let (receiver, lines, addr) = spawn_receiver(&[
         "--max-tensor-mib".as_ref(),
         "1".as_ref(),
         "--device".as_ref(),
@@ -791,9 +772,7 @@ fn the_senders_json_has_every_documented_field() {
             .contains("TENSOR_TOO_LARGE"),
         "{tensor}"
     );
-    terminate(&receiver);
-    lines.for_each(drop);
-    receiver.wait().unwrap();
+    stop(receiver, lines);
     std::fs::remove_dir_all(dir).unwrap();
 }
 

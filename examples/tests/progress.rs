@@ -10,7 +10,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use common::{spawn_receiver, terminate};
+use common::{send_file, spawn_receiver, stop};
 use rustix::pty::{OpenptFlags, grantpt, openpt, ptsname, unlockpt};
 use rustix::termios::{Winsize, tcsetwinsize};
 use tensorwire_examples::progress::MAX_TENSOR_BARS;
@@ -57,6 +57,19 @@ fn terminal() -> (File, File) {
     (File::from(master), terminal)
 }
 
+/// Reads what is drawn on the terminal of `master` until its last writer exits, on a thread.
+fn read_to_end(mut master: File) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut drawn = Vec::new();
+        let mut chunk = [0u8; 65536];
+        // A read fails (EIO) once the last writer closed the terminal.
+        while let Ok(n @ 1..) = master.read(&mut chunk) {
+            drawn.extend_from_slice(&chunk[..n]);
+        }
+        String::from_utf8_lossy(&drawn).into_owned()
+    })
+}
+
 /// The most lines a redraw moved the cursor up over (CSI n A): the bars drawn at once, less
 /// one.
 fn most_lines_redrawn(output: &str) -> usize {
@@ -77,8 +90,8 @@ fn a_file_of_300_tensors_draws_one_total_bar_and_a_few_tensor_bars() {
     let dir = std::env::temp_dir().join(format!("tensorwire-progress-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = many_tensors(&dir, 300, 256 << 10);
-    let (mut receiver, said, addr) = spawn_receiver(&["--device".as_ref(), "host".as_ref()]);
-    let (mut master, terminal) = terminal();
+    let (receiver, said, addr) = spawn_receiver(&["--device".as_ref(), "host".as_ref()]);
+    let (master, terminal) = terminal();
     let mut sender = Command::new(env!("CARGO_BIN_EXE_sender"))
         .args(["--connect", &addr, "--connections", "2"])
         .arg(&file)
@@ -87,15 +100,7 @@ fn a_file_of_300_tensors_draws_one_total_bar_and_a_few_tensor_bars() {
         .spawn()
         .unwrap();
     // The terminal's only writer is now the sender: reading ends when it exits.
-    let reader = std::thread::spawn(move || {
-        let mut drawn = Vec::new();
-        let mut chunk = [0u8; 65536];
-        // A read fails (EIO) once the last writer closed the terminal.
-        while let Ok(n @ 1..) = master.read(&mut chunk) {
-            drawn.extend_from_slice(&chunk[..n]);
-        }
-        String::from_utf8_lossy(&drawn).into_owned()
-    });
+    let reader = read_to_end(master);
     let status = sender.wait().unwrap();
     let drawn = reader.join().unwrap();
     let mut summary = String::new();
@@ -132,9 +137,7 @@ fn a_file_of_300_tensors_draws_one_total_bar_and_a_few_tensor_bars() {
         "{stderr:?}"
     );
 
-    terminate(&receiver);
-    said.for_each(drop);
-    receiver.wait().unwrap();
+    stop(receiver, said);
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -143,7 +146,7 @@ fn the_receiver_draws_one_line_on_a_terminal_and_its_output_stays_whole() {
     let dir = std::env::temp_dir().join(format!("tensorwire-rx-progress-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = many_tensors(&dir, 300, 64 << 10);
-    let (mut master, terminal) = terminal();
+    let (master, terminal) = terminal();
     let mut receiver = Command::new(env!("CARGO_BIN_EXE_receiver"))
         .args([
             "--listen",
@@ -157,14 +160,7 @@ fn the_receiver_draws_one_line_on_a_terminal_and_its_output_stays_whole() {
         .stderr(Stdio::from(terminal))
         .spawn()
         .unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut drawn = Vec::new();
-        let mut chunk = [0u8; 65536];
-        while let Ok(n @ 1..) = master.read(&mut chunk) {
-            drawn.extend_from_slice(&chunk[..n]);
-        }
-        String::from_utf8_lossy(&drawn).into_owned()
-    });
+    let reader = read_to_end(master);
     let mut stdout = String::new();
     let mut out = receiver.stdout.take().unwrap();
     let mut first = Vec::new();
@@ -174,17 +170,7 @@ fn the_receiver_draws_one_line_on_a_terminal_and_its_output_stays_whole() {
     }
     let first = String::from_utf8(first).unwrap();
     let addr = first.strip_prefix("listening on ").unwrap().to_owned();
-    // Slow enough to be drawn a few times.
-    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
-        .args(["--connect", &addr, "--quiet", "--connections", "1"])
-        .arg(&file)
-        .output()
-        .unwrap();
-    assert!(
-        sent.status.success(),
-        "{}",
-        String::from_utf8_lossy(&sent.stderr)
-    );
+    send_file(&["--connect", &addr, "--connections", "1"], &file);
     out.read_to_string(&mut stdout).unwrap();
     assert!(receiver.wait().unwrap().success());
     let drawn = reader.join().unwrap();

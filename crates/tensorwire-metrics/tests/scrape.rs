@@ -1,5 +1,6 @@
 //! The endpoint scraped over HTTP while tensors land, are refused, and connections meet
 //! their caps: the metrics change as they happen.
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
 use std::net::SocketAddr;
 
@@ -42,6 +43,21 @@ async fn request(method: &'static str, server: SocketAddr, path: &str) -> (u16, 
     })
     .await
     .expect("the client thread")
+}
+
+/// A receiver on loopback, and its metrics served on another port.
+async fn serving() -> (Receiver, MetricsServer) {
+    let receiver = Receiver::bind(ReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        ServerTls::Development,
+    ))
+    .await
+    .unwrap();
+    let metrics = ReceiverMetrics::new(receiver.observer());
+    let server = MetricsServer::bind("127.0.0.1:0".parse().unwrap(), metrics)
+        .await
+        .unwrap();
+    (receiver, server)
 }
 
 /// The value of the sample whose name and labels are exactly `series`.
@@ -217,18 +233,7 @@ async fn metrics_follow_tensors_landing_refused_and_connections_capped() {
 
 #[tokio::test]
 async fn the_endpoint_answers_only_what_it_serves() {
-    let receiver = Receiver::bind(ReceiverConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        ServerTls::Development,
-    ))
-    .await
-    .unwrap();
-    let server = MetricsServer::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        ReceiverMetrics::new(receiver.observer()),
-    )
-    .await
-    .unwrap();
+    let (receiver, server) = serving().await;
     let addr = server.local_addr();
     let (status, _, body) = get(addr, "/").await;
     assert_eq!(status, 200);
@@ -292,18 +297,7 @@ async fn an_applications_family_is_read_at_each_scrape() {
 async fn silent_connections_cannot_keep_scrapers_out() {
     use tensorwire_metrics::MAX_SCRAPERS;
 
-    let receiver = Receiver::bind(ReceiverConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        ServerTls::Development,
-    ))
-    .await
-    .unwrap();
-    let server = MetricsServer::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        ReceiverMetrics::new(receiver.observer()),
-    )
-    .await
-    .unwrap();
+    let (receiver, server) = serving().await;
     let addr = server.local_addr();
     let mut silent = Vec::new();
     for _ in 0..MAX_SCRAPERS + 4 {

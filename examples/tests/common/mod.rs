@@ -2,6 +2,7 @@
 #![allow(dead_code, unreachable_pub, clippy::unwrap_used)] // Test helpers; each test binary uses some.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
 
 /// A receiver's output lines after the first.
@@ -36,4 +37,29 @@ pub fn terminate(child: &Child) {
         .args(["-TERM", &child.id().to_string()])
         .status()
         .unwrap();
+}
+
+/// Stops a receiver started by [`spawn_receiver`] (SIGTERM), reads the rest of its output
+/// so that it never writes to a closed pipe, and waits for it to exit.
+pub fn stop(mut receiver: Child, lines: Lines) {
+    terminate(&receiver);
+    lines.for_each(drop);
+    receiver.wait().unwrap();
+}
+
+/// Runs `sender --quiet` with `args` (the connect address among them) on `file`; fails the
+/// test if it fails; returns its summary line(s).
+pub fn send_file(args: &[&str], file: &Path) -> String {
+    let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
+        .args(["--quiet"])
+        .args(args)
+        .arg(file)
+        .output()
+        .unwrap();
+    assert!(
+        sent.status.success(),
+        "sender: {}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    String::from_utf8_lossy(&sent.stdout).into_owned()
 }
