@@ -148,8 +148,9 @@ async fn send(
     let connecting = hosts.iter().map(|&addr| connect(&args, addr, connections));
     // Handshakes side by side.
     let connected = futures_util::future::join_all(connecting).await;
-    if let [Err(e)] = &connected[..] {
-        // One receiver, unreachable: that is the whole run's failure.
+    if let ([Err(e)], false) = (&connected[..], args.json) {
+        // One receiver, unreachable: that is the whole run's failure (with --json, its
+        // object says so).
         return Err(anyhow::anyhow!("{e:#}"));
     }
     let drawing = match args.quiet {
