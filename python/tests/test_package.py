@@ -7,6 +7,7 @@ GPU tests skip without PyTorch CUDA, and fail instead when TENSORWIRE_REQUIRE_GP
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -354,12 +355,14 @@ def test_gpu_status_and_devices_describe_this_host():
     assert pinned["reached"] <= pinned["capacity"]
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def short_socket_path():
     """A socket path well under the 108-byte limit of Unix socket addresses, removed after."""
     top = pathlib.Path(tempfile.mkdtemp(prefix="tw"))
-    yield top / "share" / "tw.sock"
-    shutil.rmtree(top, ignore_errors=True)
+    try:
+        yield top / "share" / "tw.sock"
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_a_socket_path_over_the_limit_is_refused_with_the_reason(tmp_path):
@@ -368,32 +371,32 @@ def test_a_socket_path_over_the_limit_is_refused_with_the_reason(tmp_path):
         tensorwire.ShareService(long_dir / "tw.sock")
 
 
-def test_host_arrays_published_from_python_are_read_by_other_processes(short_socket_path):
+def test_host_arrays_published_from_python_are_read_by_other_processes():
     import sys
 
-    sock = short_socket_path
-    service = tensorwire.ShareService(sock)
-    array = np.arange(24, dtype=np.int32).reshape(4, 6)
-    assert service.publish("ids", array) >= 1
-    assert service.names() == ["ids"]
-    listed = subprocess.run([program("tensorwire-share"), "--socket", str(sock), "list"],
-                            capture_output=True, text=True, timeout=30)
-    assert listed.returncode == 0 and "ids" in listed.stdout, listed.stderr
-    code = (
-        "import sys, numpy as np\n"
-        "from tensorwire_ipc import Client\n"
-        "with Client(sys.argv[1]) as c, c.open('ids') as t:\n"
-        "    print(np.frombuffer(t.read(), dtype=np.int32).sum())\n"
-    )
-    read = subprocess.run([sys.executable, "-c", code, str(sock)], capture_output=True, text=True, timeout=30)
-    assert read.returncode == 0, read.stderr
-    assert int(read.stdout.strip()) == int(array.sum())
-    service.delete("ids")
-    assert service.names() == []
-    with pytest.raises(TensorwireError):
+    with short_socket_path() as sock:
+        service = tensorwire.ShareService(sock)
+        array = np.arange(24, dtype=np.int32).reshape(4, 6)
+        assert service.publish("ids", array) >= 1
+        assert service.names() == ["ids"]
+        listed = subprocess.run([program("tensorwire-share"), "--socket", str(sock), "list"],
+                                capture_output=True, text=True, timeout=30)
+        assert listed.returncode == 0 and "ids" in listed.stdout, listed.stderr
+        code = (
+            "import sys, numpy as np\n"
+            "from tensorwire_ipc import Client\n"
+            "with Client(sys.argv[1]) as c, c.open('ids') as t:\n"
+            "    print(np.frombuffer(t.read(), dtype=np.int32).sum())\n"
+        )
+        read = subprocess.run([sys.executable, "-c", code, str(sock)], capture_output=True, text=True, timeout=30)
+        assert read.returncode == 0, read.stderr
+        assert int(read.stdout.strip()) == int(array.sum())
         service.delete("ids")
-    with pytest.raises(ValueError, match="empty"):
-        tensorwire.empty((2,), "F32", device="cpu")
+        assert service.names() == []
+        with pytest.raises(TensorwireError):
+            service.delete("ids")
+        with pytest.raises(ValueError, match="empty"):
+            tensorwire.empty((2,), "F32", device="cpu")
 
 
 def test_the_ipc_consumer_ships_in_the_same_package():
@@ -484,36 +487,34 @@ def test_received_gpu_tensors_go_to_torch_with_no_copy_and_back_to_the_pool():
         assert 0 < after["reached"] <= after["capacity"], after
 
 
-def test_a_tensor_published_from_python_is_mapped_by_rust_and_python_and_written_in_place(
-    short_socket_path,
-):
+def test_a_tensor_published_from_python_is_mapped_by_rust_and_python_and_written_in_place():
     import sys
 
     torch = cuda_or_skip()
-    sock = short_socket_path
-    service = tensorwire.ShareService(sock)
-    buf = tensorwire.empty((256, 256), "F32", device="cuda:0")
-    w = torch.from_dlpack(buf)
-    assert w.data_ptr() == buf.data_ptr and torch.count_nonzero(w).item() == 0
-    w.copy_(torch.arange(65536, dtype=torch.float32, device="cuda:0").reshape(256, 256))
-    service.publish("weights", buf)
-    rust = subprocess.run([program("tensorwire-share"), "--socket", str(sock), "wait", "weights"],
-                          capture_output=True, text=True, timeout=60)
-    assert rust.returncode == 0 and "weights" in rust.stdout, rust.stderr
-    code = (
-        "import sys, torch\n"
-        "from tensorwire_ipc import Client\n"
-        "with Client(sys.argv[1]) as c, c.open('weights') as t:\n"
-        "    x = torch.from_dlpack(t)\n"
-        "    assert x[0, 1].item() == 1.0, x[0, 1]\n"
-        "    x.mul_(2)\n"
-        "    torch.cuda.synchronize()\n"
-        "    del x\n"
-    )
-    python = subprocess.run([sys.executable, "-c", code, str(sock)], capture_output=True, text=True, timeout=120)
-    assert python.returncode == 0, python.stderr
-    torch.cuda.synchronize()
-    assert w[0, 1].item() == 2.0 and w[255, 255].item() == 2.0 * 65535
+    with short_socket_path() as sock:
+        service = tensorwire.ShareService(sock)
+        buf = tensorwire.empty((256, 256), "F32", device="cuda:0")
+        w = torch.from_dlpack(buf)
+        assert w.data_ptr() == buf.data_ptr and torch.count_nonzero(w).item() == 0
+        w.copy_(torch.arange(65536, dtype=torch.float32, device="cuda:0").reshape(256, 256))
+        service.publish("weights", buf)
+        rust = subprocess.run([program("tensorwire-share"), "--socket", str(sock), "wait", "weights"],
+                              capture_output=True, text=True, timeout=60)
+        assert rust.returncode == 0 and "weights" in rust.stdout, rust.stderr
+        code = (
+            "import sys, torch\n"
+            "from tensorwire_ipc import Client\n"
+            "with Client(sys.argv[1]) as c, c.open('weights') as t:\n"
+            "    x = torch.from_dlpack(t)\n"
+            "    assert x[0, 1].item() == 1.0, x[0, 1]\n"
+            "    x.mul_(2)\n"
+            "    torch.cuda.synchronize()\n"
+            "    del x\n"
+        )
+        python = subprocess.run([sys.executable, "-c", code, str(sock)], capture_output=True, text=True, timeout=120)
+        assert python.returncode == 0, python.stderr
+        torch.cuda.synchronize()
+        assert w[0, 1].item() == 2.0 and w[255, 255].item() == 2.0 * 65535
 
 
 def test_a_received_gpu_tensor_is_forwarded_from_device_memory():
