@@ -46,7 +46,7 @@ mkdir -p "$out/wheel"
 python3 -m pip wheel --no-deps --quiet ./python -w "$out/wheel"
 mkdir -p "$out/scripts"
 cp -r python "$out/python"
-cp scripts/share-e2e.sh scripts/spmv-e2e.sh scripts/pytest-lite.py benches/scale.sh \
+cp scripts/share-e2e.sh scripts/spmv-e2e.sh scripts/metrics-e2e.sh scripts/pytest-lite.py benches/scale.sh \
   benches/common.sh benches/one-sender.sh benches/python-send.sh benches/two-hosts.sh "$out/scripts/"
 strip "$out"/bin/* "$out"/tests/* "$out"/lib/* 2>/dev/null || true
 # Compressed, so the folder stays small enough to copy around (run.sh unpacks it).
@@ -105,6 +105,9 @@ echo "== receiver --share, Python consumer with PyTorch/CuPy"
 REQUIRE_GPU=1 REQUIRE_CPP=1 C_LIB_DIR="$here/lib" C_SRC_DIR="$here/c" \
   "$here/scripts/share-e2e.sh" "$here/bin" 2>&1 | tee "$logs/share-e2e.log"
 check "${PIPESTATUS[0]}" "receiver --share, Python consumer with PyTorch/CuPy"
+echo "== receiver --metrics-listen on the GPU: a scrape shows the tensors, cuda:0's budget and the pools"
+DEVICE=cuda:0 "$here/scripts/metrics-e2e.sh" "$here/bin" 2>&1 | tee "$logs/metrics-e2e.log"
+check "${PIPESTATUS[0]}" "receiver --metrics-listen on the GPU"
 echo "== remote execution: SpMV walkthrough beside plain sender/receiver"
 for mtu in 1200 6000 65507; do
   MTU=$mtu "$here/scripts/spmv-e2e.sh" "$here/bin" "$here/src/examples/spmv" 2>&1 \
