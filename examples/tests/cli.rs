@@ -681,7 +681,16 @@ fn the_receiver_serves_metrics_that_follow_its_tensors() {
             .status
             .success()
     );
-    let after = scrape();
+    // A stream's outcome is counted as its task ends, which may be just after the sender
+    // heard COMPLETE or REJECT: scrape until both are in (bounded).
+    let after = (0..200)
+        .map(|_| {
+            let text = scrape();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            text
+        })
+        .find(|text| text.contains(too_large) && sample(text, completed) == "1")
+        .expect("the metrics show the landed and the refused tensor");
     assert_eq!(sample(&after, completed), "1");
     assert_eq!(sample(&after, too_large), "1");
     assert_eq!(

@@ -60,6 +60,18 @@ async fn serving() -> (Receiver, MetricsServer) {
     (receiver, server)
 }
 
+/// Scrapes until `done` holds for the exposition (10 s at most); returns it.
+async fn scrape_until(server: SocketAddr, done: impl Fn(&str) -> bool) -> String {
+    for _ in 0..200 {
+        let (_, _, text) = get(server, "/metrics").await;
+        if done(&text) {
+            return text;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("the metrics never showed what was done")
+}
+
 /// The value of the sample whose name and labels are exactly `series`.
 fn value(exposition: &str, series: &str) -> f64 {
     exposition
@@ -153,7 +165,19 @@ async fn metrics_follow_tensors_landing_refused_and_connections_capped() {
     .await;
     assert!(second.is_err(), "the peer's cap admits one connection");
 
-    let (_, _, after) = get(addr, "/metrics").await;
+    // A stream's outcome is counted as its task ends, which may be just after the sender
+    // heard COMPLETE or REJECT: scrape until both are in (bounded).
+    let after = scrape_until(addr, |text| {
+        value(
+            text,
+            r#"tensorwire_received_tensors_total{outcome="completed"}"#,
+        ) == 1.0
+            && value(
+                text,
+                r#"tensorwire_received_tensors_total{outcome="failed"}"#,
+            ) == 1.0
+    })
+    .await;
     assert_well_formed(&after);
     assert_eq!(
         value(

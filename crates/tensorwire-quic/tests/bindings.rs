@@ -8,7 +8,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::{init_tracing, land_host, pattern, receiver, receiver_config, u8_meta};
+use common::{eventually, init_tracing, land_host, pattern, receiver, receiver_config, u8_meta};
 use tensorwire_quic::{
     Binding, BindingChoice, ClientTls, Listening, Receiver, Sender, SenderConfig, TransportError,
     TransportSettings,
@@ -87,6 +87,12 @@ async fn a_pool_opens_every_connection_over_what_its_first_found() {
     let sending = pool.send(u8_meta("pooled", 4096), pattern(4096, 9));
     land_host(rx.next().await.unwrap()).await;
     sending.finished().await.unwrap();
+    // The receiver serves a connection once its side of the handshake is done, which may
+    // come after the pool's.
+    eventually(&rx, "serving the pool's three connections", |rx| {
+        rx.connections().len() == 3
+    })
+    .await;
     let bindings: Vec<Binding> = rx.connections().iter().map(|c| c.binding).collect();
     assert_eq!(bindings, [Binding::Tcp; 3]);
 }

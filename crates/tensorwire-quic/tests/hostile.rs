@@ -8,24 +8,13 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use common::{
-    assert_budget_returned, init_tracing, land_host, pattern, raw_connection, raw_exchange,
-    receive_host, receiver, receiver_config, remote_code, sender, u8_meta,
+    assert_budget_returned, eventually, init_tracing, land_host, pattern, raw_connection,
+    raw_exchange, receive_host, receiver, receiver_config, remote_code, sender, u8_meta,
 };
 use quinn::VarInt;
 use tensorwire_quic::Receiver;
 use tensorwire_quic::proto::frame::{Cancel, Data, End};
 use tensorwire_quic::proto::{ErrorCode, Frame, checksum};
-
-/// Waits (bounded) until `done` holds for the receiver.
-async fn eventually(rx: &Receiver, what: &str, done: impl Fn(&Receiver) -> bool) {
-    for _ in 0..500 {
-        if done(rx) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("not {what}: {:?} {:?}", rx.metrics(), rx.budget());
-}
 
 /// Spec §4: a sender may finish its half right after END. Each of these raw senders does,
 /// at once; every tensor must complete (a FIN racing the sink used to read as TRUNCATED).

@@ -364,7 +364,8 @@ async fn main() -> anyhow::Result<()> {
             "share": args.share.as_ref().map(|p| p.display().to_string()),
         }));
     }
-    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let (done_tx, mut done_rx) =
+        mpsc::unbounded_channel::<(Result<Landed, Failure>, Duration, String)>();
     let mut saves: tokio::task::JoinSet<Saved> = tokio::task::JoinSet::new();
     if let Some(recovery) = recovered {
         if recovery.unconfirmed_removed > 0 {
@@ -408,7 +409,94 @@ async fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let (mut accepted, mut finished, mut failed, mut bytes) = (0u64, 0u64, 0u64, 0u64);
     loop {
+        // Finished tensors are reported before a stop is heeded, and a stop before more
+        // tensors are taken: what landed before Ctrl-C is always told.
         tokio::select! {
+            biased;
+            Some((result, elapsed, origin)) = done_rx.recv() => {
+                match result {
+                    Ok(Landed::Part(meta)) => {
+                        let rows = meta.shape().first().copied().unwrap_or(0);
+                        match json {
+                            true => event(serde_json::json!({
+                                "event": "received_part", "name": meta.name(), "rows": rows,
+                                "bytes": meta.byte_len(), "seconds": elapsed.as_secs_f64(),
+                                "from": origin,
+                            })),
+                            false => tell!(
+                                "received {} rows of {} ({}) in {:.3} s",
+                                rows, meta.name(), size(meta.byte_len()), elapsed.as_secs_f64()
+                            ),
+                        }
+                        continue;
+                    }
+                    Ok(Landed::Whole(meta, buffer, spooled)) => {
+                        finished += 1;
+                        bytes += meta.byte_len();
+                        match json {
+                            true => event(serde_json::json!({
+                                "event": "received", "name": meta.name(),
+                                "dtype": meta.dtype().name(), "shape": meta.shape(),
+                                "bytes": meta.byte_len(), "seconds": elapsed.as_secs_f64(),
+                                "from": origin, "location": buffer.location().to_string(),
+                            })),
+                            false => tell!(
+                                "received {} {} {:?} {} in {:.3} s ({}) -> {}",
+                                meta.name(), meta.dtype(), meta.shape(), size(meta.byte_len()),
+                                elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64()),
+                                buffer.location()
+                            ),
+                        }
+                        if let Some(service) = &share {
+                            match service.publish_buffer(&meta, buffer) {
+                                Ok(shared) if json => event(serde_json::json!({
+                                    "event": "shared", "name": meta.name(),
+                                    "id": shared.id().to_string(),
+                                    "export": shared.export().name(),
+                                    "generation": shared.generation(),
+                                })),
+                                Ok(shared) => tell!(
+                                    "shared {} as {} ({}), generation {}",
+                                    meta.name(), shared.id(), shared.export().name(),
+                                    shared.generation()
+                                ),
+                                Err(e) => etell!("not shared: {}: {e}", meta.name()),
+                            }
+                        }
+                        // Assembled from the spool off the async path; a failed write is
+                        // reported, never fatal, and the spooled bytes stay until it is done.
+                        if let (Some(save), Some(spooled)) = (save.as_mut(), spooled)
+                            && let Some(job) = save.add(&origin, meta, spooled)
+                        {
+                            spawn_save(&mut saves, job);
+                        }
+                    }
+                    Err(failure) => {
+                        // A split tensor fails once, however many of its parts fail.
+                        if failure.split.is_none_or(|id| failed_wholes.insert(id)) {
+                            failed += 1;
+                        }
+                        etell!("tensor failed: {}", failure.message);
+                        if json {
+                            let code = failure.code;
+                            event(serde_json::json!({
+                                "event": "failed", "name": failure.name, "from": origin,
+                                "code": code.map(|c| c.name().map_or_else(|| c.to_string(), str::to_owned)),
+                                "code_value": code.map(|c| c.0),
+                                "cause": failure.message,
+                            }));
+                        }
+                    }
+                }
+                if args.count > 0 && finished + failed >= args.count {
+                    break;
+                }
+            }
+            () = &mut shutdown => {
+                etell!("stopping: a signal asked the receiver to stop");
+                break;
+            }
+            Some(saved) = saves.join_next(), if !saves.is_empty() => report_save(saved, json, &progress),
             incoming = receiver.next(),
                 if args.count == 0 || accepted < args.count || !arriving.is_empty() =>
             {
@@ -505,90 +593,6 @@ async fn main() -> anyhow::Result<()> {
                     });
                     let _ = done_tx.send((result, started.elapsed(), origin));
                 });
-            }
-            Some(saved) = saves.join_next(), if !saves.is_empty() => report_save(saved, json, &progress),
-            () = &mut shutdown => {
-                etell!("stopping: a signal asked the receiver to stop");
-                break;
-            }
-            Some((result, elapsed, origin)) = done_rx.recv() => {
-                match result {
-                    Ok(Landed::Part(meta)) => {
-                        let rows = meta.shape().first().copied().unwrap_or(0);
-                        match json {
-                            true => event(serde_json::json!({
-                                "event": "received_part", "name": meta.name(), "rows": rows,
-                                "bytes": meta.byte_len(), "seconds": elapsed.as_secs_f64(),
-                                "from": origin,
-                            })),
-                            false => tell!(
-                                "received {} rows of {} ({}) in {:.3} s",
-                                rows, meta.name(), size(meta.byte_len()), elapsed.as_secs_f64()
-                            ),
-                        }
-                        continue;
-                    }
-                    Ok(Landed::Whole(meta, buffer, spooled)) => {
-                        finished += 1;
-                        bytes += meta.byte_len();
-                        match json {
-                            true => event(serde_json::json!({
-                                "event": "received", "name": meta.name(),
-                                "dtype": meta.dtype().name(), "shape": meta.shape(),
-                                "bytes": meta.byte_len(), "seconds": elapsed.as_secs_f64(),
-                                "from": origin, "location": buffer.location().to_string(),
-                            })),
-                            false => tell!(
-                                "received {} {} {:?} {} in {:.3} s ({}) -> {}",
-                                meta.name(), meta.dtype(), meta.shape(), size(meta.byte_len()),
-                                elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64()),
-                                buffer.location()
-                            ),
-                        }
-                        if let Some(service) = &share {
-                            match service.publish_buffer(&meta, buffer) {
-                                Ok(shared) if json => event(serde_json::json!({
-                                    "event": "shared", "name": meta.name(),
-                                    "id": shared.id().to_string(),
-                                    "export": shared.export().name(),
-                                    "generation": shared.generation(),
-                                })),
-                                Ok(shared) => tell!(
-                                    "shared {} as {} ({}), generation {}",
-                                    meta.name(), shared.id(), shared.export().name(),
-                                    shared.generation()
-                                ),
-                                Err(e) => etell!("not shared: {}: {e}", meta.name()),
-                            }
-                        }
-                        // Assembled from the spool off the async path; a failed write is
-                        // reported, never fatal, and the spooled bytes stay until it is done.
-                        if let (Some(save), Some(spooled)) = (save.as_mut(), spooled)
-                            && let Some(job) = save.add(&origin, meta, spooled)
-                        {
-                            spawn_save(&mut saves, job);
-                        }
-                    }
-                    Err(failure) => {
-                        // A split tensor fails once, however many of its parts fail.
-                        if failure.split.is_none_or(|id| failed_wholes.insert(id)) {
-                            failed += 1;
-                        }
-                        etell!("tensor failed: {}", failure.message);
-                        if json {
-                            let code = failure.code;
-                            event(serde_json::json!({
-                                "event": "failed", "name": failure.name, "from": origin,
-                                "code": code.map(|c| c.name().map_or_else(|| c.to_string(), str::to_owned)),
-                                "code_value": code.map(|c| c.0),
-                                "cause": failure.message,
-                            }));
-                        }
-                    }
-                }
-                if args.count > 0 && finished + failed >= args.count {
-                    break;
-                }
             }
         }
     }

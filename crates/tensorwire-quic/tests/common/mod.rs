@@ -332,3 +332,14 @@ pub fn chunk_stream(items: Vec<std::io::Result<Bytes>>) -> ChunkStream {
     }
     Box::pin(ChannelStream(queued))
 }
+
+/// Waits (bounded, 10 s) until `done` holds for the receiver.
+pub async fn eventually(rx: &Receiver, what: &str, done: impl Fn(&Receiver) -> bool) {
+    for _ in 0..500 {
+        if done(rx) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("not {what}: {:?} {:?}", rx.metrics(), rx.budget());
+}
