@@ -215,13 +215,13 @@ impl ReceiverProgress {
             let mut tick = tokio::time::interval(TICK);
             loop {
                 tick.tick().await;
-                let metrics = observer.metrics();
+                let (metrics, open) = (observer.metrics(), observer.open_connections());
                 drawn.set_position(metrics.payload_bytes);
                 drawn.set_message(format!(
                     "{} tensors landed, {} failed, {} connections",
                     metrics.tensors_completed,
                     metrics.tensors_failed,
-                    observer.connections().len()
+                    open.udp + open.tcp
                 ));
                 drawn.tick();
             }

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use tensorwire::proto::ErrorCode;
 use tensorwire::quic::{Binding, SendReport, SendWaits, SenderPool, TransportError};
 
 use crate::cli::{micros, rate, size};
@@ -141,7 +142,7 @@ pub fn unreachable_json(
         "delivered_bytes": 0,
         "total_bytes": total,
         "failed_tensors": tensors,
-        "code": code.map(|c| c.name().map_or_else(|| c.to_string(), str::to_owned)),
+        "code": code.map(code_name),
         "code_value": code.map(|c| c.0),
         "cause": format!("{e:#}"),
     })
@@ -171,7 +172,7 @@ fn tensor_json(
             let code = transport.and_then(TransportError::code);
             serde_json::json!({
                 "outcome": "failed",
-                "code": code.map(|c| c.name().map_or_else(|| c.to_string(), str::to_owned)),
+                "code": code.map(code_name),
                 "code_value": code.map(|c| c.0),
                 "blame": transport.and_then(TransportError::blame).map(|b| format!("{b:?}")),
                 "cause": explain(e, peer),
@@ -224,4 +225,10 @@ pub fn explain(e: &anyhow::Error, peer: &Peer) -> String {
         Some(blame) => format!("{coded} [blame: {blame:?}]"),
         None => coded,
     }
+}
+
+/// A wire code as `--json` names it: its registered name, or its number in hex.
+pub fn code_name(code: ErrorCode) -> String {
+    code.name()
+        .map_or_else(|| format!("0x{:04x}", code.0), str::to_owned)
 }

@@ -7,11 +7,8 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use tensorwire_quic::{Binding, ReceiverObserver};
+use tensorwire_quic::ReceiverObserver;
 use tensorwire_sink::{MemoryBudget, MemorySnapshot};
-
-/// Labels of one sample: `(name, value)` pairs.
-type Labels<'a> = &'a [(&'a str, &'a str)];
 
 /// A receiver's metrics, encoded on demand in the OpenMetrics text format; cheap to clone.
 #[derive(Clone)]
@@ -118,41 +115,44 @@ struct ReceiverCollector {
 
 impl Collector for ReceiverCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        use FamilyKind::{Counter, Gauge};
         let out = &mut encoder;
         let metrics = self.observer.metrics();
-        counter(
+        family(
             out,
             "received_tensors",
             "Tensors received, by outcome: completed (landed and confirmed with COMPLETE) or \
              failed (refused, cancelled by either side, or lost with their connection).",
+            Counter,
             &[
-                (&[("outcome", "completed")], metrics.tensors_completed),
-                (&[("outcome", "failed")], metrics.tensors_failed),
+                sample(&[("outcome", "completed")], metrics.tensors_completed),
+                sample(&[("outcome", "failed")], metrics.tensors_failed),
             ],
         )?;
         let registered: u64 = metrics.failures_by_code.iter().map(|(_, n)| n).sum();
-        let codes: Vec<([(&str, &str); 1], u64)> = metrics
+        let by_code: Vec<Sample> = metrics
             .failures_by_code
             .iter()
-            .map(|(code, n)| ([("code", code.name().unwrap_or("other"))], *n))
-            .chain(std::iter::once((
-                [("code", "other")],
+            .map(|(code, n)| sample(&[("code", code.name().unwrap_or("other"))], *n))
+            .chain([sample(
+                &[("code", "other")],
                 metrics.tensors_failed.saturating_sub(registered),
-            )))
+            )])
             .collect();
-        let by_code: Vec<(Labels, u64)> = codes.iter().map(|(l, n)| (&l[..], *n)).collect();
-        counter(
+        family(
             out,
             "received_tensor_failures",
             "Failed received tensors by wire code (spec §9.2); other: an unregistered code, \
              or none (a connection lost).",
+            Counter,
             &by_code,
         )?;
-        counter(
+        family(
             out,
             "received_payload_bytes",
             "DATA payload bytes received.",
-            &[(&[], metrics.payload_bytes)],
+            Counter,
+            &[sample(&[], metrics.payload_bytes)],
         )?;
         {
             let mut metric = out.encode_descriptor(
@@ -167,14 +167,11 @@ impl Collector for ReceiverCollector {
             let buckets: Vec<(f64, u64)> = metrics
                 .latency_buckets
                 .iter()
-                .chain(std::iter::once(&(u64::MAX, metrics.tensors_completed)))
-                .map(|&(bound, cumulative)| {
+                .map(|&(us, cumulative)| (us as f64 / 1e6, cumulative))
+                .chain([(f64::MAX, metrics.tensors_completed)])
+                .map(|(seconds, cumulative)| {
                     let own = cumulative.saturating_sub(below);
-                    below = cumulative.max(below);
-                    let seconds = match bound {
-                        u64::MAX => f64::MAX,
-                        us => us as f64 / 1e6,
-                    };
+                    below = below.max(cumulative);
                     (seconds, own)
                 })
                 .collect();
@@ -187,68 +184,71 @@ impl Collector for ReceiverCollector {
         }
 
         let admissions = self.observer.admissions();
-        counter(
+        family(
             out,
             "refused_connections",
             "Connections refused before their handshake (spec §10), by the cap they met: \
              peer (one peer's connections) or total (all peers').",
+            Counter,
             &[
-                (&[("cap", "peer")], admissions.refused_at_peer_cap),
-                (&[("cap", "total")], admissions.refused_at_total_cap),
+                sample(&[("cap", "peer")], admissions.refused_at_peer_cap),
+                sample(&[("cap", "total")], admissions.refused_at_total_cap),
             ],
         )?;
-        counter(
+        family(
             out,
             "failed_handshakes",
             "Admitted connections whose TLS handshake failed (a certificate refused, a timeout).",
-            &[(&[], admissions.handshakes_failed)],
+            Counter,
+            &[sample(&[], admissions.handshakes_failed)],
         )?;
 
-        let connections = self.observer.connections();
-        let over = |binding: Binding| connections.iter().filter(|c| c.binding == binding).count();
-        gauge(
+        let open = self.observer.open_connections();
+        family(
             out,
             "connections",
             "Connections open now, by what carries their packets (spec §16).",
+            Gauge,
             &[
-                (&[("binding", "udp")], over(Binding::Udp) as u64),
-                (&[("binding", "tcp")], over(Binding::Tcp) as u64),
+                sample(&[("binding", "udp")], open.udp as u64),
+                sample(&[("binding", "tcp")], open.tcp as u64),
             ],
         )?;
-        gauge(
+        family(
             out,
             "closing_streams",
             "Streams whose tensor ended, kept until the peer finishes its half (spec §4).",
-            &[(
-                &[],
-                connections.iter().map(|c| c.closing_streams as u64).sum(),
-            )],
+            Gauge,
+            &[sample(&[], open.closing_streams as u64)],
         )?;
 
         let credit = self.observer.budget();
-        gauge(
+        family(
             out,
             "credit_budget_bytes",
             "The receiver's byte-credit budget (spec §7.1).",
-            &[(&[], credit.budget)],
+            Gauge,
+            &[sample(&[], credit.budget)],
         )?;
-        gauge(
+        family(
             out,
             "credit_bytes",
             "Credit outstanding now: in_flight (granted, not yet arrived; early credit \
              included), early_offered (of in_flight, early credit offered and unused, spec \
              §7.6), held (arrived, not yet durable in a sink).",
+            Gauge,
             &[
-                (&[("state", "in_flight")], credit.in_flight),
-                (&[("state", "early_offered")], credit.early_offered),
-                (&[("state", "held")], credit.held),
+                sample(&[("state", "in_flight")], credit.in_flight),
+                sample(&[("state", "early_offered")], credit.early_offered),
+                sample(&[("state", "held")], credit.held),
             ],
         )?;
-        gauge(
+        family(
             out,
             "credit_peak_bytes",
             "The most credit ever outstanding at once (in flight plus held).",
-            &[(&[], credit.peak_outstanding)],
+            Gauge,
+            &[sample(&[], credit.peak_outstanding)],
         )?;
 
         let mut memories: Vec<(String, MemorySnapshot)> = vec![
@@ -260,106 +260,80 @@ impl Collector for ReceiverCollector {
                 .iter()
                 .map(|b| (b.what().to_owned(), b.snapshot())),
         );
-        let one: Vec<[(&str, &str); 1]> = memories
-            .iter()
-            .map(|(what, _)| [("memory", what.as_str())])
-            .collect();
-        let each = |value: fn(&MemorySnapshot) -> u64| -> Vec<(Labels, u64)> {
-            one.iter()
-                .zip(&memories)
-                .map(|(labels, (_, snapshot))| (&labels[..], value(snapshot)))
+        let each = |value: fn(&MemorySnapshot) -> u64| -> Vec<Sample> {
+            memories
+                .iter()
+                .map(|(what, m)| sample(&[("memory", what)], value(m)))
                 .collect()
         };
-        gauge(
+        family(
             out,
             "memory_limit_bytes",
             "Each memory budget's limit: host (landed tensors in host memory), metadata \
              (METADATA of open streams, spec §10), cuda:N (a GPU's).",
+            Gauge,
             &each(|m| m.limit),
         )?;
-        let two: Vec<[(&str, &str); 2]> = memories
+        let by_state: Vec<Sample> = memories
             .iter()
-            .flat_map(|(what, _)| {
+            .flat_map(|(what, m)| {
                 [
-                    [("memory", what.as_str()), ("state", "reserved")],
-                    [("memory", what.as_str()), ("state", "kept")],
+                    sample(&[("memory", what), ("state", "reserved")], m.reserved),
+                    sample(&[("memory", what), ("state", "kept")], m.kept),
                 ]
             })
             .collect();
-        let values = memories.iter().flat_map(|(_, m)| [m.reserved, m.kept]);
-        gauge(
+        family(
             out,
             "memory_bytes",
             "Each memory budget's use now: reserved (for tensors landed or landing), kept \
              (buffers of dropped tensors kept for reuse).",
-            &two.iter().map(|l| &l[..]).zip(values).collect::<Vec<_>>(),
+            Gauge,
+            &by_state,
         )?;
-        gauge(
+        family(
             out,
             "memory_peak_bytes",
             "The most each memory budget ever held at once, kept buffers included.",
+            Gauge,
             &each(|m| m.peak),
         )?;
 
-        for family in &self.families {
-            let samples = (family.read)();
-            let labels: Vec<Vec<(&str, &str)>> = samples
-                .iter()
-                .map(|(labels, _)| labels.iter().map(|(k, v)| (*k, v.as_str())).collect())
-                .collect();
-            let samples: Vec<(Labels, u64)> = labels
-                .iter()
-                .zip(&samples)
-                .map(|(labels, (_, value))| (&labels[..], *value))
-                .collect();
-            match family.kind {
-                FamilyKind::Counter => counter(out, family.name, family.help, &samples)?,
-                FamilyKind::Gauge => gauge(out, family.name, family.help, &samples)?,
-            }
+        for extra in &self.families {
+            family(out, extra.name, extra.help, extra.kind, &(extra.read)())?;
         }
         Ok(())
     }
 }
 
-/// One counter family: a sample for each label set.
-fn counter(
+/// A sample with `labels` (name, value) and `value`.
+fn sample(labels: &[(&'static str, &str)], value: u64) -> Sample {
+    let labels = labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect();
+    (labels, value)
+}
+
+/// One metric family: its descriptor, then each sample with its labels.
+fn family(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    samples: &[(Labels, u64)],
+    kind: FamilyKind,
+    samples: &[Sample],
 ) -> fmt::Result {
-    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    let metric_type = match kind {
+        FamilyKind::Counter => MetricType::Counter,
+        FamilyKind::Gauge => MetricType::Gauge,
+    };
+    let mut metric = encoder.encode_descriptor(name, help, None, metric_type)?;
     for (labels, value) in samples {
-        sample(&mut metric, labels, |m| {
-            m.encode_counter::<NoLabelSet, _, u64>(value, None)
-        })?;
+        let encode = |m: &mut MetricEncoder| match kind {
+            FamilyKind::Counter => m.encode_counter::<NoLabelSet, _, u64>(value, None),
+            FamilyKind::Gauge => m.encode_gauge(value),
+        };
+        match labels.is_empty() {
+            true => encode(&mut metric)?,
+            false => encode(&mut metric.encode_family(labels)?)?,
+        }
     }
     Ok(())
-}
-
-/// One gauge family: a sample for each label set.
-fn gauge(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    samples: &[(Labels, u64)],
-) -> fmt::Result {
-    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    for (labels, value) in samples {
-        sample(&mut metric, labels, |m| m.encode_gauge(value))?;
-    }
-    Ok(())
-}
-
-/// Encodes one sample, with its labels if it has any.
-fn sample(
-    metric: &mut MetricEncoder,
-    labels: Labels,
-    encode: impl FnOnce(&mut MetricEncoder) -> fmt::Result,
-) -> fmt::Result {
-    if labels.is_empty() {
-        encode(metric)
-    } else {
-        encode(&mut metric.encode_family(&labels)?)
-    }
 }

@@ -69,7 +69,8 @@ pub use dev_trust::dev_cert_path;
 pub use error::TransportError;
 pub use metrics::{AdmissionSnapshot, LATENCY_BUCKETS_US, MetricsSnapshot};
 pub use receiver::{
-    CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, Receiver, ReceiverObserver, TensorHandle,
+    CLOSE_GRACE, ConnectionSnapshot, IncomingTensor, OpenConnections, Receiver, ReceiverObserver,
+    TensorHandle,
 };
 pub use resolve::resolve;
 pub use runtime::EndpointThreads;

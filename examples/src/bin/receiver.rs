@@ -25,6 +25,7 @@ use tensorwire_examples::cli::{
 };
 use tensorwire_examples::metric_families::families;
 use tensorwire_examples::progress::{Drawing, ReceiverProgress};
+use tensorwire_examples::report::code_name;
 use tensorwire_examples::save::{OnCollision, SaveDir, SaveJob, Spooled, SpoolingSink};
 use tokio::sync::mpsc;
 
@@ -481,7 +482,7 @@ async fn main() -> anyhow::Result<()> {
                             let code = failure.code;
                             event(serde_json::json!({
                                 "event": "failed", "name": failure.name, "from": origin,
-                                "code": code.map(|c| c.name().map_or_else(|| c.to_string(), str::to_owned)),
+                                "code": code.map(code_name),
                                 "code_value": code.map(|c| c.0),
                                 "cause": failure.message,
                             }));

@@ -219,6 +219,17 @@ pub struct ConnectionSnapshot {
     pub closing_streams: usize,
 }
 
+/// The connections a receiver has open now ([`ReceiverObserver::open_connections`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpenConnections {
+    /// Over UDP.
+    pub udp: usize,
+    /// Over TCP (spec §16).
+    pub tcp: usize,
+    /// Streams whose tensor ended, kept until the peer finishes its half (spec §4).
+    pub closing_streams: usize,
+}
+
 /// Reads a receiver's counters from anywhere; cloned freely, it keeps only the counters
 /// alive, not the receiver's endpoints.
 #[derive(Clone)]
@@ -251,6 +262,21 @@ impl ReceiverObserver {
     /// Connections refused at the caps, and failed handshakes.
     pub fn admissions(&self) -> AdmissionSnapshot {
         self.shared.admissions.snapshot()
+    }
+
+    /// How many connections are open, by binding, and their closing streams: cheap enough
+    /// to read often (no connection's histogram is read, unlike
+    /// [`connections`](Self::connections)).
+    pub fn open_connections(&self) -> OpenConnections {
+        let mut open = OpenConnections::default();
+        for c in self.shared.connections.iter() {
+            match c.binding {
+                Binding::Udp => open.udp += 1,
+                Binding::Tcp => open.tcp += 1,
+            }
+            open.closing_streams += c.closing_streams();
+        }
+        open
     }
 
     /// Counters of each open connection.
