@@ -495,7 +495,9 @@ class Receiver:
     memory; `require_gpu` makes a missing GPU an error instead of host memory. `mtu` fixes
     the UDP payload size it sends and takes (default: 65507 on a loopback address; elsewhere,
     every address included, it takes up to 65507, and its own packets start at 1200 and probe
-    up).
+    up). `metrics` ("host:port") serves Prometheus metrics over plain HTTP at
+    ``http://host:port/metrics``, as ``receiver --metrics-listen`` does (docs/operators.md
+    lists them); :meth:`metrics_text` gives the same text for a server of your own.
     """
 
     def __init__(
@@ -511,6 +513,7 @@ class Receiver:
         key: Optional[str] = None,
         client_ca: Optional[str] = None,
         mtu: Optional[int] = None,
+        metrics: Optional[str] = None,
     ) -> None:
         self._native = _native.Receiver(
             listen,
@@ -523,6 +526,7 @@ class Receiver:
             key=key,
             client_ca=client_ca,
             mtu=mtu,
+            metrics=metrics,
         )
         if device == "auto" and self.placement.startswith("host memory"):
             # Never a silent fallback: say where tensors go, and why.
@@ -538,12 +542,29 @@ class Receiver:
         """Where tensors land, and why (for host memory)."""
         return self._native.placement
 
+    @property
+    def metrics_address(self) -> Optional[str]:
+        """Where Prometheus scrapes its metrics ("host:port", path ``/metrics``), or None."""
+        return self._native.metrics_address
+
+    def metrics_text(self) -> str:
+        """Every metric now, in the OpenMetrics text format (what a scrape returns)."""
+        return self._native.metrics_text()
+
+    @property
+    def development_certificate(self) -> Optional[str]:
+        """The PEM of the self-signed certificate it made when no `cert` was given (None
+        otherwise): written to a file senders on this host find, and what a sender on another
+        host trusts, as `ca`, once it has it by a channel it already trusts."""
+        return self._native.development_certificate
+
     def recv(self, timeout: Optional[float] = None) -> ReceivedTensor:
         """The next tensor; TimeoutError after `timeout` seconds, EOFError once closed."""
         return ReceivedTensor(self._native.recv(timeout))
 
     def failures(self) -> List[str]:
-        """Tensors that failed, each with its sender, code and cause."""
+        """The latest tensors that failed (up to 1024, oldest first), each with its sender,
+        code and cause."""
         return self._native.failures()
 
     def pool_stats(self) -> Dict[str, Dict[str, int]]:

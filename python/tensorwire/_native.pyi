@@ -46,6 +46,8 @@ class ReceivedTensor:
 class Receiver:
     address: str
     placement: str
+    metrics_address: Optional[str]
+    development_certificate: Optional[str]
     def __init__(
         self,
         listen: str = "127.0.0.1:0",
@@ -59,7 +61,9 @@ class Receiver:
         key: Optional[str] = None,
         client_ca: Optional[str] = None,
         mtu: Optional[int] = None,
+        metrics: Optional[str] = None,
     ) -> None: ...
+    def metrics_text(self) -> str: ...
     def recv(self, timeout: Optional[float] = None) -> ReceivedTensor: ...
     def failures(self) -> List[str]: ...
     def pool_stats(self) -> Dict[str, Dict[str, int]]: ...

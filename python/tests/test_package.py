@@ -16,6 +16,7 @@ import struct
 import subprocess
 import tempfile
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -323,6 +324,48 @@ def test_a_rejected_tensor_raises_with_its_code_and_name():
     err = rejected.value
     assert err.code_name == "TENSOR_TOO_LARGE" and err.code == 0x0211
     assert err.tensor == "too.big" and err.blame == "PeerBrokeRule"
+
+
+def scrape(address):
+    """The metrics a receiver serves at http://ADDRESS/metrics, by sample name and labels."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = reply.read().decode()
+    assert text.endswith("# EOF\n")
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def test_a_receiver_serves_metrics_that_count_what_landed_and_what_was_refused():
+    with tensorwire.Receiver(device="host", host_memory_mib=1, admission_timeout_s=0.5, metrics="127.0.0.1:0") as rx:
+        assert rx.metrics_address is not None
+        before = scrape(rx.metrics_address)
+        assert before['tensorwire_received_tensors_total{outcome="completed"}'] == 0
+        assert before['tensorwire_memory_limit_bytes{memory="host"}'] == 1 << 20
+        tensorwire.send(rx.address, {"fits": np.ones(1000, np.float32)})
+        rx.recv(timeout=30)
+        with pytest.raises(TensorwireError):
+            tensorwire.send(rx.address, {"too.big": np.ones(1 << 19, np.float32)})
+        # A scrape reads the counters of tensors whose streams have ended; those end just
+        # after the sender hears of them.
+        for _ in range(100):
+            after = scrape(rx.metrics_address)
+            if after['tensorwire_received_tensors_total{outcome="failed"}'] == 1:
+                break
+            time.sleep(0.1)
+        assert after['tensorwire_received_tensors_total{outcome="completed"}'] == 1
+        assert after['tensorwire_received_tensors_total{outcome="failed"}'] == 1
+        assert after['tensorwire_received_tensor_failures_total{code="RESOURCE_EXHAUSTED"}'] == 1
+        assert after["tensorwire_received_payload_bytes_total"] >= 4000
+        # The same text, for a server of the application's own.
+        assert 'tensorwire_received_tensors_total{outcome="completed"} 1' in rx.metrics_text()
+    with tensorwire.Receiver(device="host") as quiet:
+        assert quiet.metrics_address is None and "# EOF" in quiet.metrics_text()
 
 
 def test_async_send_and_receive():

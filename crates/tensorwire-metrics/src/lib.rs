@@ -23,6 +23,7 @@
 //! ```
 
 mod exposition;
+mod placement;
 mod server;
 
 pub use exposition::{Family, FamilyKind, ReceiverMetrics, Sample};

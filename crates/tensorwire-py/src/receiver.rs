@@ -1,5 +1,6 @@
 //! `Receiver`: listens for tensors and lands each on the GPU (or in host memory).
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Mutex, PoisonError};
@@ -9,6 +10,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tensorwire::gpu::{DeviceRequest, GpuRequirement, Placement, TensorSink};
+use tensorwire::metrics::{MetricsServer, ReceiverMetrics};
 use tensorwire::proto::TensorMeta;
 use tensorwire::quic::{
     IncomingTensor, Receiver as QuicReceiver, ReceiverConfig, ServerTls, TransportSettings,
@@ -19,14 +21,21 @@ use tokio::sync::mpsc;
 use crate::received::ReceivedTensor;
 use crate::{error, runtime, transport_error};
 
+/// How many failures [`Receiver::failures`] keeps (the latest).
+const FAILURES_KEPT: usize = 1024;
+
 /// Listens for tensors and lands each one on the GPU (or in host memory).
 #[pyclass(module = "tensorwire._native")]
 pub(crate) struct Receiver {
     pub(crate) landed: Mutex<mpsc::UnboundedReceiver<ReceivedTensor>>,
-    pub(crate) failures: std::sync::Arc<Mutex<Vec<String>>>,
+    pub(crate) failures: std::sync::Arc<Mutex<VecDeque<String>>>,
     pub(crate) local_addr: SocketAddr,
     pub(crate) placement: Placement,
     pub(crate) task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    metrics: ReceiverMetrics,
+    metrics_server: Mutex<Option<MetricsServer>>,
+    /// The development certificate's PEM (no `cert` given), for senders on other hosts.
+    development_certificate: Option<String>,
 }
 
 #[pymethods]
@@ -34,7 +43,7 @@ impl Receiver {
     #[new]
     #[pyo3(signature = (listen="127.0.0.1:0", *, device="auto", require_gpu=false, budget_mib=256,
         host_memory_mib=None, admission_timeout_s=30.0, cert=None, key=None, client_ca=None,
-        mtu=None))]
+        mtu=None, metrics=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -48,9 +57,16 @@ impl Receiver {
         key: Option<PathBuf>,
         client_ca: Option<PathBuf>,
         mtu: Option<u16>,
+        metrics: Option<&str>,
     ) -> PyResult<Self> {
         let listen: SocketAddr = tensorwire::quic::resolve(listen)
             .map_err(|e| PyValueError::new_err(format!("listen address: {e}")))?;
+        let metrics_listen: Option<SocketAddr> = metrics
+            .map(|addr| {
+                tensorwire::quic::resolve(addr)
+                    .map_err(|e| PyValueError::new_err(format!("metrics address: {e}")))
+            })
+            .transpose()?;
         let request: DeviceRequest = device.parse().map_err(PyValueError::new_err)?;
         let tls = match (cert, key) {
             (Some(cert), Some(key)) => ServerTls::Pem {
@@ -65,6 +81,7 @@ impl Receiver {
                 ));
             }
         };
+        let development = matches!(tls, ServerTls::Development);
         if !admission_timeout_s.is_finite() || admission_timeout_s <= 0.0 {
             return Err(PyValueError::new_err(
                 "admission_timeout_s must be positive",
@@ -89,8 +106,26 @@ impl Receiver {
         let local_addr = receiver
             .local_addr()
             .map_err(|e| transport_error(py, &e, None))?;
+        let development_certificate = if development {
+            let path = tensorwire::quic::dev_cert_path(local_addr.port());
+            let pem = std::fs::read_to_string(&path)
+                .map_err(|e| error(py, format!("{}: {e}", path.display()), None, None))?;
+            Some(pem)
+        } else {
+            None
+        };
+        let receiver_metrics = ReceiverMetrics::for_placement(receiver.observer(), &placement);
+        let metrics_server = match metrics_listen {
+            Some(addr) => {
+                let bound = py.allow_threads(|| {
+                    runtime().block_on(MetricsServer::bind(addr, receiver_metrics.clone()))
+                });
+                Some(bound.map_err(|e| error(py, format!("metrics at {addr}: {e}"), None, None))?)
+            }
+            None => None,
+        };
         let (tx, rx) = mpsc::unbounded_channel();
-        let failures = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let failures = std::sync::Arc::new(Mutex::new(VecDeque::new()));
         let (task_placement, task_failures) = (placement.clone(), failures.clone());
         // A split tensor's parts (spec §15) must all arrive within twice the admission wait.
         let splits: SplitTensors<TensorSink> = SplitTensors::new(2 * wait);
@@ -135,10 +170,15 @@ impl Receiver {
                             let _ = tx.send(ReceivedTensor::new(meta, buffer, peer));
                         }
                         Ok(None) => {}
-                        Err(e) => failures
-                            .lock()
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .push(format!("{} from {peer}: {e}", meta.name())),
+                        Err(e) => {
+                            let mut failures =
+                                failures.lock().unwrap_or_else(PoisonError::into_inner);
+                            // Peers choose how many tensors fail: keep the latest only.
+                            if failures.len() == FAILURES_KEPT {
+                                failures.pop_front();
+                            }
+                            failures.push_back(format!("{} from {peer}: {e}", meta.name()));
+                        }
                     }
                 });
             }
@@ -150,6 +190,9 @@ impl Receiver {
             local_addr,
             placement,
             task: Mutex::new(Some(task)),
+            metrics: receiver_metrics,
+            metrics_server: Mutex::new(metrics_server),
+            development_certificate,
         })
     }
 
@@ -157,6 +200,29 @@ impl Receiver {
     #[getter]
     fn address(&self) -> String {
         self.local_addr.to_string()
+    }
+
+    /// Where Prometheus scrapes its metrics (`host:port`, path `/metrics`), if served.
+    #[getter]
+    fn metrics_address(&self) -> Option<String> {
+        let server = self
+            .metrics_server
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        server
+            .as_ref()
+            .map(|server| server.local_addr().to_string())
+    }
+
+    /// Every metric now, in the OpenMetrics text format (docs/operators.md lists them).
+    fn metrics_text(&self) -> String {
+        self.metrics.encode()
+    }
+
+    /// The PEM of the self-signed certificate it made (no `cert` given), or None.
+    #[getter]
+    fn development_certificate(&self) -> Option<String> {
+        self.development_certificate.clone()
     }
 
     /// Where tensors land, for people.
@@ -200,12 +266,10 @@ impl Receiver {
         }
     }
 
-    /// Tensors that failed (each with its sender, code and cause), oldest first.
+    /// The latest tensors that failed (each with its sender, code and cause), oldest first.
     fn failures(&self) -> Vec<String> {
-        self.failures
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        let failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
+        failures.iter().cloned().collect()
     }
 
     /// Device and staging pool statistics (GPU placement), or an empty dict.
@@ -246,6 +310,14 @@ impl Receiver {
             py.allow_threads(|| {
                 let _ = runtime().block_on(task);
             });
+        }
+        let server = self
+            .metrics_server
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(server) = server {
+            py.allow_threads(|| runtime().block_on(server.close()));
         }
     }
 }

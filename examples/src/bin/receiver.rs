@@ -317,12 +317,8 @@ async fn main() -> anyhow::Result<()> {
     );
     let metrics = match args.metrics_listen {
         Some(addr) => {
-            let device_budgets = match &placement {
-                Placement::Gpu(gpu) => vec![gpu.memory_budget().clone()],
-                Placement::Host { .. } => Vec::new(),
-            };
-            let metrics = families(&placement, exec.as_ref()).into_iter().fold(
-                ReceiverMetrics::with_memory(receiver.observer(), device_budgets),
+            let metrics = exec.iter().flat_map(families).fold(
+                ReceiverMetrics::for_placement(receiver.observer(), &placement),
                 ReceiverMetrics::with_family,
             );
             let server = MetricsServer::bind(addr, metrics)
