@@ -20,10 +20,13 @@ import struct
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _native
-from .errors import TensorwireError
+
+if TYPE_CHECKING:
+    import numpy as np
+from .errors import ReceiveTimeout, ReceiverClosed, TensorwireError
 
 __all__ = [
     "GpuStatus",
@@ -31,8 +34,10 @@ __all__ = [
     "SharedBuffer",
     "empty",
     "Raw",
+    "ReceiveTimeout",
     "ReceivedTensor",
     "Receiver",
+    "ReceiverClosed",
     "SendResult",
     "SendWaits",
     "TensorwireError",
@@ -267,6 +272,19 @@ def _cuda_array_item(name: str, obj: Any, cuda: Mapping[str, Any]):
     return (name, dtype, shape, "device", (int(cuda["data"][0]), nbytes, int(device), obj), [])
 
 
+def _npy_items(path: Union[str, os.PathLike]) -> List[Tuple]:
+    """The array of a .npy file, mapped (not read into memory), named after the file."""
+    import numpy as np
+
+    path = os.fspath(path)
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        raise TensorwireError(f"{path}: not a NumPy array file: {e}") from None
+    name = os.path.splitext(os.path.basename(path))[0]
+    return [_item(name, array)]
+
+
 def _safetensors_items(path: Union[str, os.PathLike]) -> List[Tuple]:
     """Every tensor of a .safetensors file, read in place from the file by the sender, with
     the attributes that let a receiver rebuild the file."""
@@ -275,7 +293,10 @@ def _safetensors_items(path: Union[str, os.PathLike]) -> List[Tuple]:
         (header_len,) = struct.unpack("<Q", f.read(8))
         size = os.fstat(f.fileno()).st_size
         if header_len > min(100 << 20, size - 8):
-            raise TensorwireError(f"{path}: header length {header_len} is not plausible")
+            raise TensorwireError(
+                f"{path}: not a .safetensors file (its header length {header_len} is not "
+                "plausible); .npy arrays and .safetensors files are sent from paths"
+            )
         header = json.loads(f.read(header_len))
     data_start = 8 + header_len
     metadata = header.pop("__metadata__", None)
@@ -318,7 +339,8 @@ def send(
     transport: str = "auto",
 ) -> List[SendResult]:
     """Sends `tensors` (a name → tensor mapping, or a .safetensors path) to the receiver at
-    `addr` ("host:port") and returns once each is acknowledged.
+    `addr` ("host:port"), or a ``.npy`` path (one tensor, named after the file), and returns
+    once each is acknowledged.
 
     GPU tensors (PyTorch CUDA, CuPy) are read from device memory a chunk at a time, never
     copied to the host whole; host buffers are sent without a copy. `connections` (default:
@@ -332,16 +354,21 @@ def send(
     sides' is used). `transport` is "quic" (UDP), "tcp" (QUIC over TCP, where UDP is blocked)
     or "auto" (the default: UDP, and TCP too if UDP completes no handshake within a second;
     spec §16).
-    With no `ca`, development trust: a receiver on this host. Raises TensorwireError.
+    With no `ca`, development trust: a receiver on this host. Ctrl-C stops the send within a
+    tenth of a second, cancelling what is in flight. Raises TensorwireError for the first
+    tensor that failed, after the others ended: its ``sent`` lists those acknowledged, its
+    ``failures`` every failure.
     """
-    if isinstance(tensors, (str, os.PathLike)):
+    if isinstance(tensors, (str, os.PathLike)) and os.fspath(tensors).endswith(".npy"):
+        items = _npy_items(tensors)
+    elif isinstance(tensors, (str, os.PathLike)):
         items = _safetensors_items(tensors)
     else:
         items = [_item(str(name), obj) for name, obj in tensors.items()]
     run = f"python-{os.getpid()}-{time.time_ns()}"
     for item in items:
         item[5].append((_SENDER_ATTR, run))
-    results = _native.send(
+    results, failures = _native.send(
         addr,
         items,
         connections=connections,
@@ -355,6 +382,10 @@ def send(
         transport=transport,
     )
     out = [SendResult(name, nbytes, seconds, SendWaits(*waited)) for name, nbytes, seconds, waited in results]
+    if failures:
+        first = failures[0]
+        first.sent, first.failures = out, list(failures)
+        raise first
     if progress:
         for r in out:
             print(f"sent {r.name}: {r.nbytes} bytes in {r.seconds:.3f} s (waited: {r.waited})")
@@ -442,14 +473,45 @@ class ReceivedTensor:
     def __init__(self, native: Any) -> None:
         self._t = native
 
-    name = property(lambda self: self._t.name, doc="The tensor's name.")
-    dtype = property(lambda self: self._t.dtype, doc="Its dtype name (spec §5.1), e.g. 'F32'.")
-    shape = property(lambda self: tuple(self._t.shape), doc="Its shape.")
-    attributes = property(lambda self: dict(self._t.attributes), doc="The sender's attributes.")
-    device = property(lambda self: self._t.device, doc="'cuda:N' or 'cpu'.")
-    nbytes = property(lambda self: self._t.nbytes, doc="Its size in bytes.")
-    data_ptr = property(lambda self: self._t.data_ptr, doc="Address of its first byte.")
-    peer = property(lambda self: self._t.peer, doc="The sender's address.")
+    @property
+    def name(self) -> str:
+        """The tensor's name."""
+        return str(self._t.name)
+
+    @property
+    def dtype(self) -> str:
+        """Its dtype name (spec §5.1), e.g. 'F32'."""
+        return str(self._t.dtype)
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """Its shape."""
+        return tuple(self._t.shape)
+
+    @property
+    def attributes(self) -> Dict[str, str]:
+        """The sender's attributes."""
+        return dict(self._t.attributes)
+
+    @property
+    def device(self) -> str:
+        """'cuda:N' or 'cpu'."""
+        return str(self._t.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Its size in bytes."""
+        return int(self._t.nbytes)
+
+    @property
+    def data_ptr(self) -> int:
+        """Address of its first byte."""
+        return int(self._t.data_ptr)
+
+    @property
+    def peer(self) -> str:
+        """The sender's address."""
+        return str(self._t.peer)
 
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None) -> Any:
         return self._t.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
@@ -465,7 +527,7 @@ class ReceivedTensor:
         """Gives the memory back now."""
         self._t.release()
 
-    def numpy(self) -> Any:
+    def numpy(self) -> "np.ndarray":
         """A NumPy array: no copy for host tensors of NumPy types; BF16 and FP8 come as their
         raw bits (uint16 / uint8). GPU tensors are copied to the host."""
         import numpy as np
@@ -559,8 +621,14 @@ class Receiver:
         return self._native.development_certificate
 
     def recv(self, timeout: Optional[float] = None) -> ReceivedTensor:
-        """The next tensor; TimeoutError after `timeout` seconds, EOFError once closed."""
-        return ReceivedTensor(self._native.recv(timeout))
+        """The next tensor; :class:`ReceiveTimeout` (a TimeoutError) after `timeout` seconds,
+        :class:`ReceiverClosed` (an EOFError) once closed."""
+        try:
+            return ReceivedTensor(self._native.recv(timeout))
+        except TimeoutError as e:
+            raise ReceiveTimeout(str(e)) from None
+        except EOFError as e:
+            raise ReceiverClosed(str(e)) from None
 
     def failures(self) -> List[str]:
         """The latest tensors that failed (up to 1024, oldest first), each with its sender,

@@ -1,6 +1,7 @@
-"""The exception every tensorwire call raises, carrying the wire code (spec §9)."""
+"""The exceptions tensorwire calls raise: :class:`TensorwireError`, carrying the wire code
+(spec §9), and its kinds for a receiver with nothing to give."""
 
-from typing import Optional
+from typing import Any, List, Optional
 
 
 class TensorwireError(Exception):
@@ -13,6 +14,9 @@ class TensorwireError(Exception):
         blame: who is to blame by the code's range: ``"MalformedBytes"``,
             ``"PeerBrokeRule"``, ``"LocalResource"``, ``"Application"`` or None.
         tensor: the tensor it concerns, if one.
+        sent: for a failed ``send``, what it sent before and beside the failure (each a
+            ``SendResult``, acknowledged by the receiver).
+        failures: for a failed ``send``, every tensor's failure, this one first.
     """
 
     def __init__(
@@ -28,3 +32,13 @@ class TensorwireError(Exception):
         self.code_name = code_name
         self.blame = blame
         self.tensor = tensor
+        self.sent: List[Any] = []
+        self.failures: List["TensorwireError"] = []
+
+
+class ReceiveTimeout(TensorwireError, TimeoutError):
+    """No tensor landed within the time given."""
+
+
+class ReceiverClosed(TensorwireError, EOFError):
+    """The receiver is closed: no tensor will land any more."""

@@ -368,6 +368,63 @@ def test_a_receiver_serves_metrics_that_count_what_landed_and_what_was_refused()
         assert quiet.metrics_address is None and "# EOF" in quiet.metrics_text()
 
 
+def test_a_failed_send_carries_what_was_sent_beside_it():
+    with tensorwire.Receiver(device="host", host_memory_mib=1, admission_timeout_s=0.5) as rx:
+        with pytest.raises(TensorwireError) as failed:
+            tensorwire.send(rx.address, {"ok": np.ones(10, np.float32), "too.big": np.ones(1 << 19, np.float32)})
+        err = failed.value
+        assert err.tensor == "too.big" and err.code_name == "RESOURCE_EXHAUSTED", err
+        assert [r.name for r in err.sent] == ["ok"] and err.sent[0].nbytes == 40
+        assert err.failures == [err]
+        assert rx.recv(timeout=30).name == "ok"
+
+
+def test_ctrl_c_stops_a_send_that_waits():
+    import _thread
+
+    # The first tensor fills the receiver's memory and is not taken: the second waits a
+    # minute for room, unless the send is interrupted.
+    with tensorwire.Receiver(device="host", host_memory_mib=1, admission_timeout_s=60) as rx:
+        tensorwire.send(rx.address, {"holds": np.ones(200_000, np.float32)})
+        interrupt = threading.Timer(0.5, _thread.interrupt_main)
+        interrupt.start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            tensorwire.send(rx.address, {"waits": np.ones(200_000, np.float32)})
+        # Interrupted, not waited out (the admission wait is a minute).
+        assert time.monotonic() - started < 30
+        interrupt.join()
+
+
+def test_receiving_nothing_raises_kinds_of_the_one_error():
+    rx = tensorwire.Receiver(device="host")
+    with pytest.raises(tensorwire.ReceiveTimeout) as waited:
+        rx.recv(timeout=0.1)
+    assert isinstance(waited.value, TimeoutError) and isinstance(waited.value, TensorwireError)
+    rx.close()
+    with pytest.raises(tensorwire.ReceiverClosed) as closed:
+        rx.recv(timeout=1)
+    assert isinstance(closed.value, EOFError) and isinstance(closed.value, TensorwireError)
+    assert list(rx) == []
+
+
+def test_a_npy_path_is_sent_as_one_tensor_named_after_the_file(tmp_path):
+    array = np.arange(24, dtype=np.int16).reshape(2, 3, 4)
+    np.save(tmp_path / "weights.npy", array)
+    (tmp_path / "other.npy").write_bytes(b"not an array")
+    with tensorwire.Receiver(device="host") as rx:
+        tensorwire.send(rx.address, tmp_path / "weights.npy")
+        t = rx.recv(timeout=30)
+        assert (t.name, t.dtype, t.shape) == ("weights", "I16", (2, 3, 4))
+        assert np.array_equal(t.numpy(), array)
+        with pytest.raises(TensorwireError, match="not a NumPy array file"):
+            tensorwire.send(rx.address, str(tmp_path / "other.npy"))
+    # Any other path is a .safetensors file: an array saved under another name says so.
+    shutil.copy(tmp_path / "weights.npy", tmp_path / "weights.bin")
+    with pytest.raises(TensorwireError, match="not a .safetensors file"):
+        tensorwire.send("127.0.0.1:9", tmp_path / "weights.bin")
+
+
 def test_async_send_and_receive():
     async def main():
         with tensorwire.Receiver(device="host") as rx:

@@ -225,8 +225,8 @@ pub(crate) fn client_tls(
 /// larger than its connection's share goes as parts over several (spec §15); `transport`
 /// (`quic`, `tcp` or `auto`) is what carries the connections (spec §16). Returns
 /// `(name, bytes, seconds, (receiver, source, transport, turn))` per tensor, the last four
-/// the seconds it waited for each ([`SendWaits`](tensorwire::quic::SendWaits)), or raises
-/// `TensorwireError` naming the first tensor that failed.
+/// the seconds it waited for each ([`SendWaits`](tensorwire::quic::SendWaits)), beside a
+/// `TensorwireError` for each tensor that failed; raises one where no connection was made.
 #[pyfunction]
 #[pyo3(signature = (addr, items, *, connections=None, split=true, ca=None, client_cert=None,
     client_key=None, server_name="localhost".to_owned(), mtu=None, device=None,
@@ -245,7 +245,7 @@ pub(crate) fn send(
     mtu: Option<u16>,
     device: Option<String>,
     transport: String,
-) -> PyResult<Vec<SentTensor>> {
+) -> PyResult<(Vec<SentTensor>, Vec<PyObject>)> {
     let binding: BindingChoice = transport.parse().map_err(PyValueError::new_err)?;
     let addr: SocketAddr =
         tensorwire::quic::resolve(addr).map_err(|e| error(py, e.to_string(), None, None))?;
@@ -275,58 +275,90 @@ pub(crate) fn send(
     let splittable = if split { total } else { 0 };
     let connections = connections
         .unwrap_or_else(|| SenderPool::automatic_connections(outgoing.len(), splittable));
-    let outcome = py.allow_threads(|| {
-        runtime().block_on(async move {
-            let sending: Vec<(String, SendHandle)>;
-            let closer: Box<
-                dyn FnOnce() -> Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send,
-            >;
-            if connections > 1 {
-                let pool = SenderPool::connect(addr, config, connections)
-                    .await
-                    .map_err(|e| (e, None))?;
-                let mut started = Vec::with_capacity(outgoing.len());
-                for (meta, bytes) in outgoing {
-                    let name = meta.name().to_owned();
-                    let parts = match split {
-                        true => pool.parts_for(&meta, total),
-                        false => 1,
-                    };
-                    let handle = match parts {
-                        1 => pool.send(meta, bytes.whole()),
-                        parts => pool
-                            .send_split_with(meta, parts, |offset, len| bytes.part(offset, len))
-                            .map_err(|e| (e, Some(name.clone())))?,
-                    };
-                    started.push((name, handle));
-                }
-                sending = started;
-                closer = Box::new(move || Box::pin(pool.close()));
-            } else {
-                let sender = Sender::connect(addr, config).await.map_err(|e| (e, None))?;
-                sending = outgoing
-                    .into_iter()
-                    .map(|(meta, bytes)| (meta.name().to_owned(), sender.send(meta, bytes.whole())))
-                    .collect();
-                closer = Box::new(move || Box::pin(sender.close()));
+    let work = runtime().spawn(async move {
+        let sending: Vec<(String, SendHandle)>;
+        let closer: Box<
+            dyn FnOnce() -> Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send,
+        >;
+        if connections > 1 {
+            let pool = SenderPool::connect(addr, config, connections)
+                .await
+                .map_err(|e| (e, None))?;
+            let mut started = Vec::with_capacity(outgoing.len());
+            for (meta, bytes) in outgoing {
+                let name = meta.name().to_owned();
+                let parts = match split {
+                    true => pool.parts_for(&meta, total),
+                    false => 1,
+                };
+                let handle = match parts {
+                    1 => pool.send(meta, bytes.whole()),
+                    parts => pool
+                        .send_split_with(meta, parts, |offset, len| bytes.part(offset, len))
+                        .map_err(|e| (e, Some(name.clone())))?,
+                };
+                started.push((name, handle));
             }
-            let mut results = Vec::with_capacity(sending.len());
-            let mut failed = None;
-            for (name, handle) in sending {
-                match handle.finished().await {
-                    Ok(report) => results.push(sent_tensor(name, &report)),
-                    Err(e) if failed.is_none() => failed = Some((e, Some(name))),
-                    Err(_) => {}
-                }
+            sending = started;
+            closer = Box::new(move || Box::pin(pool.close()));
+        } else {
+            let sender = Sender::connect(addr, config).await.map_err(|e| (e, None))?;
+            sending = outgoing
+                .into_iter()
+                .map(|(meta, bytes)| (meta.name().to_owned(), sender.send(meta, bytes.whole())))
+                .collect();
+            closer = Box::new(move || Box::pin(sender.close()));
+        }
+        let mut results = Vec::with_capacity(sending.len());
+        let mut failures = Vec::new();
+        for (name, handle) in sending {
+            match handle.finished().await {
+                Ok(report) => results.push(sent_tensor(name, &report)),
+                Err(e) => failures.push((e, name)),
             }
-            closer().await;
-            match failed {
-                Some(failure) => Err(failure),
-                None => Ok(results),
-            }
-        })
+        }
+        closer().await;
+        Ok((results, failures))
     });
-    outcome.map_err(|(e, tensor)| transport_error(py, &e, tensor.as_deref()))
+    let (results, failures) = match wait_interruptibly(py, work)? {
+        Ok(outcome) => outcome,
+        Err((e, tensor)) => return Err(transport_error(py, &e, tensor.as_deref())),
+    };
+    let failures = failures
+        .into_iter()
+        .map(|(e, name)| {
+            transport_error(py, &e, Some(&name))
+                .into_value(py)
+                .into_any()
+        })
+        .collect();
+    Ok((results, failures))
+}
+
+/// Waits for `work` with the GIL released, a tenth of a second at a time, so that Ctrl-C
+/// (or another signal Python handles) interrupts it: then `work` is aborted, which closes
+/// its connections and so cancels its tensors at the receiver.
+fn wait_interruptibly<T: Send + 'static>(
+    py: Python<'_>,
+    mut work: tokio::task::JoinHandle<T>,
+) -> PyResult<T> {
+    loop {
+        let slice = std::time::Duration::from_millis(100);
+        let done = py.allow_threads(|| {
+            runtime().block_on(async { tokio::time::timeout(slice, &mut work).await })
+        });
+        match done {
+            Ok(Ok(outcome)) => return Ok(outcome),
+            Ok(Err(joined)) => {
+                return Err(error(py, format!("the send stopped: {joined}"), None, None));
+            }
+            Err(_) => {}
+        }
+        if let Err(interrupted) = py.check_signals() {
+            work.abort();
+            return Err(interrupted);
+        }
+    }
 }
 
 /// What `send` returns for one tensor: its name, bytes, seconds, and the seconds it waited
