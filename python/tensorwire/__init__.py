@@ -17,10 +17,11 @@ import asyncio
 import json
 import os
 import struct
+import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _native
 
@@ -39,6 +40,7 @@ __all__ = [
     "Receiver",
     "ReceiverClosed",
     "SendResult",
+    "SendProgress",
     "SendWaits",
     "TensorwireError",
     "devices",
@@ -121,6 +123,35 @@ class SendResult:
     seconds: float
     #: What the send waited for, and how long.
     waited: SendWaits = SendWaits()
+
+
+@dataclass(frozen=True)
+class SendProgress:
+    """How far a :func:`send` is, given to its `progress` callback about ten times a second
+    and once at the end."""
+
+    #: Payload bytes handed to the network so far, and in all, of the tensors started.
+    sent_bytes: int
+    total_bytes: int
+    #: Each started tensor's ``(sent_bytes, total_bytes)``, by name.
+    tensors: Dict[str, Tuple[int, int]]
+
+    @property
+    def tensors_done(self) -> int:
+        """Tensors whose every byte was handed over (acknowledgement may still be due)."""
+        return sum(1 for sent, total in self.tensors.values() if sent >= total)
+
+
+def _print_progress(progress: "SendProgress") -> None:
+    """`progress=True`: one line on the terminal, rewritten as the send goes."""
+    import sys
+
+    if sys.stderr.isatty():
+        line = (
+            f"sent {progress.sent_bytes / (1 << 20):.1f} of {progress.total_bytes / (1 << 20):.1f} MiB, "
+            f"{progress.tensors_done} of {len(progress.tensors)} tensors"
+        )
+        print(f"\r{line}", end="", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -335,7 +366,7 @@ def send(
     server_name: str = "localhost",
     mtu: Optional[int] = None,
     device: Optional[str] = None,
-    progress: bool = False,
+    progress: Union[bool, Callable[[SendProgress], None]] = False,
     transport: str = "auto",
 ) -> List[SendResult]:
     """Sends `tensors` (a name → tensor mapping, or a .safetensors path) to the receiver at
@@ -353,7 +384,9 @@ def send(
     address; elsewhere 1200, then probing up to what the path carries; the smaller of the two
     sides' is used). `transport` is "quic" (UDP), "tcp" (QUIC over TCP, where UDP is blocked)
     or "auto" (the default: UDP, and TCP too if UDP completes no handshake within a second;
-    spec §16).
+    spec §16). `progress` is a callback given a :class:`SendProgress` about ten times a
+    second (an exception it raises stops the send), or True for a line on the terminal
+    and one per tensor at the end.
     With no `ca`, development trust: a receiver on this host. Ctrl-C stops the send within a
     tenth of a second, cancelling what is in flight. Raises TensorwireError for the first
     tensor that failed, after the others ended: its ``sent`` lists those acknowledged, its
@@ -380,16 +413,28 @@ def send(
         mtu=mtu,
         device=device,
         transport=transport,
+        progress=None if not progress else _progress_callback(_print_progress if progress is True else progress),
     )
+    if progress is True and sys.stderr.isatty():
+        print(file=sys.stderr)  # ends the progress line
     out = [SendResult(name, nbytes, seconds, SendWaits(*waited)) for name, nbytes, seconds, waited in results]
     if failures:
         first = failures[0]
         first.sent, first.failures = out, list(failures)
         raise first
-    if progress:
+    if progress is True:
         for r in out:
             print(f"sent {r.name}: {r.nbytes} bytes in {r.seconds:.3f} s (waited: {r.waited})")
     return out
+
+
+def _progress_callback(report: Callable[[SendProgress], None]) -> Callable[[int, int, List[Tuple[str, int, int]]], None]:
+    """What the native send calls: the counters, turned into a SendProgress for `report`."""
+
+    def call(sent: int, total: int, tensors: List[Tuple[str, int, int]]) -> None:
+        report(SendProgress(sent, total, {name: (done, size) for name, done, size in tensors}))
+
+    return call
 
 
 async def send_async(addr: str, tensors: Any, **kwargs: Any) -> List[SendResult]:

@@ -1,6 +1,6 @@
 """Types of the native module (crates/tensorwire-py). Use the `tensorwire` package's API."""
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 VERSION: str
 
@@ -17,6 +17,7 @@ def send(
     mtu: Optional[int] = None,
     device: Optional[str] = None,
     transport: str = "auto",
+    progress: Optional[Callable[[int, int, List[Tuple[str, int, int]]], None]] = None,
 ) -> Tuple[List[Tuple[str, int, float, Tuple[float, float, float, float]]], List[Any]]: ...
 def gpu_status() -> Tuple[bool, int, str]: ...
 def devices() -> List[Dict[str, Any]]: ...

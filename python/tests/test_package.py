@@ -379,6 +379,27 @@ def test_a_failed_send_carries_what_was_sent_beside_it():
         assert rx.recv(timeout=30).name == "ok"
 
 
+def test_progress_is_reported_while_sending_and_its_exception_stops_the_send():
+    seen = []
+    tensors = {"a": np.ones(1 << 20, np.float32), "b": np.ones(1000, np.uint8)}
+    with tensorwire.Receiver(device="host") as rx:
+        tensorwire.send(rx.address, tensors, progress=seen.append)
+        assert seen and all(isinstance(p, tensorwire.SendProgress) for p in seen)
+        last = seen[-1]
+        assert last.sent_bytes == last.total_bytes == (4 << 20) + 1000
+        assert last.tensors == {"a": (4 << 20, 4 << 20), "b": (1000, 1000)} and last.tensors_done == 2
+        assert [p.sent_bytes for p in seen] == sorted(p.sent_bytes for p in seen)
+
+        class Stop(Exception):
+            pass
+
+        def stop(progress):
+            raise Stop()
+
+        with pytest.raises(Stop):
+            tensorwire.send(rx.address, tensors, progress=stop)
+
+
 def test_ctrl_c_stops_a_send_that_waits():
     import _thread
 

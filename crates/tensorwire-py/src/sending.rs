@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -12,8 +12,8 @@ use pyo3::prelude::*;
 use tensorwire::gpu::{DeviceRange, DeviceRequest};
 use tensorwire::proto::{Device, ProtocolError, TensorMeta};
 use tensorwire::quic::{
-    BindingChoice, ClientTls, SendHandle, Sender, SenderConfig, SenderPool, Source, TransportError,
-    TransportSettings,
+    BindingChoice, ClientTls, SendHandle, SendProgress, Sender, SenderConfig, SenderPool, Source,
+    TransportError, TransportSettings,
 };
 use tokio::sync::mpsc;
 
@@ -230,7 +230,7 @@ pub(crate) fn client_tls(
 #[pyfunction]
 #[pyo3(signature = (addr, items, *, connections=None, split=true, ca=None, client_cert=None,
     client_key=None, server_name="localhost".to_owned(), mtu=None, device=None,
-    transport="auto".to_owned()))]
+    transport="auto".to_owned(), progress=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn send(
     py: Python<'_>,
@@ -245,6 +245,7 @@ pub(crate) fn send(
     mtu: Option<u16>,
     device: Option<String>,
     transport: String,
+    progress: Option<PyObject>,
 ) -> PyResult<(Vec<SentTensor>, Vec<PyObject>)> {
     let binding: BindingChoice = transport.parse().map_err(PyValueError::new_err)?;
     let addr: SocketAddr =
@@ -275,6 +276,9 @@ pub(crate) fn send(
     let splittable = if split { total } else { 0 };
     let connections = connections
         .unwrap_or_else(|| SenderPool::automatic_connections(outgoing.len(), splittable));
+    // Each tensor's counters, filled in as the sends start, read by `progress`.
+    let started = Arc::new(Mutex::new(Vec::<(String, SendProgress)>::new()));
+    let counters = started.clone();
     let work = runtime().spawn(async move {
         let sending: Vec<(String, SendHandle)>;
         let closer: Box<
@@ -309,6 +313,10 @@ pub(crate) fn send(
                 .collect();
             closer = Box::new(move || Box::pin(sender.close()));
         }
+        *counters.lock().unwrap_or_else(PoisonError::into_inner) = sending
+            .iter()
+            .map(|(name, handle)| (name.clone(), handle.progress()))
+            .collect();
         let mut results = Vec::with_capacity(sending.len());
         let mut failures = Vec::new();
         for (name, handle) in sending {
@@ -320,7 +328,11 @@ pub(crate) fn send(
         closer().await;
         Ok((results, failures))
     });
-    let (results, failures) = match wait_interruptibly(py, work)? {
+    let report = |py: Python<'_>| match &progress {
+        Some(callback) => report_progress(py, callback, &started),
+        None => Ok(()),
+    };
+    let (results, failures) = match wait_interruptibly(py, work, report)? {
         Ok(outcome) => outcome,
         Err((e, tensor)) => return Err(transport_error(py, &e, tensor.as_deref())),
     };
@@ -335,12 +347,33 @@ pub(crate) fn send(
     Ok((results, failures))
 }
 
-/// Waits for `work` with the GIL released, a tenth of a second at a time, so that Ctrl-C
-/// (or another signal Python handles) interrupts it: then `work` is aborted, which closes
-/// its connections and so cancels its tensors at the receiver.
+/// Calls `callback(sent_bytes, total_bytes, [(name, sent, total), …])` with the counters of
+/// the tensors started so far.
+fn report_progress(
+    py: Python<'_>,
+    callback: &PyObject,
+    started: &Mutex<Vec<(String, SendProgress)>>,
+) -> PyResult<()> {
+    let tensors: Vec<(String, u64, u64)> = started
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .iter()
+        .map(|(name, progress)| (name.clone(), progress.sent_bytes(), progress.total_bytes()))
+        .collect();
+    let sent = tensors.iter().map(|(_, sent, _)| sent).sum::<u64>();
+    let total = tensors.iter().map(|(_, _, total)| total).sum::<u64>();
+    callback.call1(py, (sent, total, tensors))?;
+    Ok(())
+}
+
+/// Waits for `work` with the GIL released, a tenth of a second at a time, calling `tick`
+/// between (and once at the end), so that Ctrl-C (or another signal Python handles)
+/// interrupts it: then, or when `tick` fails, `work` is aborted, which closes its
+/// connections and so cancels its tensors at the receiver.
 fn wait_interruptibly<T: Send + 'static>(
     py: Python<'_>,
     mut work: tokio::task::JoinHandle<T>,
+    mut tick: impl FnMut(Python<'_>) -> PyResult<()>,
 ) -> PyResult<T> {
     loop {
         let slice = std::time::Duration::from_millis(100);
@@ -348,15 +381,18 @@ fn wait_interruptibly<T: Send + 'static>(
             runtime().block_on(async { tokio::time::timeout(slice, &mut work).await })
         });
         match done {
-            Ok(Ok(outcome)) => return Ok(outcome),
+            Ok(Ok(outcome)) => {
+                tick(py)?;
+                return Ok(outcome);
+            }
             Ok(Err(joined)) => {
                 return Err(error(py, format!("the send stopped: {joined}"), None, None));
             }
             Err(_) => {}
         }
-        if let Err(interrupted) = py.check_signals() {
+        if let Err(stopped) = py.check_signals().and_then(|()| tick(py)) {
             work.abort();
-            return Err(interrupted);
+            return Err(stopped);
         }
     }
 }
