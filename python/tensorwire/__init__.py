@@ -258,20 +258,20 @@ def _item(name: str, obj: Any) -> Tuple[str, str, List[int], str, Any, List[Tupl
             return _item(name, np.from_dlpack(obj))
         for framework in ("torch", "cupy"):
             try:
-                module = __import__(framework)
+                reader = __import__(framework)
             except ImportError:
                 continue
-            return _item(name, module.from_dlpack(obj))
+            return _item(name, reader.from_dlpack(obj))
         raise TypeError(f"{name}: a GPU DLPack tensor needs PyTorch or CuPy to be read")
     array = _contiguous(np.asarray(obj))
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    dtype = _NAMED_DTYPES.get(array.dtype.name) or _NUMPY_TO_DTYPE.get(array.dtype.str)
-    if dtype is None:
+    named = _NAMED_DTYPES.get(array.dtype.name) or _NUMPY_TO_DTYPE.get(array.dtype.str)
+    if named is None:
         raise TypeError(
             f"{name}: NumPy dtype {array.dtype} has no tensorwire dtype; use tensorwire.Raw"
         )
-    return (name, dtype, list(array.shape), "host", _host(array), [])
+    return (name, named, list(array.shape), "host", _host(array), [])
 
 
 def _cuda_array_item(name: str, obj: Any, cuda: Mapping[str, Any]):
@@ -281,7 +281,8 @@ def _cuda_array_item(name: str, obj: Any, cuda: Mapping[str, Any]):
     if cuda.get("strides") not in (None, ()):
         # Strides given: require C order.
         itemsize = np.dtype(cuda["typestr"]).itemsize
-        expected, acc = [], itemsize
+        expected: List[int] = []
+        acc = itemsize
         for dim in reversed(cuda["shape"]):
             expected.insert(0, acc)
             acc *= dim

@@ -328,6 +328,9 @@ class TensorwireTransport(TensorTransportManager):
         with self._lock:
             if self._receiver is not None:
                 return self._receiver
+            actor_id = ray.get_runtime_context().get_actor_id()
+            if actor_id is None:
+                raise TensorwireError("tensors of this transport are received by actors, not by a driver or task")
             config = self.settings
             host = config.listen_host or ray.util.get_node_ip_address()
             receiver = tensorwire.Receiver(
@@ -343,7 +346,7 @@ class TensorwireTransport(TensorTransportManager):
             self._receiver = receiver
             threading.Thread(target=self._file_landed, args=(receiver,), name="tensorwire-ray", daemon=True).start()
             # Published for sources (see _endpoint_of), and withdrawn when this actor ends.
-            key = self._endpoint_key(ray.get_runtime_context().get_actor_id())
+            key = self._endpoint_key(actor_id)
             endpoint = _Endpoint(receiver.address, receiver.development_certificate)
             internal_kv._internal_kv_put(key, endpoint.encode(), overwrite=True, namespace=_KV_NAMESPACE)
             atexit.register(internal_kv._internal_kv_del, key, namespace=_KV_NAMESPACE)

@@ -41,7 +41,7 @@ _Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(_Managed))
 _Managed._fields_ = [("dl_tensor", _Tensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
 
 # Exports alive in an importer, by the address of their managed tensor.
-_alive = {}
+_alive: dict = {}
 
 
 @_Deleter
