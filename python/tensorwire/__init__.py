@@ -42,6 +42,7 @@ __all__ = [
     "SendResult",
     "SendProgress",
     "SendWaits",
+    "Sender",
     "TensorwireError",
     "devices",
     "pinned_datagram_stats",
@@ -357,7 +358,7 @@ def _safetensors_items(path: Union[str, os.PathLike]) -> List[Tuple]:
 
 def send(
     addr: str,
-    tensors: Union[Mapping[str, Any], str, "os.PathLike[str]"],
+    tensors: "Tensors",
     *,
     connections: Optional[int] = None,
     split: bool = True,
@@ -393,18 +394,9 @@ def send(
     tensor that failed, after the others ended: its ``sent`` lists those acknowledged, its
     ``failures`` every failure.
     """
-    if isinstance(tensors, (str, os.PathLike)) and os.fspath(tensors).endswith(".npy"):
-        items = _npy_items(tensors)
-    elif isinstance(tensors, (str, os.PathLike)):
-        items = _safetensors_items(tensors)
-    else:
-        items = [_item(str(name), obj) for name, obj in tensors.items()]
-    run = f"python-{os.getpid()}-{time.time_ns()}"
-    for item in items:
-        item[5].append((_SENDER_ATTR, run))
     results, failures = _native.send(
         addr,
-        items,
+        _items(tensors),
         connections=connections,
         split=split,
         ca=ca,
@@ -414,8 +406,36 @@ def send(
         mtu=mtu,
         device=device,
         transport=transport,
-        progress=None if not progress else _progress_callback(_print_progress if progress is True else progress),
+        progress=_native_progress(progress),
     )
+    return _sent(results, failures, progress)
+
+
+Tensors = Union[Mapping[str, Any], str, "os.PathLike[str]"]
+
+
+def _items(tensors: Tensors) -> List[Tuple]:
+    """What the native sender takes for `tensors`, each marked with this send's run."""
+    if isinstance(tensors, (str, os.PathLike)) and os.fspath(tensors).endswith(".npy"):
+        items = _npy_items(tensors)
+    elif isinstance(tensors, (str, os.PathLike)):
+        items = _safetensors_items(tensors)
+    else:
+        items = [_item(str(name), obj) for name, obj in tensors.items()]
+    run = f"python-{os.getpid()}-{time.time_ns()}"
+    for item in items:
+        item[5].append((_SENDER_ATTR, run))
+    return items
+
+
+def _native_progress(progress: Union[bool, Callable[["SendProgress"], None]]) -> Optional[Callable]:
+    if not progress:
+        return None
+    return _progress_callback(_print_progress if progress is True else progress)
+
+
+def _sent(results: List[Tuple], failures: List[TensorwireError], progress: Any) -> List[SendResult]:
+    """The results of a send; raises the first failure, carrying the rest."""
     if progress is True and sys.stderr.isatty():
         print(file=sys.stderr)  # ends the progress line
     out = [SendResult(name, nbytes, seconds, SendWaits(*waited)) for name, nbytes, seconds, waited in results]
@@ -427,6 +447,80 @@ def send(
         for r in out:
             print(f"sent {r.name}: {r.nbytes} bytes in {r.seconds:.3f} s (waited: {r.waited})")
     return out
+
+
+class Sender:
+    """Connections to one receiver, opened once and kept for every :meth:`send` until
+    :meth:`close` (or the end of ``with``): what :func:`send` does in a loop without the
+    handshakes. Its arguments are :func:`send`'s (`connections` defaults to one per core, at
+    most 8); so are :meth:`send`'s. Sends from several threads share the connections."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        connections: Optional[int] = None,
+        ca: Optional[str] = None,
+        client_cert: Optional[str] = None,
+        client_key: Optional[str] = None,
+        server_name: str = "localhost",
+        mtu: Optional[int] = None,
+        transport: str = "auto",
+    ) -> None:
+        self._native = _native.Sender(
+            addr,
+            connections=connections,
+            ca=ca,
+            client_cert=client_cert,
+            client_key=client_key,
+            server_name=server_name,
+            mtu=mtu,
+            transport=transport,
+        )
+
+    @property
+    def address(self) -> str:
+        """The receiver's address."""
+        return self._native.address
+
+    @property
+    def connections(self) -> int:
+        """How many connections it holds."""
+        return self._native.connections
+
+    def send(
+        self,
+        tensors: Tensors,
+        *,
+        split: bool = True,
+        device: Optional[str] = None,
+        progress: Union[bool, Callable[["SendProgress"], None]] = False,
+    ) -> List[SendResult]:
+        """Sends `tensors` as :func:`send` does, over the open connections."""
+        results, failures = self._native.send(
+            _items(tensors), split=split, device=device, progress=_native_progress(progress)
+        )
+        return _sent(results, failures, progress)
+
+    async def send_async(self, tensors: Tensors, **kwargs: Any) -> List[SendResult]:
+        """:meth:`send` without blocking the event loop (on a worker thread)."""
+        return await asyncio.to_thread(self.send, tensors, **kwargs)
+
+    def close(self) -> None:
+        """Closes the connections; a send under way finishes first."""
+        self._native.close()
+
+    def __enter__(self) -> "Sender":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "Sender":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.to_thread(self.close)
 
 
 def _progress_callback(report: Callable[[SendProgress], None]) -> Callable[[int, int, List[Tuple[str, int, int]]], None]:

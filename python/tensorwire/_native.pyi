@@ -19,6 +19,31 @@ def send(
     transport: str = "auto",
     progress: Optional[Callable[[int, int, List[Tuple[str, int, int]]], None]] = None,
 ) -> Tuple[List[Tuple[str, int, float, Tuple[float, float, float, float]]], List[Any]]: ...
+class Sender:
+    address: str
+    connections: int
+    def __init__(
+        self,
+        addr: str,
+        *,
+        connections: Optional[int] = None,
+        ca: Optional[str] = None,
+        client_cert: Optional[str] = None,
+        client_key: Optional[str] = None,
+        server_name: str = "localhost",
+        mtu: Optional[int] = None,
+        transport: str = "auto",
+    ) -> None: ...
+    def send(
+        self,
+        items: Sequence[Tuple[str, str, Sequence[int], str, Any, Sequence[Tuple[str, str]]]],
+        *,
+        split: bool = True,
+        device: Optional[str] = None,
+        progress: Optional[Callable[[int, int, List[Tuple[str, int, int]]], None]] = None,
+    ) -> Tuple[List[Tuple[str, int, float, Tuple[float, float, float, float]]], List[Any]]: ...
+    def close(self) -> None: ...
+
 def gpu_status() -> Tuple[bool, int, str]: ...
 def devices() -> List[Dict[str, Any]]: ...
 def pinned_datagram_stats() -> Tuple[int, int, int, int, int]: ...

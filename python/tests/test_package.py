@@ -446,6 +446,39 @@ def test_a_npy_path_is_sent_as_one_tensor_named_after_the_file(tmp_path):
         tensorwire.send("127.0.0.1:9", tmp_path / "weights.bin")
 
 
+def connections_open(rx):
+    """The receiver's open connections, from its metrics."""
+    lines = [line for line in rx.metrics_text().splitlines() if line.startswith("tensorwire_connections{")]
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in lines)
+
+
+def test_a_sender_keeps_its_connections_across_sends():
+    with tensorwire.Receiver(device="host") as rx:
+        with tensorwire.Sender(rx.address, connections=2) as sender:
+            assert sender.connections == 2 and sender.address == rx.address
+            for round in range(3):
+                sent = sender.send({f"t{round}": np.full(1024, round, np.float32)})
+                assert [r.name for r in sent] == [f"t{round}"]
+                t = rx.recv(timeout=30)
+                assert t.name == f"t{round}" and np.array_equal(t.numpy(), np.full(1024, round, np.float32))
+            # Three sends, the same two connections.
+            assert connections_open(rx) == 2
+        with pytest.raises(TensorwireError, match="closed"):
+            sender.send({"late": b"x"})
+
+
+def test_a_sender_from_asyncio():
+    async def main():
+        with tensorwire.Receiver(device="host") as rx:
+            async with tensorwire.Sender(rx.address, connections=1) as sender:
+                sent = await asyncio.gather(*(sender.send_async({f"n{i}": b"abc"}) for i in range(5)))
+            names = sorted(rx.recv(timeout=30).name for _ in range(5))
+            return [r[0].name for r in sent], names
+
+    sent, names = asyncio.run(main())
+    assert sent == [f"n{i}" for i in range(5)] and names == sent
+
+
 def test_async_send_and_receive():
     async def main():
         with tensorwire.Receiver(device="host") as rx:

@@ -15,6 +15,7 @@ mod receiver;
     reason = "host buffers Python lends and device pointers it passes"
 )]
 mod sending;
+mod sender;
 mod share;
 mod status;
 
@@ -93,6 +94,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu_status, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_datagram_stats, m)?)?;
+    m.add_class::<sender::Sender>()?;
     m.add_class::<Receiver>()?;
     m.add_class::<ReceivedTensor>()?;
     m.add_class::<SharedBuffer>()?;

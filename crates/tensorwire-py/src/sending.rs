@@ -12,8 +12,8 @@ use pyo3::prelude::*;
 use tensorwire::gpu::{DeviceRange, DeviceRequest};
 use tensorwire::proto::{Device, ProtocolError, TensorMeta};
 use tensorwire::quic::{
-    BindingChoice, ClientTls, SendHandle, SendProgress, Sender, SenderConfig, SenderPool, Source,
-    TransportError, TransportSettings,
+    BindingChoice, ClientTls, SendProgress, SenderConfig, SenderPool, Source, TransportError,
+    TransportSettings,
 };
 use tokio::sync::mpsc;
 
@@ -247,31 +247,19 @@ pub(crate) fn send(
     transport: String,
     progress: Option<PyObject>,
 ) -> PyResult<(Vec<SentTensor>, Vec<PyObject>)> {
-    let binding: BindingChoice = transport.parse().map_err(PyValueError::new_err)?;
-    let addr: SocketAddr =
-        tensorwire::quic::resolve(addr).map_err(|e| error(py, e.to_string(), None, None))?;
-    let hint = match device.as_deref() {
-        None | Some("any") => Device::Any,
-        Some("host" | "cpu") => Device::Host,
-        Some(other) => match other.parse::<DeviceRequest>() {
-            Ok(DeviceRequest::Cuda(n)) => Device::Cuda(
-                u16::try_from(n).map_err(|_| PyValueError::new_err("device index too large"))?,
-            ),
-            _ => {
-                return Err(PyValueError::new_err(format!(
-                    "device {other:?}: any, host or cuda:N"
-                )));
-            }
-        },
-    };
+    let (addr, config) = sender_config(
+        py,
+        addr,
+        (ca, client_cert, client_key),
+        server_name,
+        mtu,
+        &transport,
+    )?;
+    let hint = device_hint(device.as_deref())?;
     let outgoing = items
         .into_iter()
         .map(|item| outgoing(item, hint))
         .collect::<PyResult<Vec<_>>>()?;
-    let mut config = SenderConfig::new(client_tls(ca, client_cert, client_key)?);
-    config.server_name = server_name;
-    config.transport = TransportSettings::default().with_mtu(mtu, addr);
-    config.binding = binding;
     let total: u64 = outgoing.iter().map(|(meta, _)| meta.byte_len()).sum();
     let splittable = if split { total } else { 0 };
     let connections = connections
@@ -280,56 +268,68 @@ pub(crate) fn send(
     let started = Arc::new(Mutex::new(Vec::<(String, SendProgress)>::new()));
     let counters = started.clone();
     let work = runtime().spawn(async move {
-        let sending: Vec<(String, SendHandle)>;
-        let closer: Box<
-            dyn FnOnce() -> Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send,
-        >;
-        if connections > 1 {
-            let pool = SenderPool::connect(addr, config, connections)
-                .await
-                .map_err(|e| (e, None))?;
-            let mut started = Vec::with_capacity(outgoing.len());
-            for (meta, bytes) in outgoing {
-                let name = meta.name().to_owned();
-                let parts = match split {
-                    true => pool.parts_for(&meta, total),
-                    false => 1,
-                };
-                let handle = match parts {
-                    1 => pool.send(meta, bytes.whole()),
-                    parts => pool
-                        .send_split_with(meta, parts, |offset, len| bytes.part(offset, len))
-                        .map_err(|e| (e, Some(name.clone())))?,
-                };
-                started.push((name, handle));
-            }
-            sending = started;
-            closer = Box::new(move || Box::pin(pool.close()));
-        } else {
-            let sender = Sender::connect(addr, config).await.map_err(|e| (e, None))?;
-            sending = outgoing
-                .into_iter()
-                .map(|(meta, bytes)| (meta.name().to_owned(), sender.send(meta, bytes.whole())))
-                .collect();
-            closer = Box::new(move || Box::pin(sender.close()));
-        }
-        *counters.lock().unwrap_or_else(PoisonError::into_inner) = sending
-            .iter()
-            .map(|(name, handle)| (name.clone(), handle.progress()))
-            .collect();
-        let mut results = Vec::with_capacity(sending.len());
-        let mut failures = Vec::new();
-        for (name, handle) in sending {
-            match handle.finished().await {
-                Ok(report) => results.push(sent_tensor(name, &report)),
-                Err(e) => failures.push((e, name)),
-            }
-        }
-        closer().await;
-        Ok((results, failures))
+        let pool = SenderPool::connect(addr, config, connections)
+            .await
+            .map_err(|e| (e, None))?;
+        let outcome = send_all(&pool, outgoing, split, &counters).await;
+        pool.close().await;
+        outcome
     });
-    let report = |py: Python<'_>| match &progress {
-        Some(callback) => report_progress(py, callback, &started),
+    finish(py, work, progress.as_ref(), &started)
+}
+
+/// What one tensor's send ended with: its report, or why it failed.
+type Ended = (Vec<SentTensor>, Vec<(TransportError, String)>);
+
+/// Starts every tensor of `outgoing` on `pool` (a large one in parts over several
+/// connections where `split`), records their counters in `counters`, and waits for all.
+pub(crate) async fn send_all(
+    pool: &SenderPool,
+    outgoing: Vec<(TensorMeta, Bytesource)>,
+    split: bool,
+    counters: &Mutex<Vec<(String, SendProgress)>>,
+) -> Result<Ended, (TransportError, Option<String>)> {
+    let total: u64 = outgoing.iter().map(|(meta, _)| meta.byte_len()).sum();
+    let mut sending = Vec::with_capacity(outgoing.len());
+    for (meta, bytes) in outgoing {
+        let name = meta.name().to_owned();
+        let parts = match split {
+            true => pool.parts_for(&meta, total),
+            false => 1,
+        };
+        let handle = match parts {
+            1 => pool.send(meta, bytes.whole()),
+            parts => pool
+                .send_split_with(meta, parts, |offset, len| bytes.part(offset, len))
+                .map_err(|e| (e, Some(name.clone())))?,
+        };
+        sending.push((name, handle));
+    }
+    *counters.lock().unwrap_or_else(PoisonError::into_inner) = sending
+        .iter()
+        .map(|(name, handle)| (name.clone(), handle.progress()))
+        .collect();
+    let mut results = Vec::with_capacity(sending.len());
+    let mut failures = Vec::new();
+    for (name, handle) in sending {
+        match handle.finished().await {
+            Ok(report) => results.push(sent_tensor(name, &report)),
+            Err(e) => failures.push((e, name)),
+        }
+    }
+    Ok((results, failures))
+}
+
+/// Waits for `work` (reporting to `progress` meanwhile): what was sent, beside a
+/// `TensorwireError` for each tensor that failed; raises where nothing could be sent.
+pub(crate) fn finish(
+    py: Python<'_>,
+    work: tokio::task::JoinHandle<Result<Ended, (TransportError, Option<String>)>>,
+    progress: Option<&PyObject>,
+    started: &Mutex<Vec<(String, SendProgress)>>,
+) -> PyResult<(Vec<SentTensor>, Vec<PyObject>)> {
+    let report = |py: Python<'_>| match progress {
+        Some(callback) => report_progress(py, callback, started),
         None => Ok(()),
     };
     let (results, failures) = match wait_interruptibly(py, work, report)? {
@@ -345,6 +345,45 @@ pub(crate) fn send(
         })
         .collect();
     Ok((results, failures))
+}
+
+/// Where to connect, and how: `addr` resolved, the TLS files `(ca, client_cert,
+/// client_key)`, the name the receiver's certificate must carry, the UDP payload size, and
+/// `transport` (`quic`, `tcp` or `auto`).
+pub(crate) fn sender_config(
+    py: Python<'_>,
+    addr: &str,
+    (ca, client_cert, client_key): (Option<PathBuf>, Option<PathBuf>, Option<PathBuf>),
+    server_name: String,
+    mtu: Option<u16>,
+    transport: &str,
+) -> PyResult<(SocketAddr, SenderConfig)> {
+    let binding: BindingChoice = transport.parse().map_err(PyValueError::new_err)?;
+    let addr: SocketAddr =
+        tensorwire::quic::resolve(addr).map_err(|e| error(py, e.to_string(), None, None))?;
+    let mut config = SenderConfig::new(client_tls(ca, client_cert, client_key)?);
+    config.server_name = server_name;
+    config.transport = TransportSettings::default().with_mtu(mtu, addr);
+    config.binding = binding;
+    Ok((addr, config))
+}
+
+/// The device hint (spec §5.2) a send's `device` names.
+pub(crate) fn device_hint(device: Option<&str>) -> PyResult<Device> {
+    Ok(match device {
+        None | Some("any") => Device::Any,
+        Some("host" | "cpu") => Device::Host,
+        Some(other) => match other.parse::<DeviceRequest>() {
+            Ok(DeviceRequest::Cuda(n)) => Device::Cuda(
+                u16::try_from(n).map_err(|_| PyValueError::new_err("device index too large"))?,
+            ),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "device {other:?}: any, host or cuda:N"
+                )));
+            }
+        },
+    })
 }
 
 /// Calls `callback(sent_bytes, total_bytes, [(name, sent, total), …])` with the counters of
@@ -370,7 +409,7 @@ fn report_progress(
 /// between (and once at the end), so that Ctrl-C (or another signal Python handles)
 /// interrupts it: then, or when `tick` fails, `work` is aborted, which closes its
 /// connections and so cancels its tensors at the receiver.
-fn wait_interruptibly<T: Send + 'static>(
+pub(crate) fn wait_interruptibly<T: Send + 'static>(
     py: Python<'_>,
     mut work: tokio::task::JoinHandle<T>,
     mut tick: impl FnMut(Python<'_>) -> PyResult<()>,
