@@ -40,7 +40,7 @@ for cc in cubic bbr; do
     --congestion "$cc" > "$work/receiver-$cc.log" 2>&1 &
   receiver=$!
   for _ in $(seq 100); do grep -q "listening on" "$work/receiver-$cc.log" && break; sleep 0.1; done
-  ca="${TMPDIR:-/tmp}/tensorwire-dev-$(id -u)/receiver-$port.pem"
+  ca="${TMPDIR:-/tmp}/tensorwire-dev-$(id -u)/receiver-10.9.0.1-$port.pem"
   start=$(date +%s.%N)
   if timeout "$limit" "$bin/sender" --connect "10.9.0.2:$port" --ca "$ca" --quiet \
       --congestion "$cc" --dtype U8 --shape $((mib << 20)) "$work/t.bin" \

@@ -166,7 +166,7 @@ pub(crate) async fn tensorwire_run(
         // Development trust finds a receiver's certificate by the port connected to, which a
         // relay changes: the certificate it left is trusted by its path instead.
         let tls = tensorwire::quic::ClientTls::Pem {
-            ca: tensorwire::quic::dev_cert_path(addr.port()),
+            ca: tensorwire::quic::dev_cert_path(addr),
             identity: None,
         };
         let mut config = SenderConfig::new(tls);

@@ -66,7 +66,7 @@ class RustReceiver:
         self.proc.wait()
 
     def dev_cert(self) -> str:
-        return os.path.join(tempfile.gettempdir(), f"tensorwire-dev-{os.getuid()}", f"receiver-{self.port}.pem")
+        return os.path.join(tempfile.gettempdir(), f"tensorwire-dev-{os.getuid()}", f"receiver-{self.addr.replace(':', '-')}.pem")
 
 
 def read_safetensors(path):

@@ -10,12 +10,12 @@
 mod dlpack;
 mod received;
 mod receiver;
+mod sender;
 #[allow(
     unsafe_code,
     reason = "host buffers Python lends and device pointers it passes"
 )]
 mod sending;
-mod sender;
 mod share;
 mod status;
 

@@ -107,7 +107,7 @@ impl Receiver {
             .local_addr()
             .map_err(|e| transport_error(py, &e, None))?;
         let development_certificate = if development {
-            let path = tensorwire::quic::dev_cert_path(local_addr.port());
+            let path = tensorwire::quic::dev_cert_path(local_addr);
             let pem = std::fs::read_to_string(&path)
                 .map_err(|e| error(py, format!("{}: {e}", path.display()), None, None))?;
             Some(pem)

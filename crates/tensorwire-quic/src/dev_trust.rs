@@ -5,9 +5,13 @@
 //! user; files are created exclusively, never through a symlink, and read only when owned by
 //! the reading user (or root) and writable by nobody else. Development trust therefore works
 //! between processes of one user; across users, pass a CA file.
+//!
+//! A certificate is filed under the address and port its receiver listens on: receivers on
+//! different addresses (or network namespaces) may share a port number.
 
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -16,9 +20,29 @@ use crate::error::TransportError;
 /// Group or others may write: such a file or directory could have been planted.
 const WRITABLE_BY_OTHERS: u32 = 0o022;
 
-/// Where a development receiver listening on `port` leaves its certificate, for this user.
-pub fn dev_cert_path(port: u16) -> PathBuf {
-    dev_dir().join(format!("receiver-{port}.pem"))
+/// Where a development receiver listening on `addr` leaves its certificate, for this user.
+pub fn dev_cert_path(addr: SocketAddr) -> PathBuf {
+    dev_dir().join(format!("receiver-{}-{}.pem", addr.ip(), addr.port()))
+}
+
+/// Where a sender connecting to `addr` looks, in order: the receiver listening on exactly
+/// that address, else one listening on every address (`0.0.0.0` for IPv4, then `::`, which
+/// takes IPv4 too where the socket is dual-stack) with that port.
+fn dev_cert_candidates(addr: SocketAddr) -> Vec<PathBuf> {
+    let every: &[IpAddr] = match addr {
+        SocketAddr::V4(_) => &[
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        ],
+        SocketAddr::V6(_) => &[IpAddr::V6(Ipv6Addr::UNSPECIFIED)],
+    };
+    std::iter::once(dev_cert_path(addr))
+        .chain(
+            every
+                .iter()
+                .map(|ip| dev_cert_path(SocketAddr::new(*ip, addr.port()))),
+        )
+        .collect()
 }
 
 fn dev_dir() -> PathBuf {
@@ -75,12 +99,12 @@ fn ensure_dir() -> Result<PathBuf, TransportError> {
     Ok(dir)
 }
 
-/// Writes a development receiver's certificate for `port`, replacing a stale one, never
-/// through a link; returns where.
-pub(crate) fn write_dev_cert(port: u16, pem: &str) -> Result<PathBuf, TransportError> {
+/// Writes the certificate of a development receiver listening on `addr`, replacing a stale
+/// one, never through a link; returns where.
+pub(crate) fn write_dev_cert(addr: SocketAddr, pem: &str) -> Result<PathBuf, TransportError> {
     ensure_dir()?;
-    let path = dev_cert_path(port);
-    // This receiver owns the port now: a file for it is a stale one of a receiver that died.
+    let path = dev_cert_path(addr);
+    // This receiver owns the address now: a file for it is a stale one of a receiver that died.
     match std::fs::remove_file(&path) {
         Ok(()) => tracing::info!(path = %path.display(), "removed a stale development certificate"),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -102,15 +126,19 @@ pub(crate) fn write_dev_cert(port: u16, pem: &str) -> Result<PathBuf, TransportE
     Ok(path)
 }
 
-/// Reads the development certificate for `port`, after checking who could have written it.
-pub(crate) fn read_dev_cert(port: u16) -> Result<Vec<u8>, TransportError> {
+/// Reads the development certificate of the receiver at `addr` (see
+/// [`dev_cert_candidates`]), after checking who could have written it; returns it and where
+/// it was.
+pub(crate) fn read_dev_cert(addr: SocketAddr) -> Result<(Vec<u8>, PathBuf), TransportError> {
     let dir = dev_dir();
-    let path = dev_cert_path(port);
+    let candidates = dev_cert_candidates(addr);
     let missing = || {
         TransportError::Tls(format!(
-            "no development certificate at {}: start a receiver with development TLS on this \
-             host and port first (as the same user), or pass a CA file",
-            path.display()
+            "no development certificate at {} (nor for every address, port {}): start a \
+             receiver with development TLS on this host and address first (as the same \
+             user), or pass a CA file",
+            candidates[0].display(),
+            addr.port()
         ))
     };
     let dir_meta = std::fs::symlink_metadata(&dir).map_err(|_| missing())?;
@@ -118,16 +146,20 @@ pub(crate) fn read_dev_cert(port: u16) -> Result<Vec<u8>, TransportError> {
         return Err(refuse(&dir, "not a directory (a link?)"));
     }
     check_owned(&dir, &dir_meta)?;
-    let mut file = OpenOptions::new()
-        .read(true)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(&path)
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => missing(),
-            _ => refuse(&path, &format!("{e} (a link?)")),
-        })?;
-    check_owned(&path, &File::metadata(&file)?)?;
-    let mut pem = Vec::new();
-    file.read_to_end(&mut pem)?;
-    Ok(pem)
+    for path in &candidates {
+        let opened = OpenOptions::new()
+            .read(true)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .open(path);
+        let mut file = match opened {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(refuse(path, &format!("{e} (a link?)"))),
+        };
+        check_owned(path, &File::metadata(&file)?)?;
+        let mut pem = Vec::new();
+        file.read_to_end(&mut pem)?;
+        return Ok((pem, path.clone()));
+    }
+    Err(missing())
 }

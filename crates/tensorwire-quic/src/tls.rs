@@ -1,6 +1,7 @@
 //! TLS 1.3 configurations: one crypto provider (ring), AES-128-GCM first, the version's ALPN
 //! offers (spec §3.1), 0-RTT off, development and PEM certificates, optional mutual TLS.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -11,7 +12,6 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use tensorwire_proto::Version;
 
-use crate::dev_trust::dev_cert_path;
 use crate::error::TransportError;
 
 /// How a receiver proves who it is, and whom it lets in.
@@ -19,7 +19,7 @@ use crate::error::TransportError;
 #[non_exhaustive]
 pub enum ServerTls {
     /// Development trust: a fresh self-signed certificate for `localhost`, whose PEM is
-    /// written to [`dev_cert_path`] so that senders on the same host find it.
+    /// written to [`dev_cert_path`](crate::dev_cert_path) so that senders on the same host find it.
     Development,
     /// Production: PEM certificate chain and private key files.
     Pem {
@@ -37,7 +37,8 @@ pub enum ServerTls {
 #[non_exhaustive]
 pub enum ClientTls {
     /// Development trust: trust the certificate a development receiver on this host left at
-    /// [`dev_cert_path`] for the port being connected to.
+    /// [`dev_cert_path`](crate::dev_cert_path) for the address being connected to (or for every address, with
+    /// that port).
     Development,
     /// Production: trust receivers whose certificate chains to one of these CAs.
     Pem {
@@ -205,15 +206,17 @@ pub fn server_crypto(
     Ok((Arc::new(quic), dev))
 }
 
-/// The QUIC client crypto for `tls`, connecting to `port` (for development trust).
-pub fn client_crypto(tls: &ClientTls, port: u16) -> Result<Arc<QuicClientConfig>, TransportError> {
+/// The QUIC client crypto for `tls`, connecting to `addr` (for development trust).
+pub fn client_crypto(
+    tls: &ClientTls,
+    addr: SocketAddr,
+) -> Result<Arc<QuicClientConfig>, TransportError> {
     let builder = rustls::ClientConfig::builder_with_provider(crypto_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls_error("TLS 1.3 with the ring provider"))?;
     let mut config = match tls {
         ClientTls::Development => {
-            let path = dev_cert_path(port);
-            let pem = crate::dev_trust::read_dev_cert(port)?;
+            let (pem, path) = crate::dev_trust::read_dev_cert(addr)?;
             let certs = CertificateDer::pem_slice_iter(&pem)
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| TransportError::Tls(format!("{}: {e}", path.display())))?;

@@ -141,8 +141,8 @@ async fn auto_with_nothing_listening_names_both_causes() {
     let addr = silent.local_addr().unwrap();
     // Development trust looks for the certificate of a receiver on that port: lend it one.
     let (_rx, real) = receiver(receiver_config()).await;
-    let cert = tensorwire_quic::dev_cert_path(addr.port());
-    std::fs::copy(tensorwire_quic::dev_cert_path(real.port()), &cert).unwrap();
+    let cert = tensorwire_quic::dev_cert_path(addr);
+    std::fs::copy(tensorwire_quic::dev_cert_path(real), &cert).unwrap();
     let mut config = sender_config(BindingChoice::Auto);
     config.transport.idle_timeout = Duration::from_millis(2500);
     config.transport.keep_alive = Duration::from_millis(500);

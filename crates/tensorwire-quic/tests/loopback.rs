@@ -139,7 +139,7 @@ async fn path_mtu_discovery_settles_on_what_the_path_carries() {
         let (relay, dropped) = common::narrow_path(addr, usize::from(path_mtu)).await;
         // Development trust finds the certificate by port, and the relay's port differs.
         let tls = tensorwire_quic::ClientTls::Pem {
-            ca: tensorwire_quic::dev_cert_path(addr.port()),
+            ca: tensorwire_quic::dev_cert_path(addr),
             identity: None,
         };
         let mut config = tensorwire_quic::SenderConfig::new(tls);

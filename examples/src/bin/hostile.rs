@@ -79,7 +79,7 @@ async fn main() -> anyhow::Result<()> {
     let mut config = SenderConfig::new(ClientTls::Development);
     config.tls = tls;
     config.transport = TransportSettings::jumbo();
-    let crypto = tensorwire::quic::tls::client_crypto(&config.tls, args.connect.port())?;
+    let crypto = tensorwire::quic::tls::client_crypto(&config.tls, args.connect)?;
     let mut client = quinn::ClientConfig::new(crypto);
     client.transport_config(config.transport.transport_config()?);
     let endpoint = quinn::Endpoint::client(SocketAddr::new(args.from, 0))?;

@@ -319,7 +319,7 @@ impl Receiver {
         let local = endpoints[0].local_addr()?;
         let dev_cert = match dev {
             Some(dev) => {
-                let path = crate::dev_trust::write_dev_cert(local.port(), &dev.pem)?;
+                let path = crate::dev_trust::write_dev_cert(local, &dev.pem)?;
                 warn!(
                     path = %path.display(),
                     fingerprint = %dev.fingerprint(),

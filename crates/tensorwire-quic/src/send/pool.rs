@@ -55,7 +55,7 @@ impl SenderPool {
         let metrics = Arc::new(Metrics::default());
         // One TLS configuration for all: its files are read, and development trust is
         // announced, once.
-        let crypto = crate::tls::client_crypto(&config.tls, addr.port())?;
+        let crypto = crate::tls::client_crypto(&config.tls, addr)?;
         let wanted = connections.max(1);
         let mut senders = Vec::with_capacity(wanted);
         let mut refused = 0;

@@ -31,7 +31,7 @@ pub struct Sender {
 impl Sender {
     /// Connects to the receiver at `addr` on an endpoint (UDP socket) of its own.
     pub async fn connect(addr: SocketAddr, config: SenderConfig) -> Result<Self, TransportError> {
-        let crypto = crate::tls::client_crypto(&config.tls, addr.port())?;
+        let crypto = crate::tls::client_crypto(&config.tls, addr)?;
         Self::connect_counting(addr, config, crypto, Arc::default()).await
     }
 

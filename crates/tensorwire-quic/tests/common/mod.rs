@@ -193,7 +193,7 @@ pub async fn raw_tcp_endpoint(
 
 /// A client configuration with development trust in the receiver at `addr`, offering `alpn`.
 pub fn raw_client_config(addr: std::net::SocketAddr, alpn: &[u8]) -> quinn::ClientConfig {
-    let cert = std::fs::read(tensorwire_quic::dev_cert_path(addr.port())).unwrap();
+    let cert = std::fs::read(tensorwire_quic::dev_cert_path(addr)).unwrap();
     let mut roots = rustls::RootCertStore::empty();
     use rustls::pki_types::pem::PemObject;
     roots
