@@ -73,6 +73,8 @@ __all__ = ["Settings", "TensorwireTransport", "register"]
 DEFAULT_NAME = "tensorwire"
 # Where destination actors publish their receivers in Ray's key-value store.
 _KV_NAMESPACE = "tensorwire"
+# Destinations a source keeps connections to at once.
+_MAX_SENDERS = 64
 
 
 @dataclass(frozen=True)
@@ -201,9 +203,10 @@ class TensorwireTransport(TensorTransportManager):
         self._aborted: Dict[str, float] = {}
         # On a source: each destination actor's endpoint, looked up once.
         self._endpoints: Dict[str, _Endpoint] = {}
-        # On a source: the development certificates written for `ca`, by address.
+        # On a source: the development certificates written for `ca`, and the connections
+        # kept, by destination address (least recently used first).
         self._trust_files: Dict[str, str] = {}
-        self._closed = False
+        self._senders: Dict[str, "tensorwire.Sender"] = {}
 
     def tensor_transport_backend(self) -> str:
         return self.settings.name.upper()
@@ -254,22 +257,40 @@ class TensorwireTransport(TensorTransportManager):
         # CPU tensors land in host memory there too; CUDA ones in the destination's GPU.
         device = "host" if tensor_transport_metadata.tensor_device == "cpu" else None
         try:
-            tensorwire.send(
-                endpoint.address,
-                named,
-                connections=config.connections,
-                ca=ca,
-                client_cert=config.client_cert,
-                client_key=config.client_key,
-                server_name=config.server_name,
-                device=device,
-                transport=config.transport,
-            )
+            self._sender_to(endpoint.address, ca).send(named, device=device)
         except Exception:
-            # A restarted actor listens elsewhere: look it up again next time.
+            # A restarted actor listens elsewhere: look it up, and connect, again next time.
             with self._lock:
                 self._endpoints.pop(communicator_metadata.dst_actor_id, None)
+                stale = self._senders.pop(endpoint.address, None)
+            if stale is not None:
+                stale.close()
             raise
+
+    def _sender_to(self, address: str, ca: Optional[str]) -> "tensorwire.Sender":
+        """Connections to `address`, opened with the first transfer there and kept for the
+        next (the least recently used let go past `_MAX_SENDERS` destinations)."""
+        with self._lock:
+            sender = self._senders.pop(address, None)
+            if sender is not None:
+                self._senders[address] = sender  # now the most recently used
+                return sender
+        config = self.settings
+        sender = tensorwire.Sender(
+            address,
+            connections=config.connections,
+            ca=ca,
+            client_cert=config.client_cert,
+            client_key=config.client_key,
+            server_name=config.server_name,
+            transport=config.transport,
+        )
+        with self._lock:
+            self._senders[address] = sender
+            evicted = [self._senders.pop(a) for a in list(self._senders)[: max(0, len(self._senders) - _MAX_SENDERS)]]
+        for old in evicted:
+            old.close()
+        return sender
 
     def _endpoint_of(self, actor_id: str) -> _Endpoint:
         """The receiver of `actor_id`, which it publishes when its first transfer starts."""
@@ -301,6 +322,7 @@ class TensorwireTransport(TensorTransportManager):
             path = self._trust_files.get(address)
             if path is None:
                 handle, path = tempfile.mkstemp(prefix="tensorwire-ray-", suffix=".pem")
+                atexit.register(_remove_quietly, path)
                 with os.fdopen(handle, "w") as f:
                     f.write(certificate)
                 self._trust_files[address] = path
@@ -432,6 +454,13 @@ class TensorwireTransport(TensorTransportManager):
         """Lets go of what landed of `obj_id` (the lock held)."""
         for tensor in self._landed.pop(obj_id, _Landed()).tensors.values():
             tensor.release()
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _device_type(tensor: Any) -> str:
