@@ -41,8 +41,8 @@ against its memory budget. On networks shared with others, give ``cert``/``key``
 node's receiver) with ``client_ca`` and ``client_cert``/``client_key`` (every sender): mutual
 TLS, as ``receiver``/``sender`` take them. The files must exist on every node.
 
-Tested with Ray 2.60 (``TensorTransportManager`` as of Ray 2.55; older Rays lack
-``register_tensor_transport``'s ``data_type`` argument).
+Tested with Ray 2.55 and 2.60 (CI pins 2.60); Rays before 2.55 lack
+``register_tensor_transport``'s ``data_type`` argument.
 """
 
 import atexit
