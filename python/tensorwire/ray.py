@@ -203,8 +203,8 @@ class TensorwireTransport(TensorTransportManager):
         self._aborted: Dict[str, float] = {}
         # On a source: each destination actor's endpoint, looked up once.
         self._endpoints: Dict[str, _Endpoint] = {}
-        # On a source: the development certificates written for `ca`, and the connections
-        # kept, by destination address (least recently used first).
+        # On a source: the files written for `ca`, by certificate; the connections kept, by
+        # destination address (least recently used first).
         self._trust_files: Dict[str, str] = {}
         self._senders: Dict[str, "tensorwire.Sender"] = {}
 
@@ -252,7 +252,7 @@ class TensorwireTransport(TensorTransportManager):
         endpoint = self._endpoint_of(communicator_metadata.dst_actor_id)
         ca = config.ca
         if endpoint.certificate is not None:
-            ca = self._trust_file(endpoint.address, endpoint.certificate)
+            ca = self._trust_file(endpoint.certificate)
         named = {f"{obj_id}/{index}": tensor for index, tensor in enumerate(tensors)}
         # CPU tensors land in host memory there too; CUDA ones in the destination's GPU.
         device = "host" if tensor_transport_metadata.tensor_device == "cpu" else None
@@ -316,16 +316,17 @@ class TensorwireTransport(TensorTransportManager):
     def _endpoint_key(self, actor_id: str) -> str:
         return f"{self.tensor_transport_backend()}/{actor_id}"
 
-    def _trust_file(self, address: str, certificate: str) -> str:
-        """A file holding `certificate`, for `ca`: written once per destination."""
+    def _trust_file(self, certificate: str) -> str:
+        """A file holding `certificate`, for `ca`: written once per certificate (a restarted
+        destination has a new one)."""
         with self._lock:
-            path = self._trust_files.get(address)
+            path = self._trust_files.get(certificate)
             if path is None:
                 handle, path = tempfile.mkstemp(prefix="tensorwire-ray-", suffix=".pem")
                 atexit.register(_remove_quietly, path)
                 with os.fdopen(handle, "w") as f:
                     f.write(certificate)
-                self._trust_files[address] = path
+                self._trust_files[certificate] = path
             return path
 
     def garbage_collect(self, obj_id: str, tensor_transport_meta: TensorTransportMetadata, tensors: List[Any]) -> None:
