@@ -145,8 +145,6 @@ class SendProgress:
 
 def _print_progress(progress: "SendProgress") -> None:
     """`progress=True`: one line on the terminal, rewritten as the send goes."""
-    import sys
-
     if sys.stderr.isatty():
         line = (
             f"sent {progress.sent_bytes / (1 << 20):.1f} of {progress.total_bytes / (1 << 20):.1f} MiB, "
@@ -428,10 +426,18 @@ def _items(tensors: Tensors) -> List[Tuple]:
     return items
 
 
-def _native_progress(progress: Union[bool, Callable[["SendProgress"], None]]) -> Optional[Callable]:
+def _native_progress(
+    progress: Union[bool, Callable[["SendProgress"], None]],
+) -> Optional[Callable[[int, int, List[Tuple[str, int, int]]], None]]:
+    """What the native send calls with its counters: `progress` given a SendProgress."""
     if not progress:
         return None
-    return _progress_callback(_print_progress if progress is True else progress)
+    report = _print_progress if progress is True else progress
+
+    def call(sent: int, total: int, tensors: List[Tuple[str, int, int]]) -> None:
+        report(SendProgress(sent, total, {name: (done, size) for name, done, size in tensors}))
+
+    return call
 
 
 def _sent(results: List[Tuple], failures: List[TensorwireError], progress: Any) -> List[SendResult]:
@@ -521,15 +527,6 @@ class Sender:
 
     async def __aexit__(self, *exc: Any) -> None:
         await asyncio.to_thread(self.close)
-
-
-def _progress_callback(report: Callable[[SendProgress], None]) -> Callable[[int, int, List[Tuple[str, int, int]]], None]:
-    """What the native send calls: the counters, turned into a SendProgress for `report`."""
-
-    def call(sent: int, total: int, tensors: List[Tuple[str, int, int]]) -> None:
-        report(SendProgress(sent, total, {name: (done, size) for name, done, size in tensors}))
-
-    return call
 
 
 async def send_async(addr: str, tensors: Any, **kwargs: Any) -> List[SendResult]:

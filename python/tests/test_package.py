@@ -333,6 +333,11 @@ def scrape(address):
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
         assert reply.headers["Content-Type"].startswith("application/openmetrics-text")
         text = reply.read().decode()
+    return samples(text)
+
+
+def samples(text):
+    """An OpenMetrics exposition's samples, by name and labels."""
     assert text.endswith("# EOF\n")
     return {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
@@ -448,8 +453,8 @@ def test_a_npy_path_is_sent_as_one_tensor_named_after_the_file(tmp_path):
 
 def connections_open(rx):
     """The receiver's open connections, from its metrics."""
-    lines = [line for line in rx.metrics_text().splitlines() if line.startswith("tensorwire_connections{")]
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in lines)
+    now = samples(rx.metrics_text())
+    return int(sum(value for name, value in now.items() if name.startswith("tensorwire_connections{")))
 
 
 def test_a_sender_keeps_its_connections_across_sends():

@@ -81,7 +81,6 @@ impl Receiver {
                 ));
             }
         };
-        let development = matches!(tls, ServerTls::Development);
         if !admission_timeout_s.is_finite() || admission_timeout_s <= 0.0 {
             return Err(PyValueError::new_err(
                 "admission_timeout_s must be positive",
@@ -106,14 +105,7 @@ impl Receiver {
         let local_addr = receiver
             .local_addr()
             .map_err(|e| transport_error(py, &e, None))?;
-        let development_certificate = if development {
-            let path = tensorwire::quic::dev_cert_path(local_addr);
-            let pem = std::fs::read_to_string(&path)
-                .map_err(|e| error(py, format!("{}: {e}", path.display()), None, None))?;
-            Some(pem)
-        } else {
-            None
-        };
+        let development_certificate = receiver.development_certificate().map(str::to_owned);
         let receiver_metrics = ReceiverMetrics::for_placement(receiver.observer(), &placement);
         let metrics_server = match metrics_listen {
             Some(addr) => {

@@ -278,7 +278,7 @@ pub(crate) fn send(
     finish(py, work, progress.as_ref(), &started)
 }
 
-/// What one tensor's send ended with: its report, or why it failed.
+/// How a send's tensors ended: those acknowledged, and each that failed with why.
 type Ended = (Vec<SentTensor>, Vec<(TransportError, String)>);
 
 /// Starts every tensor of `outgoing` on `pool` (a large one in parts over several

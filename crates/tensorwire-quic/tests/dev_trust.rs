@@ -99,3 +99,11 @@ async fn a_receiver_on_every_address_is_trusted_at_each() {
     .unwrap();
     sender.close().await;
 }
+
+#[tokio::test]
+async fn a_development_receiver_gives_the_certificate_it_left() {
+    let (rx, addr) = receiver(receiver_config()).await;
+    let left = std::fs::read_to_string(dev_cert_path(addr)).unwrap();
+    assert_eq!(rx.development_certificate(), Some(left.as_str()));
+    assert!(left.contains("BEGIN CERTIFICATE"));
+}

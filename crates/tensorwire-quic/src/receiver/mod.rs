@@ -59,7 +59,8 @@ pub struct Receiver {
     local: SocketAddr,
     incoming: mpsc::Receiver<IncomingTensor>,
     shared: Arc<Shared>,
-    dev_cert: Option<PathBuf>,
+    /// The development certificate's file (removed on drop) and PEM text.
+    dev_cert: Option<(PathBuf, String)>,
 }
 
 /// A connection counted against its peer's and the receiver's caps; counted back when
@@ -326,7 +327,7 @@ impl Receiver {
                     "development trust: self-signed certificate for localhost; senders on this \
                      host trust it with no flags. Use PEM certificates in production"
                 );
-                Some(path)
+                Some((path, dev.pem))
             }
             None => None,
         };
@@ -358,6 +359,13 @@ impl Receiver {
             Some(endpoint) => Ok(endpoint.local_addr()?),
             None => Ok(self.local),
         }
+    }
+
+    /// The PEM of the self-signed certificate a development receiver
+    /// ([`ServerTls::Development`](crate::ServerTls::Development))
+    /// made, for senders that get it by a channel they trust; `None` with PEM certificates.
+    pub fn development_certificate(&self) -> Option<&str> {
+        self.dev_cert.as_ref().map(|(_, pem)| pem.as_str())
     }
 
     /// How many UDP sockets (endpoints) share the listening address.
@@ -548,7 +556,7 @@ impl Connection {
 impl Drop for Receiver {
     fn drop(&mut self) {
         self.shared.shutdown.cancel();
-        if let Some(path) = &self.dev_cert {
+        if let Some((path, _)) = &self.dev_cert {
             let _ = std::fs::remove_file(path);
         }
     }
