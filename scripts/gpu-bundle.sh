@@ -45,7 +45,9 @@ echo "building the Python wheel" >&2
 mkdir -p "$out/wheel"
 python3 -m pip wheel --no-deps --quiet ./python -w "$out/wheel"
 mkdir -p "$out/scripts"
-cp -r python "$out/python"
+# The sources only: no tool caches (a type checker's can be tens of MB).
+tar -C . --exclude=.mypy_cache --exclude=.pytest_cache --exclude=__pycache__ -cf - python \
+  | tar -C "$out" -xf -
 cp scripts/share-e2e.sh scripts/spmv-e2e.sh scripts/metrics-e2e.sh scripts/pytest-lite.py benches/scale.sh \
   benches/common.sh benches/one-sender.sh benches/python-send.sh benches/two-hosts.sh "$out/scripts/"
 strip "$out"/bin/* "$out"/tests/* "$out"/lib/* 2>/dev/null || true
