@@ -23,3 +23,4 @@ pub mod metric_families;
 pub mod progress;
 pub mod report;
 pub mod save;
+pub mod sharing;

@@ -4,15 +4,18 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tensorwire::proto::ErrorCode;
+use tensorwire::proto::{ErrorCode, Receipt};
 use tensorwire::quic::{Binding, SendReport, SendWaits, SenderPool, TransportError};
 
 use crate::cli::{micros, rate, size};
 
+/// Shared tensors a summary names one by one; the rest are counted.
+const MAX_RECEIPT_LINES: usize = 10;
+
 /// How one receiver's part of the push went.
 pub enum HostOutcome {
-    /// Connected; its tensors sent, delivered or failed.
-    Pushed(HostPush),
+    /// Connected; its tensors sent, delivered or failed (boxed: far larger than a failure).
+    Pushed(Box<HostPush>),
     /// Never connected.
     Unreachable(SocketAddr, anyhow::Error),
 }
@@ -28,6 +31,8 @@ pub struct HostPush {
     /// The tensors it did not get.
     pub failed: Vec<String>,
     waited: SendWaits,
+    /// What the receiver made of each delivered tensor (spec §6.8), by tensor name.
+    receipts: Vec<(String, Receipt)>,
     results: Vec<serde_json::Value>,
     /// Seconds from the push's start until this receiver's last tensor ended.
     pub elapsed: f64,
@@ -44,6 +49,7 @@ impl HostPush {
             delivered_bytes: 0,
             failed: Vec::new(),
             waited: SendWaits::default(),
+            receipts: Vec::new(),
             results: Vec::new(),
             elapsed: 0.0,
         }
@@ -64,6 +70,9 @@ impl HostPush {
             Ok(report) => {
                 self.waited += report.waited;
                 self.delivered_bytes += len;
+                if !report.receipt.is_empty() {
+                    self.receipts.push((name, report.receipt.clone()));
+                }
             }
             Err(_) => self.failed.push(name),
         }
@@ -97,6 +106,40 @@ impl HostPush {
         // Which side held the tensors up: the receiver (credit, its decisions), the files,
         // or the network (QUIC's send buffer full).
         println!("{to}waited, summed over the tensors sent: {}", self.waited);
+        self.print_receipts(&to);
+    }
+
+    /// What the receiver made of the tensors (spec §6.8): where they landed, and the ids
+    /// local processes open them by. A receiver older than 1.5 says nothing.
+    fn print_receipts(&self, to: &str) {
+        let mut devices: Vec<(&str, usize)> = Vec::new();
+        for device in self.receipts.iter().filter_map(|(_, r)| r.device()) {
+            match devices.iter_mut().find(|(d, _)| *d == device) {
+                Some((_, n)) => *n += 1,
+                None => devices.push((device, 1)),
+            }
+        }
+        if !devices.is_empty() {
+            let list: Vec<String> = devices.iter().map(|(d, n)| format!("{d} ({n})")).collect();
+            println!("{to}landed on {}", list.join(", "));
+        }
+        let shared: Vec<_> = self
+            .receipts
+            .iter()
+            .filter_map(|(name, r)| Some((name, r.shared_id()?, r)))
+            .collect();
+        for (name, id, receipt) in shared.iter().take(MAX_RECEIPT_LINES) {
+            let generation = receipt
+                .shared_generation()
+                .map_or(String::new(), |g| format!(", generation {g}"));
+            println!("{to}shared {name} as {id}{generation}");
+        }
+        if shared.len() > MAX_RECEIPT_LINES {
+            println!(
+                "{to}… and {} more shared (every id is in --json's results)",
+                shared.len() - MAX_RECEIPT_LINES
+            );
+        }
     }
 
     /// The result object of `--json` (docs/operators.md).
@@ -166,6 +209,7 @@ fn tensor_json(
         Ok(report) => serde_json::json!({
             "outcome": "delivered",
             "waited_s": waits_json(&report.waited),
+            "receipt": receipt_json(&report.receipt),
         }),
         Err(e) => {
             let transport = e.downcast_ref::<TransportError>();
@@ -183,6 +227,17 @@ fn tensor_json(
         tensor.extend(fields);
     }
     tensor
+}
+
+/// A receipt's entries as an object (the first of a repeated key wins, as in attributes).
+fn receipt_json(receipt: &Receipt) -> serde_json::Value {
+    let mut object = serde_json::Map::new();
+    for (key, value) in receipt.entries() {
+        object
+            .entry(key.clone())
+            .or_insert_with(|| serde_json::Value::String(value.clone()));
+    }
+    serde_json::Value::Object(object)
 }
 
 /// Seconds waited, by whom.

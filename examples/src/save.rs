@@ -21,7 +21,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::Context;
 use bytes::{Buf, BytesMut};
-use tensorwire::proto::{Frame, FrameDecoder, Limits, Payload, TensorMeta, frame::Metadata};
+use tensorwire::proto::{
+    Frame, FrameDecoder, Limits, Payload, Receipt, TensorMeta, frame::Metadata,
+};
 use tensorwire::quic::{CreditPermit, Sink, SinkError};
 use tensorwire::sink::Divisible;
 
@@ -319,6 +321,11 @@ impl<S: Sink> Sink for SpoolingSink<S> {
 
     async fn landed_checksum(&mut self) -> Result<u32, SinkError> {
         self.inner.landed_checksum().await
+    }
+
+    /// The inner sink's: the spool is not where the tensor is saved in the end.
+    fn receipt(output: &Self::Output) -> Receipt {
+        S::receipt(&output.0)
     }
 
     async fn finish(self) -> Result<Self::Output, SinkError> {

@@ -365,7 +365,7 @@ fn received_tensors_are_shared_with_local_processes() {
     let first = lines.next().unwrap();
     let addr = first.strip_prefix("listening on ").unwrap().to_owned();
     let sent = Command::new(env!("CARGO_BIN_EXE_sender"))
-        .args(["--connect", &addr, "--quiet"])
+        .args(["--connect", &addr, "--quiet", "--json"])
         .arg(&model)
         .output()
         .unwrap();
@@ -380,6 +380,27 @@ fn received_tensors_are_shared_with_local_processes() {
         .take(3)
         .collect();
     assert_eq!(shared.len(), 3, "{shared:?}");
+    // Spec §6.8: each tensor was shared before its COMPLETE, whose receipt names the id.
+    let push: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&sent.stdout).trim()).unwrap();
+    let mut receipts: Vec<(String, String, String)> = push["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let receipt = &r["receipt"];
+            let field = |key: &str| receipt[key].as_str().unwrap_or_default().to_owned();
+            assert_eq!(field("tensorwire.device"), "host", "{r}");
+            assert_eq!(field("tensorwire.shared.generation"), "1", "{r}");
+            let id = field("tensorwire.shared.id");
+            (
+                r["name"].as_str().unwrap().to_owned(),
+                id,
+                field("tensorwire.device"),
+            )
+        })
+        .collect();
+    receipts.sort();
 
     let listed = Command::new(env!("CARGO_BIN_EXE_tensorwire-share"))
         .arg("--socket")
@@ -410,6 +431,14 @@ fn received_tensors_are_shared_with_local_processes() {
     let mut names: Vec<&str> = infos.iter().map(|i| i.tensor.name.as_str()).collect();
     names.sort_unstable();
     assert_eq!(names, ["layer.a", "layer.b", "tokens"]);
+    for (name, id, _) in &receipts {
+        let listed = infos.iter().find(|i| &i.tensor.name == name).unwrap();
+        assert_eq!(
+            &listed.tensor.id.to_string(),
+            id,
+            "the receipt names {name}'s id"
+        );
+    }
     assert!(infos.iter().all(|i| i.leases == 0 && !i.deleting));
 
     let python = Command::new("python3")

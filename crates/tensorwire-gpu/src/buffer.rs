@@ -1,6 +1,7 @@
 //! Where a tensor's bytes live: host memory or a CUDA device.
 
 use bytes::Bytes;
+use tensorwire_proto::Device;
 
 use crate::error::GpuError;
 
@@ -62,6 +63,16 @@ impl TensorBuffer {
     /// Whether the bytes are on a GPU.
     pub fn is_gpu(&self) -> bool {
         matches!(self, TensorBuffer::Cuda(_))
+    }
+
+    /// Where the bytes live, as the spec names devices (§5.2): `host` or `cuda:N`.
+    pub fn device(&self) -> Device {
+        match self {
+            TensorBuffer::Host(_) => Device::Host,
+            TensorBuffer::Cuda(buffer) => {
+                Device::Cuda(u16::try_from(buffer.ordinal()).unwrap_or(u16::MAX))
+            }
+        }
     }
 
     /// Where the bytes live, for people: "host memory" or "cuda:0 (NVIDIA H200)".

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use tensorwire_proto::{Device, Payload, TensorMeta};
+use tensorwire_proto::{Device, Payload, Receipt, TensorMeta};
 use tensorwire_sink::{
     CreditPermit, Divisible, HostSink, MemoryBudget, MemoryShares, Sink, SinkError,
 };
@@ -346,6 +346,11 @@ impl Sink for TensorSink {
             TensorSink::Gpu(sink) => sink.landed_checksum().await,
             TensorSink::Host(sink) => sink.landed_checksum().await,
         }
+    }
+
+    /// Where it landed: `host` or `cuda:N`.
+    fn receipt(buffer: &TensorBuffer) -> Receipt {
+        Receipt::new().with(Receipt::DEVICE, buffer.device().to_string())
     }
 
     async fn finish(self) -> Result<TensorBuffer, SinkError> {

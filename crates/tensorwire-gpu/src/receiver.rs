@@ -183,8 +183,10 @@ impl GpuTensorReceiver {
                     .sink
                     .take()
                     .ok_or(ProtocolError::Misuse("END before METADATA"))?;
-                self.output = Some(sink.finish().await?);
-                self.session.mark_resident(STREAM)?;
+                let output = sink.finish().await?;
+                self.session
+                    .mark_resident(STREAM, TensorSink::receipt(&output))?;
+                self.output = Some(output);
                 self.complete = true;
                 Ok(GpuReceiverEvent::End)
             }

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use bytes::{Bytes, BytesMut};
 
 use crate::{
-    CheckedFrame, ErrorCode, Frame, FrameDecoder, Limits, ReceiverEvent, ReceiverState,
+    CheckedFrame, ErrorCode, Frame, FrameDecoder, Limits, Receipt, ReceiverEvent, ReceiverState,
     TensorReceiver,
 };
 
@@ -149,7 +149,7 @@ pub fn receiver_ops(data: &[u8]) {
                                 landed_verified |=
                                     receiver.verify_landed_crc(checksum as u32).is_ok();
                             }
-                            drop(receiver.mark_resident());
+                            drop(receiver.mark_resident(Receipt::new()));
                         }
                         _ => {}
                     }
@@ -162,7 +162,7 @@ pub fn receiver_ops(data: &[u8]) {
                 let shift = op.unwrap_or(0) >> 4;
                 granted_total += receiver.grant(u64::from(ops.next().unwrap_or(0)) << shift);
             }
-            4 => drop(receiver.mark_resident()),
+            4 => drop(receiver.mark_resident(Receipt::new())),
             5 => drop(receiver.cancel(ErrorCode::CANCELLED, "fuzz")),
             _ => {
                 // `k >> 4` odd reports it wrong.

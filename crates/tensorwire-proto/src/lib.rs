@@ -64,6 +64,7 @@ mod meta;
 mod payload;
 mod peers;
 mod ranges;
+mod receipt;
 mod receiver;
 mod sender;
 mod session;
@@ -93,6 +94,7 @@ pub use meta::TensorMeta;
 pub use payload::Payload;
 pub use peers::{CapExceeded, PeerCaps};
 pub use ranges::ReceivedRanges;
+pub use receipt::{MAX_RECEIPT_LEN, Receipt};
 pub use receiver::{
     CheckedFrame, MAX_CHECKSUMS_OWED, ReceiverEvent, ReceiverInput, ReceiverState, TensorReceiver,
 };

@@ -33,7 +33,8 @@ impl Limits {
     pub fn max_frame_len(&self) -> usize {
         let body = (self.max_metadata_len as usize)
             .max(8 + self.max_data_payload as usize)
-            .max(6 + self.max_reason_len as usize);
+            .max(6 + self.max_reason_len as usize)
+            .max(crate::MAX_RECEIPT_LEN);
         crate::frame::header::HEADER_LEN + body
     }
 }

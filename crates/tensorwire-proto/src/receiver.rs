@@ -8,6 +8,7 @@ use crate::frame::{Accept, Cancel, Complete, Credit, Data, Frame, Reject};
 use crate::limits::Limits;
 use crate::meta::TensorMeta;
 use crate::ranges::ReceivedRanges;
+use crate::receipt::Receipt;
 
 /// A frame from the sender with its DATA payload's CRC-32C computed, so that a driver can make
 /// the pass over the bytes before it takes the locks the session sits behind (spec §7.3), or
@@ -593,15 +594,18 @@ impl TensorReceiver {
         Ok(self.granted)
     }
 
-    /// The sink made every byte durable: queues COMPLETE (spec §6.8).
-    pub fn mark_resident(&mut self) -> Result<(), ProtocolError> {
+    /// The sink made every byte durable: queues COMPLETE with `receipt`, what the receiver
+    /// made of the tensor (spec §6.8). The receipt must be empty on a connection older than
+    /// 1.5; [`Session::mark_resident`](crate::Session::mark_resident) sees to that.
+    pub fn mark_resident(&mut self, receipt: Receipt) -> Result<(), ProtocolError> {
         if let LandedChecksum::Owed(_) = self.landed {
             return Err(ProtocolError::Misuse(
                 "COMPLETE before the landed bytes' checksum was verified",
             ));
         }
         self.local(ReceiverInput::Resident)?;
-        self.outgoing.push_back(Frame::Complete(Complete));
+        self.outgoing
+            .push_back(Frame::Complete(Complete { receipt }));
         Ok(())
     }
 

@@ -7,6 +7,7 @@ use bytes::Bytes;
 use crate::error::{ErrorCode, ProtocolError};
 use crate::frame::{Cancel, Data, Early, End, Frame, Metadata};
 use crate::meta::TensorMeta;
+use crate::receipt::Receipt;
 
 /// Where a sending stream stands (spec §7.2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -101,15 +102,16 @@ impl SenderInput {
 }
 
 /// What a frame from the receiver meant, for the driver to act on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SenderEvent {
     /// ACCEPT: DATA may follow once credit arrives.
     Accepted,
     /// CREDIT: this many more bytes may be sent.
     Credit(u64),
-    /// COMPLETE: the receiver verified and stored every byte. Done.
-    Complete,
+    /// COMPLETE: the receiver verified and stored every byte, and says what it made of
+    /// them (empty before version 1.5). Done.
+    Complete(Receipt),
 }
 
 /// One tensor's sending side, without IO or clocks (spec §7).
@@ -253,7 +255,7 @@ impl TensorSender {
                 SenderEvent::Accepted
             }
             Frame::Credit(credit) => self.on_credit(credit.bytes)?,
-            Frame::Complete(_) => SenderEvent::Complete,
+            Frame::Complete(complete) => SenderEvent::Complete(complete.receipt),
             Frame::Reject(r) => {
                 return Err(ProtocolError::Remote {
                     code: r.code,

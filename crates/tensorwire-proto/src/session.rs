@@ -11,10 +11,12 @@ use crate::flood::{FloodBudget, FloodExceeded};
 use crate::frame::{Data, EarlyCredit, Frame};
 use crate::limits::Limits;
 use crate::meta::TensorMeta;
+use crate::receipt::Receipt;
 use crate::receiver::{CheckedFrame, ReceiverEvent, ReceiverState, TensorReceiver};
 use crate::sender::{CheckedChunk, SenderEvent, SenderState, TensorSender};
 use crate::stream_clock::{ReplyClock, StreamClock, Wait};
 use crate::turn::{TurnQueue, TurnTicket};
+use crate::version::{Feature, Version};
 use crate::window::{GrantClock, SendPace, StreamWindow};
 
 /// One tensor of the connection, in the direction its stream runs.
@@ -128,8 +130,9 @@ pub enum OutgoingEvent {
     Accepted,
     /// The peer granted our tensor this many more bytes.
     Credit(u64),
-    /// The peer verified and kept every byte of our tensor. Done: close the stream.
-    Complete,
+    /// The peer verified and kept every byte of our tensor, and says what it made of it
+    /// (empty before version 1.5). Done: close the stream.
+    Complete(Receipt),
 }
 
 /// The session's word that its connection must end: the code to close it with, and why
@@ -222,6 +225,8 @@ pub struct Session {
     offered: BTreeSet<StreamId>,
     /// Our large tensors holding or waiting for the turn to send DATA (spec §7.4).
     turn: TurnQueue,
+    /// The connection's version (spec §3.1): what this side may send.
+    version: Version,
 }
 
 /// The early allowance the peer gave our tensors (spec §7.6).
@@ -250,7 +255,14 @@ impl Session {
             party: Party::default(),
             offered: BTreeSet::new(),
             turn: TurnQueue::default(),
+            version: Version::V1_0,
         }
+    }
+
+    /// The connection negotiated `version` (spec §3.1): from now on the session sends what
+    /// that version has and nothing newer. Until this is called, a session keeps to 1.0.
+    pub fn set_version(&mut self, version: Version) {
+        self.version = version;
     }
 
     /// The connection belongs to `party` (its peer): from now on its grants count toward the
@@ -551,7 +563,7 @@ impl Session {
         Ok(match tensor.handle_frame(frame)? {
             SenderEvent::Accepted => OutgoingEvent::Accepted,
             SenderEvent::Credit(bytes) => OutgoingEvent::Credit(bytes),
-            SenderEvent::Complete => OutgoingEvent::Complete,
+            SenderEvent::Complete(receipt) => OutgoingEvent::Complete(receipt),
         })
     }
 
@@ -713,9 +725,16 @@ impl Session {
         used
     }
 
-    /// The sink made every byte of `id` durable: queues COMPLETE (spec §6.8).
-    pub fn mark_resident(&mut self, id: StreamId) -> Result<(), ProtocolError> {
-        self.incoming(id)?.mark_resident()
+    /// The sink made every byte of `id` durable: queues COMPLETE (spec §6.8), with
+    /// `receipt` on a connection of version 1.5 or later and without it before
+    /// ([`set_version`](Self::set_version)).
+    pub fn mark_resident(&mut self, id: StreamId, receipt: Receipt) -> Result<(), ProtocolError> {
+        let receipt = if self.version.has(Feature::Receipts) {
+            receipt
+        } else {
+            Receipt::new()
+        };
+        self.incoming(id)?.mark_resident(receipt)
     }
 
     /// The longest DATA payload our tensor on `id` may send now: 0 while it waits for

@@ -21,17 +21,24 @@ pub enum Feature {
     RemoteExecution,
     /// One tensor sent as parts on several streams (§15, version 1.3).
     SplitTensors,
+    /// What the receiver made of a tensor, in COMPLETE (§6.8, version 1.5).
+    Receipts,
 }
 
 impl Feature {
     /// Every feature, oldest first.
-    pub const ALL: [Feature; 2] = [Feature::RemoteExecution, Feature::SplitTensors];
+    pub const ALL: [Feature; 3] = [
+        Feature::RemoteExecution,
+        Feature::SplitTensors,
+        Feature::Receipts,
+    ];
 
     /// The version that introduced it.
     pub fn introduced(self) -> Version {
         match self {
             Feature::RemoteExecution => Version::V1_1,
             Feature::SplitTensors => Version::V1_3,
+            Feature::Receipts => Version::V1_5,
         }
     }
 
@@ -40,6 +47,7 @@ impl Feature {
         match self {
             Feature::RemoteExecution => "remote execution (§14)",
             Feature::SplitTensors => "split tensors (§15)",
+            Feature::Receipts => "receipts in COMPLETE (§6.8)",
         }
     }
 }
@@ -61,8 +69,10 @@ impl Version {
     pub const V1_3: Version = Version { major: 1, minor: 3 };
     /// Version 1.4: versions negotiated through ALPN (§3.1).
     pub const V1_4: Version = Version { major: 1, minor: 4 };
+    /// Version 1.5: receipts in COMPLETE (§6.8).
+    pub const V1_5: Version = Version { major: 1, minor: 5 };
     /// The version this crate implements.
-    pub const CURRENT: Version = Version::V1_4;
+    pub const CURRENT: Version = Version::V1_5;
     /// The first minor version whose ALPN identifier names it; older ones share `tensorwire/1`.
     const FIRST_NAMED: Version = Version::V1_4;
 
@@ -185,7 +195,11 @@ mod tests {
         let offers = Version::CURRENT.alpn_offers();
         assert_eq!(
             offers,
-            [b"tensorwire/1.4".to_vec(), b"tensorwire/1".to_vec()]
+            [
+                b"tensorwire/1.5".to_vec(),
+                b"tensorwire/1.4".to_vec(),
+                b"tensorwire/1".to_vec()
+            ]
         );
         let later = Version { major: 1, minor: 6 }.alpn_offers();
         assert_eq!(

@@ -106,7 +106,7 @@ fn the_receivers_replies_decode_without_allocating() {
         }
         .into(),
         Credit { bytes: 4 << 20 }.into(),
-        Complete.into(),
+        Complete::default().into(),
         End { checksum: 9 }.into(),
     ];
     let wire: Bytes = replies.iter().flat_map(|f| f.to_bytes()).collect();

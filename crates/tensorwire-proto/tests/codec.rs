@@ -4,6 +4,7 @@
 
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
+use tensorwire_proto::Receipt;
 use tensorwire_proto::frame::{Accept, Cancel, Complete, Credit, Data, End, Reject};
 use tensorwire_proto::{
     Blame, ChecksumAlgorithm, DType, Device, ErrorCode, Frame, FrameDecoder, INLINE_PAYLOAD_MAX,
@@ -61,7 +62,12 @@ fn frame() -> impl Strategy<Value = Frame> {
         (1u32..).prop_map(|max_data_payload| Accept { max_data_payload }.into()),
         (code(), ".{0,100}").prop_map(|(c, r)| Reject::new(c, r).into()),
         any::<u64>().prop_map(|bytes| Credit { bytes }.into()),
-        Just(Complete.into()),
+        proptest::collection::vec(("[a-z.]{0,40}", ".{0,60}"), 0..8).prop_map(|entries| {
+            let receipt = entries
+                .into_iter()
+                .fold(Receipt::new(), |receipt, (k, v)| receipt.with(k, v));
+            Complete { receipt }.into()
+        }),
     ]
 }
 

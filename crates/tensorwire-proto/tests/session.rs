@@ -7,11 +7,13 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use tensorwire_proto::Receipt;
 use tensorwire_proto::frame::Cancel;
 use tensorwire_proto::testing::pattern;
 use tensorwire_proto::{
     CreditTracker, DECISION_GRACE, DType, ErrorCode, Frame, GrantClock, IncomingEvent,
     OutgoingEvent, Session, SessionConfig, StreamClosed, StreamId, TensorMeta, TensorSender,
+    Version,
 };
 
 /// The fake clock's origin: tests move time by adding durations to it.
@@ -124,7 +126,7 @@ impl Receiver {
                         for n in flow.held.drain(..) {
                             let _ = self.credit.release(n).unwrap();
                         }
-                        session.mark_resident(flow.id).unwrap();
+                        session.mark_resident(flow.id, Receipt::new()).unwrap();
                     }
                     Ok(_) => {}
                     Err(_) => {}
@@ -533,6 +535,10 @@ struct Peer {
     sending: Vec<(StreamId, Bytes)>,
     landed: std::collections::BTreeMap<StreamId, Vec<u8>>,
     completed: Vec<StreamId>,
+    /// What this peer answers each tensor it lands with.
+    answer: Receipt,
+    /// What the peer answered each of our tensors with.
+    receipts: Vec<Receipt>,
 }
 
 impl Peer {
@@ -543,6 +549,8 @@ impl Peer {
             sending: Vec::new(),
             landed: Default::default(),
             completed: Vec::new(),
+            answer: Receipt::new(),
+            receipts: Vec::new(),
         }
     }
 
@@ -606,7 +614,10 @@ impl Peer {
         }
         if !self.landed.contains_key(&id) {
             // An answer on one of our own streams.
-            if self.session.handle_reply(id, frame, epoch()).unwrap() == OutgoingEvent::Complete {
+            if let OutgoingEvent::Complete(receipt) =
+                self.session.handle_reply(id, frame, epoch()).unwrap()
+            {
+                self.receipts.push(receipt);
                 assert_eq!(
                     self.session.close_outgoing(id, epoch()),
                     StreamClosed::Completed
@@ -628,10 +639,80 @@ impl Peer {
                 self.landed.get_mut(&id).unwrap().extend_from_slice(&bytes);
                 self.credit.release(n).unwrap(); // durable at once
             }
-            IncomingEvent::End => self.session.mark_resident(id).unwrap(),
+            IncomingEvent::End => {
+                let receipt = self.answer.clone();
+                self.session.mark_resident(id, receipt).unwrap();
+            }
             IncomingEvent::Early => {}
         }
     }
+}
+
+/// Spec §6.8, §3.1: COMPLETE carries the receiver's receipt on a connection of 1.5 or later,
+/// and is empty before, whatever the application hands the session.
+#[test]
+fn complete_carries_a_receipt_only_from_version_1_5() {
+    let answer = Receipt::new()
+        .with(Receipt::DEVICE, "cuda:0")
+        .with(Receipt::SHARED_ID, "4d2c1e2f-0b6a-4c47-9d1e-3a5f7c9b2e10")
+        .with(Receipt::SHARED_GENERATION, "3")
+        .with("model.revision", "abc123");
+    for (version, expected) in [
+        (None, Receipt::new()),
+        (Some(Version::V1_0), Receipt::new()),
+        (Some(Version::V1_4), Receipt::new()),
+        (Some(Version::V1_5), answer.clone()),
+        (Some(Version::CURRENT), answer.clone()),
+    ] {
+        let config = SessionConfig::default();
+        let mut sender = Peer::new(&config);
+        let mut receiver = Peer::new(&config);
+        receiver.answer = answer.clone();
+        if let Some(version) = version {
+            sender.session.set_version(version);
+            receiver.session.set_version(version);
+        }
+        sender.send(0, "weights", pattern(10_000, 1).into());
+        for _ in 0..100 {
+            if !(sender.flush_to(&mut receiver) | receiver.flush_to(&mut sender)) {
+                break;
+            }
+        }
+        assert_eq!(sender.completed, [0], "{version:?}");
+        assert_eq!(sender.receipts, [expected], "{version:?}");
+        if let Some(receipt) = sender.receipts.first().filter(|r| !r.is_empty()) {
+            assert_eq!(receipt.device(), Some("cuda:0"));
+            assert_eq!(receipt.shared_generation(), Some(3));
+            assert_eq!(receipt.get("model.revision"), Some("abc123"));
+        }
+    }
+}
+
+/// Spec §6.8: a receipt never outgrows COMPLETE's limit: an entry that would is left out,
+/// and what is kept round-trips through the codec.
+#[test]
+fn a_receipt_keeps_to_its_limit() {
+    let mut receipt = Receipt::new().with(Receipt::DEVICE, "host");
+    let mut kept = 1;
+    while receipt.push(format!("key-{kept}"), "v".repeat(500)) {
+        kept += 1;
+    }
+    assert!(kept > 2, "several entries fit");
+    assert!(
+        !receipt.push("x".into(), "y".repeat(5000)),
+        "one too large is refused"
+    );
+    let frame = Frame::Complete(tensorwire_proto::frame::Complete {
+        receipt: receipt.clone(),
+    });
+    let bytes = frame.to_bytes();
+    assert!(
+        bytes.len() <= 5 + tensorwire_proto::MAX_RECEIPT_LEN,
+        "{}",
+        bytes.len()
+    );
+    assert_eq!(Frame::decode_one(&bytes), frame);
+    assert_eq!(receipt.entries().len(), kept);
 }
 
 /// Spec §3: both ends send on one connection at once, each under the other's credit; one
@@ -1499,12 +1580,12 @@ fn a_finished_tensor_waits_for_complete_within_the_reply_timeout() {
     let moved = epoch() + Duration::from_secs(5);
     session.data_moved(0, moved);
     assert_eq!(session.stream_deadline(0), Some(moved + REPLY_TIMEOUT));
-    let complete = tensorwire_proto::frame::Complete;
+    let complete = tensorwire_proto::frame::Complete::default();
     let done = moved + Duration::from_secs(1);
-    assert_eq!(
+    assert!(matches!(
         session.handle_reply(0, complete.into(), done).unwrap(),
-        OutgoingEvent::Complete
-    );
+        OutgoingEvent::Complete(_)
+    ));
     assert_eq!(session.stream_deadline(0), None);
 }
 

@@ -6,6 +6,7 @@ mod common;
 
 use common::pair::Pair;
 use common::vectors::pattern;
+use tensorwire_proto::Receipt;
 use tensorwire_proto::checksum::crc32c;
 use tensorwire_proto::frame::{Accept, Credit, Data, End};
 use tensorwire_proto::{
@@ -316,7 +317,7 @@ fn the_sender_cancels_while_awaiting_complete() {
     let last = std::iter::from_fn(|| sender.poll_frame()).last();
     assert!(matches!(last, Some(Frame::Cancel(c)) if c.code == ErrorCode::PROGRESS_TIMEOUT));
     let late = sender
-        .handle_frame(tensorwire_proto::frame::Complete.into())
+        .handle_frame(tensorwire_proto::frame::Complete::default().into())
         .unwrap_err();
     assert_eq!(
         late.code(),
@@ -398,14 +399,20 @@ fn the_receiver_cancels_while_awaiting_residency() {
 #[test]
 fn complete_is_queued_only_by_mark_resident() {
     let mut receiver = TensorReceiver::new(Limits::default());
-    assert!(receiver.mark_resident().is_err(), "not before END");
+    assert!(
+        receiver.mark_resident(Receipt::new()).is_err(),
+        "not before END"
+    );
     receiver.handle_frame(meta(4).into()).unwrap();
     receiver.accept().unwrap();
     let _ = receiver.grant(4);
     receiver
         .handle_frame(Data::new(0, vec![1, 2, 3, 4]).into())
         .unwrap();
-    assert!(receiver.mark_resident().is_err(), "not before END");
+    assert!(
+        receiver.mark_resident(Receipt::new()).is_err(),
+        "not before END"
+    );
     let end = tensorwire_proto::frame::End {
         checksum: tensorwire_proto::checksum::crc32c(&[1, 2, 3, 4]).into(),
     };
@@ -415,7 +422,7 @@ fn complete_is_queued_only_by_mark_resident() {
         !before.iter().any(|f| matches!(f, Frame::Complete(_))),
         "END alone sends no COMPLETE"
     );
-    receiver.mark_resident().unwrap();
+    receiver.mark_resident(Receipt::new()).unwrap();
     assert!(matches!(receiver.poll_frame(), Some(Frame::Complete(_))));
     let late = receiver
         .handle_frame(Data::new(0, vec![1]).into())
@@ -714,7 +721,10 @@ fn a_tensor_checksummed_over_its_landed_bytes_completes_only_on_a_matching_crc()
         assert_eq!(rx.handle_frame(end.into()).unwrap(), ReceiverEvent::End);
         assert_eq!(rx.state(), ReceiverState::AwaitingResidency);
         assert!(
-            matches!(rx.mark_resident(), Err(ProtocolError::Misuse(_))),
+            matches!(
+                rx.mark_resident(Receipt::new()),
+                Err(ProtocolError::Misuse(_))
+            ),
             "COMPLETE before the landed checksum"
         );
         let landed_crc = crc32c(&bytes) ^ u32::from(corrupt);
@@ -726,7 +736,7 @@ fn a_tensor_checksummed_over_its_landed_bytes_completes_only_on_a_matching_crc()
             continue;
         }
         verified.unwrap();
-        rx.mark_resident().unwrap();
+        rx.mark_resident(Receipt::new()).unwrap();
         assert!(matches!(rx.poll_frame(), Some(Frame::Complete(_))));
         assert!(matches!(
             rx.verify_landed_crc(landed_crc),

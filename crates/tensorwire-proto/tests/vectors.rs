@@ -7,6 +7,7 @@ mod common;
 
 use bytes::{Bytes, BytesMut};
 use common::vectors::{self, Manifest, vectors_dir};
+use tensorwire_proto::Receipt;
 use tensorwire_proto::{
     CreditTracker, ErrorCode, Frame, FrameDecoder, FrameType, IncomingEvent, Limits, ProtocolError,
     ReceiverEvent, Session, SessionConfig, StreamClosed, TensorReceiver,
@@ -162,7 +163,7 @@ fn run_sequence(bytes: Bytes, credit: u64) -> Result<(), ProtocolError> {
                 receiver.accept()?;
                 let _ = receiver.grant(credit);
             }
-            ReceiverEvent::End => receiver.mark_resident()?,
+            ReceiverEvent::End => receiver.mark_resident(Receipt::new())?,
             _ => {}
         }
     }
@@ -196,7 +197,7 @@ fn run_early_sequence(bytes: Bytes, early_credit: u64) -> Result<(), ProtocolErr
             IncomingEvent::End => {
                 session.accept(0, now)?;
                 credit.release(std::mem::take(&mut held))?;
-                session.mark_resident(0)?;
+                session.mark_resident(0, Receipt::new())?;
             }
             _ => {}
         }

@@ -39,11 +39,11 @@ fn every_stored_case_selects_its_version() {
 }
 
 #[test]
-fn this_version_offers_the_named_identifier_then_the_old_one() {
-    assert_eq!(Version::CURRENT.to_string(), "1.4");
+fn this_version_offers_the_named_identifiers_then_the_old_one() {
+    assert_eq!(Version::CURRENT.to_string(), "1.5");
     assert_eq!(
         Version::CURRENT.alpn_offers(),
-        offers("tensorwire/1.4,tensorwire/1")
+        offers("tensorwire/1.5,tensorwire/1.4,tensorwire/1")
     );
 }
 

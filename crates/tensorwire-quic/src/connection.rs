@@ -83,6 +83,7 @@ impl Connection {
         // The handshake completed, so an ALPN was selected; a peer that selected none of
         // ours is treated as the oldest.
         let peer_version = crate::tls::negotiated_version(&connection).unwrap_or(Version::V1_0);
+        session.lock().set_version(peer_version);
         Self {
             connection,
             binding,

@@ -1,4 +1,4 @@
-//! Version negotiation over QUIC (spec §3.1): a current sender and receiver agree on 1.4; a
+//! Version negotiation over QUIC (spec §3.1): a current sender and receiver agree on 1.5; a
 //! receiver that predates 1.4 (it offers only `tensorwire/1`) gets large tensors whole,
 //! never as parts, and no remote-execution request; a sender that predates 1.4 is served.
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
@@ -134,4 +134,63 @@ async fn a_sender_older_than_1_4_is_served() {
     let incoming = rx.next().await.expect("the old sender's tensor");
     assert_eq!(incoming.meta().name(), "old");
     drop(incoming);
+}
+
+/// Spec §6.8: a current sender learns where its tensor landed from COMPLETE's receipt.
+#[tokio::test]
+async fn a_current_sender_gets_the_receipt() {
+    let (mut rx, addr) = receiver(receiver_config()).await;
+    let pool = SenderPool::connect(addr, SenderConfig::new(ClientTls::Development), 1)
+        .await
+        .unwrap();
+    let sent = pool.send(u8_meta("weights", 4096), pattern(4096, 5));
+    let (meta, bytes) = common::receive_host(&mut rx).await.unwrap();
+    assert_eq!((meta.name(), bytes.len()), ("weights", 4096));
+    let report = sent.finished().await.unwrap();
+    assert_eq!(
+        report.receipt.device(),
+        Some("host"),
+        "{:?}",
+        report.receipt
+    );
+    pool.close().await;
+}
+
+/// Spec §6.8, §3.1: a sender of 1.4 (whose decoder takes only an empty COMPLETE) gets an
+/// empty one; a sender of 1.5 gets the receipt.
+#[tokio::test]
+async fn a_1_4_sender_gets_an_empty_complete() {
+    for (alpn, expect_receipt) in [(&b"tensorwire/1.4"[..], false), (b"tensorwire/1.5", true)] {
+        let (mut rx, addr) = receiver(receiver_config()).await;
+        let connection = raw_connection(addr, alpn).await.unwrap();
+        let bytes = pattern(64, 6);
+        let end = tensorwire_quic::proto::frame::End {
+            checksum: tensorwire_quic::proto::checksum::crc32c(&bytes).into(),
+        };
+        let frames = [
+            Frame::Metadata(tensorwire_quic::proto::frame::Metadata {
+                meta: u8_meta("t", 64),
+            }),
+            Frame::Data(tensorwire_quic::proto::frame::Data::new(0, bytes.to_vec())),
+            Frame::End(end),
+        ];
+        let exchange = tokio::spawn(async move {
+            let answers = common::raw_exchange(&connection, &frames, true).await;
+            (answers, connection)
+        });
+        common::receive_host(&mut rx).await.unwrap();
+        let (answers, _connection) = exchange.await.unwrap();
+        let complete = answers
+            .iter()
+            .find_map(|f| match f {
+                Frame::Complete(c) => Some(c.clone()),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no COMPLETE in {answers:?}"));
+        let encoded = Frame::Complete(complete.clone()).to_bytes();
+        match expect_receipt {
+            false => assert_eq!(encoded.len(), 5, "an empty body for 1.4: {complete:?}"),
+            true => assert_eq!(complete.receipt.device(), Some("host"), "{complete:?}"),
+        }
+    }
 }

@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use memmap2::MmapMut;
-use tensorwire_proto::Payload;
+use tensorwire_proto::{Device, Payload, Receipt};
 
 use crate::{CreditPermit, Divisible, MemoryReservation, Sink, SinkError, copy_payload_at};
 
@@ -147,6 +147,11 @@ impl Sink for HostSink {
         }
         drop(permit); // The bytes are in their final place: durable.
         Ok(())
+    }
+
+    /// Host memory, always.
+    fn receipt(_: &Bytes) -> Receipt {
+        Receipt::new().with(Receipt::DEVICE, Device::Host.to_string())
     }
 
     async fn finish(self) -> Result<Bytes, SinkError> {

@@ -34,7 +34,7 @@ mod split;
 
 use std::future::Future;
 
-use tensorwire_proto::{ErrorCode, Payload};
+use tensorwire_proto::{ErrorCode, Payload, Receipt};
 
 pub use carrier::Carrier;
 pub use host::HostSink;
@@ -230,4 +230,12 @@ pub trait Sink: Send + 'static {
 
     /// Resolves once every written byte is durable; returns the output.
     fn finish(self) -> impl Future<Output = Result<Self::Output, SinkError>> + Send;
+
+    /// What the receiver made of the tensor, told to the sender in COMPLETE (spec §6.8):
+    /// where `output` landed and, for a sink that shares or saves it, its id or file. Asked
+    /// once, after [`finish`](Sink::finish) and before COMPLETE. The default says nothing.
+    fn receipt(output: &Self::Output) -> Receipt {
+        let _ = output;
+        Receipt::new()
+    }
 }

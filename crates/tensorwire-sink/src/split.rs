@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
 use tensorwire_proto::split::{SplitAssembly, SplitId, SplitPart};
-use tensorwire_proto::{ErrorCode, Payload, ProtocolError, TensorMeta};
+use tensorwire_proto::{ErrorCode, Payload, ProtocolError, Receipt, TensorMeta};
 use tokio::sync::OnceCell;
 
 use crate::{Carrier, CreditPermit, Sink, SinkError};
@@ -513,6 +513,15 @@ impl<S: Divisible> Sink for Assembling<S> {
             Assembling::Part(_) => Err(SinkError::failed(
                 "a split tensor's part is checksummed as it arrives",
             )),
+        }
+    }
+
+    /// The whole's, from the part that completed it; a part whose whole is still landing
+    /// has nothing to say.
+    fn receipt(output: &Self::Output) -> Receipt {
+        match output {
+            Landing::Whole(whole) => S::receipt(&whole.output),
+            Landing::Part => Receipt::new(),
         }
     }
 

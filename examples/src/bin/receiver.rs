@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use tensorwire::exec::{ExecAccess, ExecConfig, ExecServer, WorkerCommand, refuse_exec};
-use tensorwire::gpu::{ChecksumOn, DeviceRequest, GpuRequirement, Placement, TensorBuffer};
+use tensorwire::gpu::{ChecksumOn, DeviceRequest, GpuRequirement, Placement};
 use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::metrics::{MetricsServer, ReceiverMetrics};
 use tensorwire::proto::TensorMeta;
@@ -26,7 +26,8 @@ use tensorwire_examples::cli::{
 use tensorwire_examples::metric_families::families;
 use tensorwire_examples::progress::{Drawing, ReceiverProgress};
 use tensorwire_examples::report::code_name;
-use tensorwire_examples::save::{OnCollision, SaveDir, SaveJob, Spooled, SpoolingSink};
+use tensorwire_examples::save::{OnCollision, SaveDir, SaveJob, SpoolingSink};
+use tensorwire_examples::sharing::{Landed, SharingSink};
 use tokio::sync::mpsc;
 
 /// Receive tensors over QUIC.
@@ -362,7 +363,7 @@ async fn main() -> anyhow::Result<()> {
         }));
     }
     let (done_tx, mut done_rx) =
-        mpsc::unbounded_channel::<(Result<Landed, Failure>, Duration, String)>();
+        mpsc::unbounded_channel::<(Result<Arrival, Failure>, Duration, String)>();
     let mut saves: tokio::task::JoinSet<Saved> = tokio::task::JoinSet::new();
     if let Some(recovery) = recovered {
         if recovery.unconfirmed_removed > 0 {
@@ -412,7 +413,7 @@ async fn main() -> anyhow::Result<()> {
             biased;
             Some((result, elapsed, origin)) = done_rx.recv() => {
                 match result {
-                    Ok(Landed::Part(meta)) => {
+                    Ok(Arrival::Part(meta)) => {
                         let rows = meta.shape().first().copied().unwrap_or(0);
                         match json {
                             true => event(serde_json::json!({
@@ -427,7 +428,7 @@ async fn main() -> anyhow::Result<()> {
                         }
                         continue;
                     }
-                    Ok(Landed::Whole(meta, buffer, spooled)) => {
+                    Ok(Arrival::Whole(meta, landed)) => {
                         finished += 1;
                         bytes += meta.byte_len();
                         match json {
@@ -435,17 +436,18 @@ async fn main() -> anyhow::Result<()> {
                                 "event": "received", "name": meta.name(),
                                 "dtype": meta.dtype().name(), "shape": meta.shape(),
                                 "bytes": meta.byte_len(), "seconds": elapsed.as_secs_f64(),
-                                "from": origin, "location": buffer.location().to_string(),
+                                "from": origin, "location": landed.location,
                             })),
                             false => tell!(
                                 "received {} {} {:?} {} in {:.3} s ({}) -> {}",
                                 meta.name(), meta.dtype(), meta.shape(), size(meta.byte_len()),
                                 elapsed.as_secs_f64(), rate(meta.byte_len(), elapsed.as_secs_f64()),
-                                buffer.location()
+                                landed.location
                             ),
                         }
-                        if let Some(service) = &share {
-                            match service.publish_buffer(&meta, buffer) {
+                        // Published before COMPLETE (the sender's receipt names the id).
+                        if let Some(published) = &landed.published {
+                            match published {
                                 Ok(shared) if json => event(serde_json::json!({
                                     "event": "shared", "name": meta.name(),
                                     "id": shared.id().to_string(),
@@ -462,7 +464,7 @@ async fn main() -> anyhow::Result<()> {
                         }
                         // Assembled from the spool off the async path; a failed write is
                         // reported, never fatal, and the spooled bytes stay until it is done.
-                        if let (Some(save), Some(spooled)) = (save.as_mut(), spooled)
+                        if let (Some(save), Some(spooled)) = (save.as_mut(), landed.spooled)
                             && let Some(job) = save.add(&origin, meta, spooled)
                         {
                             spawn_save(&mut saves, job);
@@ -553,7 +555,8 @@ async fn main() -> anyhow::Result<()> {
                         let sink = placement
                             .admit(&meta, &shares, &host, wait)
                             .await?;
-                        SpoolingSink::new(sink, spool.as_ref(), &meta, &record_origin)
+                        let sink = SpoolingSink::new(sink, spool.as_ref(), &meta, &record_origin)?;
+                        Ok(SharingSink::new(sink, share, &meta))
                     };
                     // A tensor sent whole gets a sink of its own; a part, its share of the
                     // whole's, which the whole's first part admits (spec §15).
@@ -564,11 +567,8 @@ async fn main() -> anyhow::Result<()> {
                             .finished()
                             .await
                             .map(|(meta, landing)| match landing {
-                                Landing::Whole(whole) => {
-                                    let (buffer, spooled) = whole.output;
-                                    Landed::Whole(whole.meta, buffer, spooled)
-                                }
-                                Landing::Part => Landed::Part(meta),
+                                Landing::Whole(whole) => Arrival::Whole(whole.meta, whole.output),
+                                Landing::Part => Arrival::Part(meta),
                             })
                             .map_err(|e| (e.code(), e.to_string())),
                         Err(e) => Err((Some(e.code), refuse(incoming, e))),
@@ -667,8 +667,8 @@ fn spawn_save(saves: &mut tokio::task::JoinSet<Saved>, job: SaveJob) {
 
 /// What a tensor's stream brought: a whole tensor, or a part of a split one that did not
 /// complete its whole.
-enum Landed {
-    Whole(TensorMeta, TensorBuffer, Option<Spooled>),
+enum Arrival {
+    Whole(TensorMeta, Landed),
     Part(TensorMeta),
 }
 

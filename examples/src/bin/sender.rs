@@ -273,7 +273,7 @@ async fn send(
             host.add(name, len, ended, &result, &peer);
         }
         host.elapsed = started.elapsed().as_secs_f64();
-        outcomes.push(HostOutcome::Pushed(host));
+        outcomes.push(HostOutcome::Pushed(Box::new(host)));
     }
     progress.finished().await;
     on_signal.abort();

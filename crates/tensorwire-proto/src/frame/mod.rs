@@ -117,7 +117,7 @@ impl Frame {
             Frame::Accept(_) => Accept::BODY_LEN,
             Frame::Reject(f) => f.body_len(),
             Frame::Credit(_) => Credit::BODY_LEN,
-            Frame::Complete(_) => Complete::BODY_LEN,
+            Frame::Complete(f) => f.body_len(),
             Frame::Early(_) => Early::BODY_LEN,
             Frame::EarlyCredit(_) => EarlyCredit::BODY_LEN,
         }
@@ -143,7 +143,8 @@ impl Frame {
             Frame::Reject(f) => f.encode_body(dst),
             Frame::Credit(f) => f.encode_body(dst),
             Frame::EarlyCredit(f) => f.encode_body(dst),
-            Frame::Complete(_) | Frame::Early(_) => {}
+            Frame::Complete(f) => f.encode_body(dst),
+            Frame::Early(_) => {}
         }
     }
 
@@ -185,7 +186,7 @@ pub(crate) fn check_header(ty: FrameType, len: u32, limits: &Limits) -> Result<(
         FrameType::END => wire::exact_len(ty, len, End::BODY_LEN),
         FrameType::ACCEPT => wire::exact_len(ty, len, Accept::BODY_LEN),
         FrameType::CREDIT => wire::exact_len(ty, len, Credit::BODY_LEN),
-        FrameType::COMPLETE => wire::exact_len(ty, len, Complete::BODY_LEN),
+        FrameType::COMPLETE => complete::check_len(len),
         FrameType::EARLY => wire::exact_len(ty, len, Early::BODY_LEN),
         FrameType::EARLY_CREDIT => wire::exact_len(ty, len, EarlyCredit::BODY_LEN),
         FrameType::CANCEL | FrameType::REJECT => wire::check_reason_len(ty, len, limits),
@@ -229,7 +230,7 @@ pub(crate) fn decode_body(
         FrameType::ACCEPT => Frame::Accept(Accept::decode(short_body(body, &mut short)?)?),
         FrameType::REJECT => Frame::Reject(Reject::decode(&body.contiguous())?),
         FrameType::CREDIT => Frame::Credit(Credit::decode(short_body(body, &mut short)?)?),
-        FrameType::COMPLETE => Frame::Complete(Complete),
+        FrameType::COMPLETE => Frame::Complete(Complete::decode(&body.contiguous())?),
         FrameType::EARLY => Frame::Early(Early),
         FrameType::EARLY_CREDIT => {
             Frame::EarlyCredit(EarlyCredit::decode(short_body(body, &mut short)?)?)

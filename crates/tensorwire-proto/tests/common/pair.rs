@@ -2,6 +2,7 @@
 //! with frames; every frame goes through the encoder and decoder on the way.
 
 use bytes::Bytes;
+use tensorwire_proto::Receipt;
 use tensorwire_proto::{
     CreditTracker, ErrorCode, Frame, FrameDecoder, Limits, Party, ProtocolError, ReceiverEvent,
     ReceiverState, SenderEvent, SenderState, TensorMeta, TensorReceiver, TensorSender,
@@ -120,7 +121,7 @@ impl Pair {
         }
         while let Ok(Some(frame)) = self.to_sender.next_frame() {
             match self.sender.handle_frame(frame) {
-                Ok(SenderEvent::Complete) => self.sender_result = Some(Ok(())),
+                Ok(SenderEvent::Complete(_)) => self.sender_result = Some(Ok(())),
                 Ok(_) => {}
                 Err(e) => {
                     self.sender_result.get_or_insert(Err(e));
@@ -173,7 +174,7 @@ impl Pair {
                 if self.unreleased > 0 {
                     self.release(self.unreleased);
                 }
-                self.receiver.mark_resident().unwrap();
+                self.receiver.mark_resident(Receipt::new()).unwrap();
                 self.receiver_result = Some(Ok(()));
             }
             Ok(_) => {}

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use tensorwire_proto::frame::{
     Accept, Cancel, Complete, Credit, Data, Early, EarlyCredit, End, Reject,
 };
-use tensorwire_proto::{DType, Device, ErrorCode, Frame, TensorMeta};
+use tensorwire_proto::{DType, Device, ErrorCode, Frame, Receipt, TensorMeta};
 
 /// `spec/vectors`, from this crate's directory.
 pub fn vectors_dir() -> PathBuf {
@@ -268,7 +268,22 @@ pub fn frame_vectors() -> Vec<Built<FrameVector>> {
             ),
         ),
         valid("credit", "CREDIT: 4 MiB", Credit { bytes: 4 << 20 }),
-        valid("complete", "COMPLETE", Complete),
+        valid(
+            "complete",
+            "COMPLETE without a receipt",
+            Complete::default(),
+        ),
+        valid(
+            "complete_receipt",
+            "COMPLETE with a receipt (version 1.5): landed on cuda:0, shared as \
+             4d2c1e2f-0b6a-4c47-9d1e-3a5f7c9b2e10, generation 3",
+            Complete {
+                receipt: Receipt::new()
+                    .with(Receipt::DEVICE, "cuda:0")
+                    .with(Receipt::SHARED_ID, "4d2c1e2f-0b6a-4c47-9d1e-3a5f7c9b2e10")
+                    .with(Receipt::SHARED_GENERATION, "3"),
+            },
+        ),
         valid("early", "EARLY (version 1.2)", Early),
         valid(
             "early_credit",
@@ -451,9 +466,39 @@ pub fn frame_vectors() -> Vec<Built<FrameVector>> {
         ),
         invalid(
             "complete_with_body",
-            "COMPLETE with a 1-byte body",
+            "COMPLETE with a 1-byte body (too short for a receipt's entry count)",
             ErrorCode::FRAME_MALFORMED,
             raw(0x13, 1, &[0]),
+        ),
+        invalid(
+            "complete_receipt_no_entries",
+            "COMPLETE whose receipt counts 0 entries (an empty receipt is an empty body)",
+            ErrorCode::FRAME_MALFORMED,
+            raw(0x13, 2, &[0, 0]),
+        ),
+        invalid(
+            "complete_receipt_too_long",
+            "COMPLETE announcing a 4097-byte receipt (at most 4096); refused before the body",
+            ErrorCode::FRAME_MALFORMED,
+            raw(0x13, 4097, &[]),
+        ),
+        invalid(
+            "complete_receipt_past_body",
+            "COMPLETE whose receipt entry runs past the body",
+            ErrorCode::FRAME_MALFORMED,
+            raw(0x13, 6, &[1, 0, 9, 0, b'a', b'b']),
+        ),
+        invalid(
+            "complete_receipt_bad_utf8",
+            "COMPLETE whose receipt key is not UTF-8",
+            ErrorCode::INVALID_UTF8,
+            raw(0x13, 8, &[1, 0, 2, 0, 0xc3, 0x28, 0, 0]),
+        ),
+        invalid(
+            "complete_receipt_trailing_bytes",
+            "COMPLETE with a byte after its receipt's last entry",
+            ErrorCode::FRAME_MALFORMED,
+            raw(0x13, 8, &[1, 0, 1, 0, b'k', 0, 0, 0xff]),
         ),
         invalid(
             "cancel_reason_too_long",

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use quinn::VarInt;
-use tensorwire_proto::{ErrorCode, Party};
+use tensorwire_proto::{ErrorCode, Party, Version};
 use tensorwire_sink::{Carrier, MemoryShares, PeerMembership};
 use tokio::sync::{Notify, mpsc};
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -198,6 +198,9 @@ fn join(
         }
         None => ConnectionSession::new(policy),
     };
+    // Spec §3.1: what the session sends keeps to the version the handshake selected.
+    let version = crate::tls::negotiated_version(&connection).unwrap_or(Version::V1_0);
+    session.lock().set_version(version);
     if reads_control {
         tokio::spawn(read_control_stream(connection.clone(), session.clone()));
     }

@@ -1,5 +1,6 @@
 //! A [`SendHandle`]: one tensor being sent, its progress, its cancellation and its end.
 
+use tensorwire_proto::Receipt;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
@@ -69,6 +70,9 @@ impl SendHandle {
                 .map(|(i, part)| async move { (i, part.finished().await) })
                 .collect();
             let (mut bytes, mut waited, mut cancelling) = (0, SendWaits::default(), false);
+            // The part that completed the whole at the receiver answers for the whole (spec
+            // §15.2): its receipt says most; the others', where each part landed.
+            let mut receipt = Receipt::new();
             loop {
                 let joined = tokio::select! {
                     joined = waiting.join_next() => joined,
@@ -85,6 +89,9 @@ impl SendHandle {
                     Ok(report) => {
                         bytes += report.bytes;
                         waited += report.waited;
+                        if report.receipt.entries().len() > receipt.entries().len() {
+                            receipt = report.receipt;
+                        }
                     }
                     Err(e) => {
                         cancel_all();
@@ -97,6 +104,7 @@ impl SendHandle {
                 bytes,
                 elapsed: started.elapsed(),
                 waited,
+                receipt,
             })
         });
         SendHandle {

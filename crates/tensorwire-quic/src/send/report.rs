@@ -5,6 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use tensorwire_proto::Receipt;
+
 /// What a completed send did.
 #[derive(Clone, Debug)]
 pub struct SendReport {
@@ -14,6 +16,9 @@ pub struct SendReport {
     pub elapsed: Duration,
     /// What the send waited for, and how long: which side held it up.
     pub waited: SendWaits,
+    /// What the receiver made of the tensor (spec §6.8): where it landed, the id local
+    /// processes open it by, where it was saved. Empty from a receiver older than 1.5.
+    pub receipt: Receipt,
 }
 
 /// How long a send waited for each thing it needs; the rest of its time is its own work

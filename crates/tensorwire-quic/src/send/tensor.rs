@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use quinn::VarInt;
-use tensorwire_proto::{ErrorCode, Limits, OutgoingEvent, StreamId, TensorMeta, TensorSender};
+use tensorwire_proto::{
+    ErrorCode, Limits, OutgoingEvent, Receipt, StreamId, TensorMeta, TensorSender,
+};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
@@ -116,15 +118,16 @@ pub(crate) async fn send_tensor(
             tensor.stream.delivered(CANCEL_GRACE).await;
         }
         count.metrics.add_bytes(bytes);
-        outcome.map(|()| bytes)
+        outcome.map(|receipt| (bytes, receipt))
     }
     .await;
     count.finish(result.as_ref().map(drop).map_err(TransportError::code));
     debug!(ok = result.is_ok(), elapsed = ?started.elapsed(), "send finished");
-    result.map(|bytes| SendReport {
+    result.map(|(bytes, receipt)| SendReport {
         bytes,
         elapsed: started.elapsed(),
         waited,
+        receipt,
     })
 }
 
@@ -222,7 +225,7 @@ impl OutgoingTensor {
         cancel: Option<&CancellationToken>,
         options: SendOptions,
         waited: &mut SendWaits,
-    ) -> Result<(), TransportError> {
+    ) -> Result<Receipt, TransportError> {
         let chunk_size = options.chunk_size;
         let id = self.id;
         // Read once: quinn locks the connection's state for it, which its driver holds while
@@ -291,15 +294,14 @@ impl OutgoingTensor {
             }
             let reply = next_reply(&mut self.stream, connection, &self.session, id);
             let frame = timed(&mut waited.receiver, unless_cancelled(cancel, reply)).await?;
-            if self
+            let reply = self
                 .session
                 .lock()
-                .handle_reply(id, frame, Instant::now())?
-                == OutgoingEvent::Complete
-            {
+                .handle_reply(id, frame, Instant::now())?;
+            if let OutgoingEvent::Complete(receipt) = reply {
                 // The receiver's FIN comes with COMPLETE.
                 self.stream.read_fin_if_arrived();
-                return Ok(());
+                return Ok(receipt);
             }
         }
     }

@@ -189,8 +189,10 @@ impl Accepted {
                 SinkError::failed(format!("sink finished with {left} bytes not durable")).into(),
             );
         }
-        // Spec §6.8: COMPLETE only now, with every byte verified and durable.
-        self.connection.session().mark_resident(self.id)?;
+        // Spec §6.8: COMPLETE only now, with every byte verified and durable, saying what
+        // the sink made of the tensor.
+        let receipt = S::receipt(&output);
+        self.connection.session().mark_resident(self.id, receipt)?;
         self.flush().await?;
         // COMPLETE is our half's last frame: its FIN goes in the same packet.
         self.stream.finish();
