@@ -21,7 +21,7 @@ def main(argv):
             print("late opened before it was published")
             return 1
         except ShareError as e:
-            assert e.code == "not_found", e
+            assert e.code_name == "not_found", e
         with client.watch("live.") as watch:
             print("READY", flush=True)
             events = [watch.next(timeout=10) for _ in range(2)]

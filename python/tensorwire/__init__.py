@@ -20,14 +20,14 @@ import struct
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _native
 
 if TYPE_CHECKING:
     import numpy as np
-from .errors import ReceiveTimeout, ReceiverClosed, TensorwireError
+from .errors import ReceiveTimeout, ReceiverClosed, ShareError, TensorwireError
 
 __all__ = [
     "GpuStatus",
@@ -44,6 +44,7 @@ __all__ = [
     "SendWaits",
     "Sender",
     "TensorwireError",
+    "ShareError",
     "devices",
     "pinned_datagram_stats",
     "send",
@@ -124,6 +125,26 @@ class SendResult:
     seconds: float
     #: What the send waited for, and how long.
     waited: SendWaits = SendWaits()
+    #: What the receiver made of the tensor (spec §6.8): ``tensorwire.device`` where it
+    #: landed, ``tensorwire.shared.id`` and ``tensorwire.shared.generation`` when it shares
+    #: it with local processes. Empty from a receiver older than protocol 1.5.
+    receipt: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def device(self) -> Optional[str]:
+        """Where the tensor landed: ``"cuda:0"``, ``"host"``, or None if not said."""
+        return self.receipt.get("tensorwire.device")
+
+    @property
+    def shared_id(self) -> Optional[str]:
+        """The id local processes open the tensor by, when the receiver shares it."""
+        return self.receipt.get("tensorwire.shared.id")
+
+    @property
+    def shared_generation(self) -> Optional[int]:
+        """The shared tensor's generation (1 when first shared), when the receiver shares it."""
+        value = self.receipt.get("tensorwire.shared.generation")
+        return int(value) if value is not None and value.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -440,18 +461,31 @@ def _native_progress(
     return call
 
 
+def _receipt(entries: List[Tuple[str, str]]) -> Dict[str, str]:
+    """A receipt's entries as a dict: the first of a repeated key wins, as in attributes."""
+    receipt: Dict[str, str] = {}
+    for key, value in entries:
+        receipt.setdefault(key, value)
+    return receipt
+
+
 def _sent(results: List[Tuple], failures: List[TensorwireError], progress: Any) -> List[SendResult]:
     """The results of a send; raises the first failure, carrying the rest."""
     if progress is True and sys.stderr.isatty():
         print(file=sys.stderr)  # ends the progress line
-    out = [SendResult(name, nbytes, seconds, SendWaits(*waited)) for name, nbytes, seconds, waited in results]
+    out = [
+        SendResult(name, nbytes, seconds, SendWaits(*waited), _receipt(entries))
+        for name, nbytes, seconds, waited, entries in results
+    ]
     if failures:
         first = failures[0]
         first.sent, first.failures = out, list(failures)
         raise first
     if progress is True:
         for r in out:
-            print(f"sent {r.name}: {r.nbytes} bytes in {r.seconds:.3f} s (waited: {r.waited})")
+            landed = f" -> {r.device}" if r.device else ""
+            shared = f", shared as {r.shared_id}" if r.shared_id else ""
+            print(f"sent {r.name}: {r.nbytes} bytes in {r.seconds:.3f} s{landed}{shared} (waited: {r.waited})")
     return out
 
 
@@ -655,6 +689,14 @@ class ReceivedTensor:
 
     def __dlpack_device__(self) -> Tuple[int, int]:
         return self._t.__dlpack_device__()
+
+    @property
+    def __cuda_array_interface__(self) -> Dict[str, Any]:
+        """The CUDA Array Interface (v3) of a tensor on the GPU (CuPy, Numba, PyTorch read
+        it): the same memory, no copy, valid while this object holds it. BF16 and FP8 appear
+        as bytes (shape ``(nbytes,)``). Host tensors, and tensors handed over through DLPack
+        or released, have none (AttributeError)."""
+        return dict(self._t.__cuda_array_interface__)
 
     def tobytes(self) -> bytes:
         """A host copy of the bytes."""

@@ -24,6 +24,7 @@ import os
 import socket
 
 from . import _cuda, _dlpack
+from ._errors import TensorwireError
 
 PROTOCOL_VERSION = 2
 MAX_MESSAGE = 64 * 1024
@@ -36,12 +37,13 @@ _NUMPY_TYPES = {
 }
 
 
-class ShareError(Exception):
-    """The producer refused a request; `code` is its error code (spec/ipc.md section 2)."""
+class ShareError(TensorwireError):
+    """The producer refused a request, or answered what this consumer cannot use. A
+    :class:`TensorwireError` whose `code_name` is the sharing protocol's error code
+    (spec/ipc.md section 2, e.g. ``"not_found"``); `code` is None, as it is no wire code."""
 
-    def __init__(self, code, message):
-        super().__init__(f"{code}: {message}")
-        self.code = code
+    def __init__(self, code_name: str, message: str) -> None:
+        super().__init__(f"{code_name}: {message}", code_name=code_name)
         self.message = message
 
 

@@ -134,6 +134,9 @@ def test_numpy_arrays_of_every_dtype_land_bit_exact_in_the_rust_receiver(tmp_pat
         for r in results:
             assert 0 < r.waited.receiver <= r.seconds, r
             assert r.waited.turn == 0 and r.waited.transport >= 0 and r.waited.source >= 0, r
+            # Spec §6.8: the receiver says where it landed; it shares nothing here.
+            assert r.device == "host" and r.receipt["tensorwire.device"] == "host", r
+            assert r.shared_id is None and r.shared_generation is None, r
         out = rx.wait()
     finally:
         rx.stop()
@@ -261,6 +264,8 @@ def test_host_tensors_are_handed_to_numpy_without_a_copy():
         np.testing.assert_array_equal(array, np.arange(1000, dtype=np.float64))
         with pytest.raises(RuntimeError, match="already handed over"):
             t.tobytes()
+        # Host memory has no CUDA Array Interface, so frameworks look for another way.
+        assert not hasattr(t, "__cuda_array_interface__")
 
 
 def test_a_received_tensor_is_forwarded_through_dlpack():
@@ -550,6 +555,13 @@ def test_host_arrays_published_from_python_are_read_by_other_processes():
         read = subprocess.run([sys.executable, "-c", code, str(sock)], capture_output=True, text=True, timeout=30)
         assert read.returncode == 0, read.stderr
         assert int(read.stdout.strip()) == int(array.sum())
+        # One hierarchy: the consumer's refusals are TensorwireErrors too, named by code.
+        from tensorwire_ipc import Client
+
+        with Client(sock) as client, pytest.raises(tensorwire.ShareError) as refused:
+            client.open("absent")
+        assert isinstance(refused.value, TensorwireError), refused.value
+        assert refused.value.code_name == "not_found" and refused.value.code is None, refused.value
         service.delete("ids")
         assert service.names() == []
         with pytest.raises(TensorwireError):
@@ -644,6 +656,37 @@ def test_received_gpu_tensors_go_to_torch_with_no_copy_and_back_to_the_pool():
         assert after["served"] - pinned["served"] >= 1000, (pinned, after)
         # How far into the region slots were lent is reported, and within it.
         assert 0 < after["reached"] <= after["capacity"], after
+
+
+def test_received_gpu_tensors_have_the_cuda_array_interface():
+    torch = cuda_or_skip()
+    with tensorwire.Receiver(device="cuda:0", require_gpu=True) as rx:
+        w = torch.randn(64, 32, device="cuda:0")
+        h = torch.randn(100, device="cuda:0").to(torch.bfloat16)
+        tensorwire.send(rx.address, {"w": w, "h": h})
+        got = {t.name: t for t in (rx.recv(timeout=60) for _ in range(2))}
+        cai = got["w"].__cuda_array_interface__
+        assert cai["shape"] == (64, 32) and cai["typestr"] == "<f4" and cai["version"] == 3, cai
+        assert cai["data"] == (got["w"].data_ptr, False), cai
+        # PyTorch reads the interface with no copy: the same device memory.
+        x = torch.as_tensor(got["w"], device="cuda:0")
+        assert x.data_ptr() == got["w"].data_ptr and torch.equal(x, w)
+        # BF16 has no interface type: its bytes.
+        raw = got["h"].__cuda_array_interface__
+        assert raw["shape"] == (200,) and raw["typestr"] == "|u1", raw
+        try:
+            import cupy
+        except ImportError:
+            cupy = None
+        if cupy is not None:
+            c = cupy.asarray(got["w"])
+            assert c.data.ptr == got["w"].data_ptr
+            assert cupy.asnumpy(c).tobytes() == w.cpu().numpy().tobytes()
+        del x
+        # Handed over through DLPack, the tensor no longer offers its memory another way.
+        y = torch.from_dlpack(got["w"])
+        assert not hasattr(got["w"], "__cuda_array_interface__")
+        del y
 
 
 def test_a_tensor_published_from_python_is_mapped_by_rust_and_python_and_written_in_place():

@@ -3,12 +3,12 @@
 use std::net::SocketAddr;
 use std::sync::{Mutex, PoisonError};
 
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyAttributeError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 use tensorwire::gpu::TensorBuffer;
 use tensorwire::gpu::dlpack::{KDL_CPU, KDL_CUDA};
-use tensorwire::proto::TensorMeta;
+use tensorwire::proto::{DType, TensorMeta};
 
 use crate::dlpack::{capsule, refuse_copy};
 
@@ -131,6 +131,48 @@ impl ReceivedTensor {
         capsule(py, self.take()?, &self.meta)
     }
 
+    /// The CUDA Array Interface (version 3) of a tensor on the GPU, for CuPy, Numba and
+    /// PyTorch: the same memory, no copy, readable from any stream (the bytes have landed),
+    /// valid while this object lives and holds it. BF16 and FP8, which have no array-interface
+    /// type, appear as bytes of shape `(nbytes,)`. Host tensors, and tensors handed over
+    /// (DLPack) or released, have none: AttributeError.
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        if self.location.0 != KDL_CUDA {
+            return Err(PyAttributeError::new_err(
+                "a tensor in host memory has no __cuda_array_interface__ (use numpy())",
+            ));
+        }
+        let held = self
+            .buffer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some();
+        if !held {
+            return Err(PyAttributeError::new_err(format!(
+                "{} was already handed over (DLPack) or released",
+                self.meta.name()
+            )));
+        }
+        let interface = PyDict::new(py);
+        match array_interface_type(self.meta.dtype()) {
+            Some(typestr) => {
+                interface.set_item("shape", PyTuple::new(py, self.meta.shape())?)?;
+                interface.set_item("typestr", typestr)?;
+            }
+            None => {
+                interface.set_item("shape", (self.meta.byte_len(),))?;
+                interface.set_item("typestr", "|u1")?;
+            }
+        }
+        // Not read-only: writes are the holder's to make, as through DLPack.
+        interface.set_item("data", (self.data_ptr, false))?;
+        interface.set_item("version", 3)?;
+        interface.set_item("strides", py.None())?;
+        interface.set_item("stream", py.None())?;
+        Ok(interface)
+    }
+
     /// A copy of the bytes in host memory (for dtypes NumPy lacks, or to keep a copy).
     fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let guard = self.buffer.lock().unwrap_or_else(PoisonError::into_inner);
@@ -162,4 +204,25 @@ impl ReceivedTensor {
             self.device()
         )
     }
+}
+
+/// The array-interface type string of `dtype` (little-endian), if it has one: NumPy's types
+/// lack BF16 and FP8.
+fn array_interface_type(dtype: DType) -> Option<&'static str> {
+    Some(match dtype {
+        DType::Bool => "|b1",
+        DType::U8 => "|u1",
+        DType::I8 => "|i1",
+        DType::U16 => "<u2",
+        DType::I16 => "<i2",
+        DType::U32 => "<u4",
+        DType::I32 => "<i4",
+        DType::U64 => "<u8",
+        DType::I64 => "<i8",
+        DType::F16 => "<f2",
+        DType::F32 => "<f4",
+        DType::F64 => "<f8",
+        // BF16, FP8, and any type a later version adds.
+        _ => return None,
+    })
 }

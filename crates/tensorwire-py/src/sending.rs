@@ -436,9 +436,15 @@ pub(crate) fn wait_interruptibly<T: Send + 'static>(
     }
 }
 
-/// What `send` returns for one tensor: its name, bytes, seconds, and the seconds it waited
-/// for the receiver, its source, QUIC and its turn.
-pub(crate) type SentTensor = (String, u64, f64, (f64, f64, f64, f64));
+/// What `send` returns for one tensor: its name, bytes, seconds, the seconds it waited for
+/// the receiver, its source, QUIC and its turn, and the receiver's receipt (spec §6.8).
+pub(crate) type SentTensor = (
+    String,
+    u64,
+    f64,
+    (f64, f64, f64, f64),
+    Vec<(String, String)>,
+);
 
 pub(crate) fn sent_tensor(name: String, report: &tensorwire::quic::SendReport) -> SentTensor {
     let waited = &report.waited;
@@ -452,5 +458,6 @@ pub(crate) fn sent_tensor(name: String, report: &tensorwire::quic::SendReport) -
             waited.transport.as_secs_f64(),
             waited.turn.as_secs_f64(),
         ),
+        report.receipt.entries().to_vec(),
     )
 }
