@@ -337,6 +337,59 @@ def _npy_items(path: Union[str, os.PathLike]) -> List[Tuple]:
     return [_item(name, array)]
 
 
+def _wav_items(path: str) -> List[Tuple]:
+    """A .wav file's samples as F32 in [-1, 1), shape [frames] (mono) or [frames, channels],
+    with ``sample_rate`` and ``channels`` attributes: what ``sender`` makes of it. PCM of 8
+    to 32 bits and IEEE float of 32 or 64 bits."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise TensorwireError(f"{path}: not a .wav file (no RIFF/WAVE header)")
+    fmt, samples, at = None, None, 12
+    while at + 8 <= len(data):
+        chunk, size = data[at : at + 4], struct.unpack_from("<I", data, at + 4)[0]
+        body = data[at + 8 : at + 8 + size]
+        if len(body) < size:
+            raise TensorwireError(f"{path}: the {chunk!r} chunk ends early")
+        if chunk == b"fmt " and size >= 16:
+            fmt = struct.unpack_from("<HHIIHH", body)
+            if fmt[0] == 0xFFFE and size >= 26:  # WAVE_FORMAT_EXTENSIBLE: the subformat's tag
+                fmt = (struct.unpack_from("<H", body, 24)[0],) + fmt[1:]
+        elif chunk == b"data":
+            samples = body
+        at += 8 + size + (size & 1)
+    if fmt is None or samples is None:
+        raise TensorwireError(f"{path}: a .wav file needs a 'fmt ' and a 'data' chunk")
+    tag, channels, rate, _, block, bits = fmt
+    kinds = {(1, 8): "u1", (1, 16): "<i2", (1, 32): "<i4", (3, 32): "<f4", (3, 64): "<f8"}
+    if channels == 0 or block != channels * ((bits + 7) // 8):
+        raise TensorwireError(f"{path}: {channels} channels in blocks of {block} bytes do not add up")
+    if (tag, bits) == (1, 24):
+        raw = np.frombuffer(samples[: len(samples) - len(samples) % 3], dtype=np.uint8).reshape(-1, 3)
+        ints = (raw[:, 0].astype(np.int32) | raw[:, 1].astype(np.int32) << 8 | raw[:, 2].astype(np.int32) << 16)
+        values = ((ints << 8) >> 8).astype(np.float32) / float(1 << 23)
+    elif (tag, bits) in kinds:
+        kind = np.dtype(kinds[(tag, bits)])
+        raw = np.frombuffer(samples[: len(samples) - len(samples) % kind.itemsize], dtype=kind)
+        if tag == 3:
+            values = raw.astype(np.float32)
+        elif bits == 8:  # unsigned, centred on 128
+            values = (raw.astype(np.float32) - 128.0) / 128.0
+        else:
+            values = raw.astype(np.float32) / float(1 << (bits - 1))
+    else:
+        raise TensorwireError(f"{path}: WAV format {tag} with {bits}-bit samples is not supported (PCM 8-32, float 32/64)")
+    frames = len(values) // channels
+    values = np.ascontiguousarray(values[: frames * channels])
+    shaped = values if channels == 1 else values.reshape(frames, channels)
+    name = os.path.splitext(os.path.basename(path))[0]
+    item = _item(name, shaped)
+    item[5].extend([("sample_rate", str(rate)), ("channels", str(channels))])
+    return [item]
+
+
 def _safetensors_items(path: Union[str, os.PathLike]) -> List[Tuple]:
     """Every tensor of a .safetensors file, read in place from the file by the sender, with
     the attributes that let a receiver rebuild the file."""
@@ -389,10 +442,14 @@ def send(
     device: Optional[str] = None,
     progress: Union[bool, Callable[[SendProgress], None]] = False,
     transport: str = "auto",
+    attributes: Optional[Mapping[str, str]] = None,
 ) -> List[SendResult]:
     """Sends `tensors` (a name → tensor mapping, or a .safetensors path) to the receiver at
-    `addr` ("host:port"), or a ``.npy`` path (one tensor, named after the file), and returns
-    once each is acknowledged.
+    `addr` ("host:port"), or a ``.npy`` or ``.wav`` path (one tensor, named after the file: a
+    WAV's samples as F32, shape ``[frames]`` or ``[frames, channels]``, with ``sample_rate``
+    and ``channels`` attributes, as ``sender`` reads it), and returns once each is
+    acknowledged. `attributes` (string keys and values) go with every tensor, beside any the
+    file gives; keys starting ``tensorwire.`` are the protocol's and refused.
 
     GPU tensors (PyTorch CUDA, CuPy) are read from device memory a chunk at a time, never
     copied to the host whole; host buffers are sent without a copy. `connections` (default:
@@ -415,7 +472,7 @@ def send(
     """
     results, failures = _native.send(
         addr,
-        _items(tensors),
+        _items(tensors, attributes),
         connections=connections,
         split=split,
         ca=ca,
@@ -433,18 +490,42 @@ def send(
 Tensors = Union[Mapping[str, Any], str, "os.PathLike[str]"]
 
 
-def _items(tensors: Tensors) -> List[Tuple]:
-    """What the native sender takes for `tensors`, each marked with this send's run."""
-    if isinstance(tensors, (str, os.PathLike)) and os.fspath(tensors).endswith(".npy"):
-        items = _npy_items(tensors)
-    elif isinstance(tensors, (str, os.PathLike)):
-        items = _safetensors_items(tensors)
+def _items(tensors: Tensors, attributes: Optional[Mapping[str, str]] = None) -> List[Tuple]:
+    """What the native sender takes for `tensors`, each with the user's `attributes` and
+    marked with this send's run."""
+    user = _user_attributes(attributes)
+    if isinstance(tensors, (str, os.PathLike)):
+        items = _file_items(os.fspath(tensors))
     else:
         items = [_item(str(name), obj) for name, obj in tensors.items()]
     run = f"python-{os.getpid()}-{time.time_ns()}"
     for item in items:
+        item[5].extend(user)
         item[5].append((_SENDER_ATTR, run))
     return items
+
+
+def _file_items(path: str) -> List[Tuple]:
+    """The tensors of a file, by its suffix: .npy, .wav, else .safetensors."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".npy":
+        return _npy_items(path)
+    if suffix == ".wav":
+        return _wav_items(path)
+    return _safetensors_items(path)
+
+
+def _user_attributes(attributes: Optional[Mapping[str, str]]) -> List[Tuple[str, str]]:
+    """`attributes` as the wire's pairs; keys of the protocol's own (``tensorwire.``) are
+    refused, so that a user's cannot pass for a split part or a file's layout."""
+    pairs = []
+    for key, value in (attributes or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"attribute {key!r}: keys and values are strings (got {type(value).__name__})")
+        if key.startswith("tensorwire."):
+            raise ValueError(f"attribute {key!r}: keys starting 'tensorwire.' are the protocol's")
+        pairs.append((key, value))
+    return pairs
 
 
 def _native_progress(
@@ -535,10 +616,11 @@ class Sender:
         split: bool = True,
         device: Optional[str] = None,
         progress: Union[bool, Callable[["SendProgress"], None]] = False,
+        attributes: Optional[Mapping[str, str]] = None,
     ) -> List[SendResult]:
         """Sends `tensors` as :func:`send` does, over the open connections."""
         results, failures = self._native.send(
-            _items(tensors), split=split, device=device, progress=_native_progress(progress)
+            _items(tensors, attributes), split=split, device=device, progress=_native_progress(progress)
         )
         return _sent(results, failures, progress)
 

@@ -456,6 +456,47 @@ def test_a_npy_path_is_sent_as_one_tensor_named_after_the_file(tmp_path):
         tensorwire.send("127.0.0.1:9", tmp_path / "weights.bin")
 
 
+def write_float_wav(path, samples, rate, channels):
+    """A 32-bit float WAV (format 3), which the standard library's wave module cannot write."""
+    data = np.asarray(samples, dtype="<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, channels, rate, rate * 4 * channels, 4 * channels, 32)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    path.write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
+
+
+def test_a_wav_path_lands_as_the_rust_sender_sends_it_with_user_attributes(tmp_path):
+    import wave
+
+    pcm = np.array([[0, 1000], [-32768, 32767], [12, -12]], dtype="<i2")
+    with wave.open(str(tmp_path / "speech.wav"), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(pcm.tobytes())
+    write_float_wav(tmp_path / "tone.wav", [0.5, -0.25, 1.0], 44100, 1)
+    with tensorwire.Receiver(device="host") as rx:
+        tensorwire.send(rx.address, tmp_path / "speech.wav", attributes={"speaker": "ana"})
+        ours = rx.recv(timeout=30)
+        sent = subprocess.run([program("sender"), "--connect", rx.address, "--quiet", str(tmp_path / "speech.wav")],
+                              capture_output=True, text=True, timeout=60)
+        assert sent.returncode == 0, sent.stderr
+        theirs = rx.recv(timeout=30)
+        tensorwire.send(rx.address, tmp_path / "tone.wav")
+        tone = rx.recv(timeout=30)
+        with pytest.raises(ValueError, match="protocol's"):
+            tensorwire.send(rx.address, {"x": b"abc"}, attributes={"tensorwire.split.id": "0"})
+        with pytest.raises(TypeError, match="strings"):
+            tensorwire.send(rx.address, {"x": b"abc"}, attributes={"rate": 16000})  # type: ignore[dict-item]
+    assert (ours.name, ours.dtype, ours.shape) == ("speech", "F32", (3, 2))
+    assert ours.tobytes() == theirs.tobytes(), "the same samples as the Rust sender"
+    np.testing.assert_array_equal(ours.numpy(), pcm.astype(np.float32) / 32768)
+    assert ours.attributes["sample_rate"] == "16000" and ours.attributes["channels"] == "2"
+    assert ours.attributes["speaker"] == "ana"
+    assert {k: theirs.attributes[k] for k in ("sample_rate", "channels")} == {"sample_rate": "16000", "channels": "2"}
+    assert (tone.shape, tone.attributes["sample_rate"]) == ((3,), "44100")
+    np.testing.assert_array_equal(tone.numpy(), np.array([0.5, -0.25, 1.0], dtype=np.float32))
+
+
 def connections_open(rx):
     """The receiver's open connections, from its metrics."""
     now = samples(rx.metrics_text())
