@@ -5,16 +5,13 @@
 //   torch_consumer SOCKET NAME...
 //
 // For each NAME (waiting up to 10 s for it): prints its dtype, shape, device and the sum of
-// its bytes computed by LibTorch where the tensor lives. Build against the LibTorch of a
-// PyTorch install (from the repository root, after `cargo build --release -p tensorwire-c`):
+// its bytes computed by LibTorch where the tensor lives. Build against the LibTorch of the
+// PyTorch that python3 imports (a virtual environment's too), after
+// `cargo build --release -p tensorwire-c`:
 //
-//   TORCH=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')
-//   g++ -std=c++17 crates/tensorwire-c/examples/torch_consumer.cpp \
-//       -I crates/tensorwire-c/include -I $TORCH/include \
-//       -I $TORCH/include/torch/csrc/api/include \
-//       -L $TORCH/lib -Wl,-rpath,$TORCH/lib -Wl,--no-as-needed -ltorch_cuda -ltorch \
-//       -ltorch_cpu -lc10_cuda -lc10 -Wl,--as-needed \
-//       -L target/release -ltensorwire_c -Wl,-rpath,$PWD/target/release -o torch_consumer
+//   make -C crates/tensorwire-c/examples torch_consumer      # or PYTHON=.venv/bin/python
+//
+// (its flags come from torch_flags.py: the C++ standard and ABI PyTorch needs, its paths).
 #include <torch/torch.h>
 
 #include <cstdio>

@@ -1,4 +1,4 @@
-/* tensorwire: map tensors a tensorwire receiver shares (spec/ipc.md) from C or C++. */
+/* tensorwire: map tensors a tensorwire receiver shares, or share your own (spec/ipc.md), from C or C++. */
 
 #ifndef TENSORWIRE_H
 #define TENSORWIRE_H
@@ -35,11 +35,18 @@
 // A connection to a producer's sharing socket.
 typedef struct tw_client tw_client;
 
+// A sharing socket this process publishes tensors on.
+typedef struct tw_share tw_share;
+
 // A mapped tensor under a lease.
 typedef struct tw_tensor tw_tensor;
 
 // A stream of events for names under a prefix.
 typedef struct tw_watch tw_watch;
+
+// Called once the memory a publication lent is no longer used (the name was replaced or
+// deleted and the last consumer's lease ended, or publishing failed): free it then.
+typedef void (*tw_release_fn)(void *context);
 
 #ifdef __cplusplus
 extern "C" {
@@ -73,6 +80,75 @@ void tw_client_close(struct tw_client *client);
 // # Safety
 // `client` is from [`tw_connect`]; `json_out` points to writable storage for a pointer.
 int tw_list_json(struct tw_client *client, char **json_out);
+
+// Starts sharing on the Unix socket `socket_path` (its directory is made mode 0700; a
+// stale socket of a process that is gone is replaced) and stores the service in `*out`.
+// `on_existing` says what a name published again does: `"replace"` (NULL: the default;
+// consumers of the old tensor keep it until they release it), `"in-place"` (its bytes are
+// copied into the memory shared already) or `"reject"`.
+//
+// # Safety
+// `socket_path` is a NUL-terminated string, `on_existing` NULL or one; `out` points to
+// writable storage for a pointer.
+int tw_share_start(const char *socket_path, const char *on_existing, struct tw_share **out);
+
+// Stops sharing: the socket is removed and no new consumer connects. Tensors consumers
+// hold stay mapped until they release them (their memory is released then). NULL is
+// ignored.
+//
+// # Safety
+// `share` is NULL or from [`tw_share_start`], not stopped before.
+void tw_share_stop(struct tw_share *share);
+
+// Publishes `len` bytes of host memory at `data` as the tensor `name` of `dtype` and
+// `shape`: copied once into shared memory (the caller keeps its buffer). Stores the name's
+// generation (1 when first published) in `*generation` if it is not NULL.
+//
+// # Safety
+// `share` is from [`tw_share_start`]; `name` and `dtype` are NUL-terminated strings;
+// `shape` points to `ndim` values; `data` to `len` readable bytes; `generation` is NULL or
+// writable.
+int tw_share_publish_host(struct tw_share *share,
+                          const char *name,
+                          const char *dtype,
+                          const uint64_t *shape,
+                          uintptr_t ndim,
+                          const void *data,
+                          uint64_t len,
+                          uint64_t *generation);
+
+// Publishes `len` bytes of GPU memory at `device_ptr` on CUDA device `device` (this
+// process's ordinal) as the tensor `name` of `dtype` and `shape`, with no copy: consumers
+// map the `cudaMalloc` allocation it lies in (so a tensor a framework's caching allocator
+// carved out of a larger block works, and the block's other bytes are mapped too) and see
+// each other's writes. The memory must stay allocated until `release(context)` is called
+// (once: when the name was replaced or deleted and the last consumer let go, or when
+// publishing fails); `release` may be NULL. VMM memory (`cuMemCreate`, such as PyTorch's
+// expandable segments) is refused with `TW_ERR_MEMORY`. Queue no more writes to the memory
+// before publishing: consumers read it as it is.
+//
+// # Safety
+// As [`tw_share_publish_host`]; `device_ptr..device_ptr + len` is device memory of
+// `device`'s primary context (the CUDA runtime's) that stays allocated until `release`;
+// `release` may be called with `context` from any thread.
+int tw_share_publish_device(struct tw_share *share,
+                            const char *name,
+                            const char *dtype,
+                            const uint64_t *shape,
+                            uintptr_t ndim,
+                            uint64_t device_ptr,
+                            uint64_t len,
+                            int device,
+                            tw_release_fn release,
+                            void *context,
+                            uint64_t *generation);
+
+// Unshares `name`: new opens fail; consumers holding it keep it until they release it.
+// Returns [`TW_OK`], or `TW_ERR_REFUSED` for a name not shared.
+//
+// # Safety
+// `share` is from [`tw_share_start`]; `name` is a NUL-terminated string.
+int tw_share_delete(struct tw_share *share, const char *name);
 
 // Opens the tensor `name` (or id) under a lease, waiting up to `wait_ms` milliseconds for a
 // name not yet shared (0: no wait), and stores it in `*out`. GPU memory is mapped on this

@@ -1,7 +1,9 @@
-//! The C ABI of tensorwire's sharing consumer (spec/ipc.md): a C or C++ process connects to
-//! a receiver's sharing socket, lists, waits for and opens tensors (host memory as a pointer,
-//! GPU memory as a device pointer on this process's ordinal), writes them in place, and
-//! watches names for updates. The header is `include/tensorwire.h` (cbindgen).
+//! The C ABI of tensorwire's local sharing (spec/ipc.md). As a consumer, a C or C++ process
+//! connects to a receiver's sharing socket, lists, waits for and opens tensors (host memory
+//! as a pointer, GPU memory as a device pointer on this process's ordinal), writes them in
+//! place, and watches names for updates. As a producer, it shares its own host or GPU
+//! tensors (a LibTorch process's, in PyTorch's own memory) on a socket of its own. The header
+//! is `include/tensorwire.h` (cbindgen).
 //!
 //! Conventions: functions return 0 on success and a negative `TW_ERR_*` code on failure, with
 //! the reason for the calling thread in [`tw_last_error`]. Objects are opaque pointers freed
@@ -12,17 +14,22 @@
     unsafe_code,
     reason = "a C ABI: raw pointers cross it; each block says why it is sound"
 )]
-#![allow(non_camel_case_types)] // The C names of the opaque types: tw_client, tw_tensor, tw_watch.
+#![allow(non_camel_case_types)] // The C names of the types: tw_client, tw_share, tw_release_fn, …
 
 use std::ffi::c_int;
 
 mod boundary;
 mod client;
+mod producer;
 mod tensor;
 mod watch;
 
 pub use boundary::{tw_last_error, tw_string_free};
 pub use client::{tw_client, tw_client_close, tw_connect, tw_list_json};
+pub use producer::{
+    tw_release_fn, tw_share, tw_share_delete, tw_share_publish_device, tw_share_publish_host,
+    tw_share_start, tw_share_stop,
+};
 pub use tensor::{
     tw_open, tw_tensor, tw_tensor_byte_len, tw_tensor_device_ordinal, tw_tensor_device_ptr,
     tw_tensor_dtype, tw_tensor_generation, tw_tensor_host_ptr, tw_tensor_name, tw_tensor_ndim,

@@ -195,8 +195,7 @@ impl Destinations {
                         "but this receiver lands tensors in {lands}"
                     )));
                 };
-                let dest =
-                    crate::buffer::CudaBuffer::from_owned(range.landing_allocation()?, range.len());
+                let dest = crate::buffer::CudaBuffer::from_owned(range.allocation()?, range.len());
                 // `sink_into` refuses a destination on another device than its staging.
                 LandIn::Device(gpu.sink_into(dest).map_err(|e| elsewhere(e.to_string()))?)
             }

@@ -37,6 +37,12 @@ enum Backing {
     CallerOwned {
         _owner: Box<dyn std::any::Any + Send + Sync>,
     },
+    /// A whole `cuMemAlloc` allocation of another allocator (a framework's), shared through
+    /// its legacy IPC handle: `owner` keeps the tensor in it allocated; never freed here.
+    Borrowed {
+        ipc_handle: OnceLock<IpcHandle>,
+        _owner: Box<dyn std::any::Any + Send + Sync>,
+    },
 }
 
 impl std::fmt::Debug for DeviceAllocation {
@@ -128,10 +134,11 @@ impl DeviceAllocation {
         }
     }
 
-    /// How the memory was allocated, which says how it can be shared.
+    /// How the memory was allocated, which says how it can be shared (another allocator's
+    /// `cuMemAlloc` memory is `Legacy`: shared the same way, though never freed here).
     pub fn kind(&self) -> DeviceMemoryKind {
         match *self.backing {
-            Backing::Legacy { .. } => DeviceMemoryKind::Legacy,
+            Backing::Legacy { .. } | Backing::Borrowed { .. } => DeviceMemoryKind::Legacy,
             Backing::Vmm { .. } => DeviceMemoryKind::Vmm,
             Backing::CallerOwned { .. } => DeviceMemoryKind::CallerOwned,
         }
@@ -165,7 +172,7 @@ impl DeviceAllocation {
     /// of the driver once, then cached. Fails for VMM memory and for empty allocations.
     pub fn ipc_handle(&self) -> Result<IpcHandle, GpuError> {
         let ipc_handle = match &*self.backing {
-            Backing::Legacy { ipc_handle } => ipc_handle,
+            Backing::Legacy { ipc_handle } | Backing::Borrowed { ipc_handle, .. } => ipc_handle,
             Backing::Vmm { .. } => {
                 return Err(GpuError::NotExportable(
                     "VMM memory has no legacy IPC handle; export its fd".into(),
@@ -459,9 +466,66 @@ impl DeviceRange {
         read(&self.device, self.ptr, self.len, offset, dst)
     }
 
-    /// The range as an allocation a sink can land a tensor in, after the application's
-    /// queued work on it; the allocation keeps the owner.
-    pub(crate) fn landing_allocation(&self) -> Result<DeviceAllocation, GpuError> {
+    /// The whole `cuMemAlloc` allocation the range lies in (a framework's allocator carves
+    /// tensors out of larger allocations), as memory local processes map through its legacy
+    /// CUDA IPC handle, with the range's offset in it; it keeps the range's owner, after the
+    /// work queued on the range's stream. Fails, naming why, for memory with no legacy
+    /// handle: VMM memory (`cuMemCreate`, as PyTorch's expandable segments) or managed memory.
+    pub fn enclosing_allocation(&self) -> Result<(DeviceAllocation, u64), GpuError> {
+        if let Some(stream) = &self.stream {
+            stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
+        }
+        self.device.bind()?;
+        let mut capable: i32 = 0;
+        // SAFETY: a live local of the attribute's size (an int); the pointer is only read by
+        // the driver, which checks that it names memory.
+        unsafe {
+            sys::cuPointerGetAttribute(
+                (&raw mut capable).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                self.ptr,
+            )
+        }
+        .result()
+        .map_err(cuda("cuPointerGetAttribute"))?;
+        if capable == 0 {
+            return Err(GpuError::NotExportable(format!(
+                "the memory at {:#x} has no legacy CUDA IPC handle (VMM memory, such as \
+                 PyTorch's expandable segments, or managed memory); allocate what you share \
+                 with tensorwire, or with cudaMalloc",
+                self.ptr
+            )));
+        }
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: live locals for the results; the driver checks that `ptr` is device memory
+        // of the bound context.
+        unsafe { sys::cuMemGetAddressRange_v2(&raw mut base, &raw mut size, self.ptr) }
+            .result()
+            .map_err(cuda("cuMemGetAddressRange"))?;
+        let offset = self.ptr - base;
+        if offset + self.len as u64 > size as u64 {
+            return Err(GpuError::InvalidConfig(format!(
+                "{} bytes at {:#x} run past their allocation ({size} bytes at {base:#x})",
+                self.len, self.ptr
+            )));
+        }
+        let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(self.owner.clone());
+        let allocation = DeviceAllocation {
+            ptr: base,
+            len: size,
+            device: self.device.clone(),
+            backing: Box::new(Backing::Borrowed {
+                ipc_handle: OnceLock::new(),
+                _owner: owner,
+            }),
+            generation: 0,
+        };
+        Ok((allocation, offset))
+    }
+
+    /// The range as an allocation (a tensor lands in it, or is copied from it), after the
+    /// application's queued work on it; the allocation keeps the owner and frees nothing.
+    pub fn allocation(&self) -> Result<DeviceAllocation, GpuError> {
         if let Some(stream) = &self.stream {
             let used = stream.record_event(None).map_err(cuda("cuEventRecord"))?;
             self.device.copies_wait_for(&used)?;

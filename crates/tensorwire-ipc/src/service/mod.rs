@@ -270,6 +270,36 @@ impl ShareService {
         )
     }
 
+    /// Publishes a tensor in device memory another allocator made (a framework's, such as
+    /// PyTorch's caching allocator), with no copy: the `cuMemAlloc` allocation it lies in is
+    /// exported as a legacy IPC handle, the tensor at its offset, so consumers can map the
+    /// rest of that allocation too. The range's owner keeps the memory allocated until the
+    /// tensor is deleted and its last lease has ended. Updating in place copies from the
+    /// range. VMM memory of another allocator (PyTorch's expandable segments) is refused.
+    #[cfg(feature = "cuda")]
+    pub fn publish_range(
+        &self,
+        meta: &TensorMeta,
+        range: &tensorwire_gpu::DeviceRange,
+    ) -> Result<PublishedTensor, IpcError> {
+        if range.len() as u64 != meta.byte_len() {
+            return Err(IpcError::BadMessage(format!(
+                "{} bytes of device memory for a {}-byte tensor",
+                range.len(),
+                meta.byte_len()
+            )));
+        }
+        let (allocation, offset) = range.enclosing_allocation()?;
+        let len = tensorwire_gpu::Allocation::len(&allocation);
+        let whole = Arc::new(tensorwire_gpu::CudaBuffer::from_owned(allocation, len));
+        let exact = tensorwire_gpu::CudaBuffer::from_owned(range.allocation()?, range.len());
+        self.publish(
+            meta,
+            || Exported::device(whole, offset, meta.byte_len()),
+            || tensorwire_gpu::TensorBuffer::Cuda(exact),
+        )
+    }
+
     /// Publishes a received tensor where it landed: GPU buffers with no copy, host buffers
     /// copied once into shared memory.
     pub fn publish_buffer(
