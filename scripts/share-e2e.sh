@@ -5,7 +5,8 @@
 #   scripts/share-e2e.sh [BIN_DIR]     # BIN_DIR holds receiver and sender (default target/release)
 #
 # Then the C and C++ consumers of crates/tensorwire-c read the same tensors: the C example
-# and, where g++ and PyTorch's LibTorch are installed, the LibTorch one (torch::from_blob),
+# and, where g++ and PyTorch's LibTorch are installed, the LibTorch one (torch::from_blob);
+# on a GPU, the LibTorch producer shares PyTorch's own CUDA memory for a Python consumer,
 # built here against libtensorwire_c.so from C_LIB_DIR (default: BIN_DIR) and the sources in
 # C_SRC_DIR (default crates/tensorwire-c). REQUIRE_CPP=1 makes a missing g++ or LibTorch an
 # error.
@@ -16,7 +17,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 bin=${1:-$here/target/release}
 work=$(mktemp -d)
-trap 'kill $receiver_pid 2>/dev/null || true; rm -rf "$work"' EXIT
+trap 'kill $receiver_pid ${producer_pid:-} 2>/dev/null || true; rm -rf "$work"' EXIT
 port=$((20000 + RANDOM % 20000))
 
 # Odd sizes and several dtypes; random bytes, so nothing matches by accident.
@@ -67,12 +68,11 @@ cc "$c_src/examples/consumer.c" -I "$c_src/include" -L "$c_lib" -ltensorwire_c \
 c_sum=$("$work/c-consumer" "$work/share/share.sock" c.f32 | sed -n 's/^sum //p')
 grep -qx "c.f32 $c_sum" "$work/expected-sums.txt" || { echo "C consumer: byte sum $c_sum differs" >&2; exit 1; }
 echo "C consumer: c.f32 byte sum $c_sum matches what was sent"
-torch_dir=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null || true)
-if command -v g++ >/dev/null && [ -n "$torch_dir" ]; then
-  g++ -std=c++17 -O1 "$c_src/examples/torch_consumer.cpp" -I "$c_src/include" \
-    -I "$torch_dir/include" -I "$torch_dir/include/torch/csrc/api/include" \
-    -L "$torch_dir/lib" -Wl,-rpath,"$torch_dir/lib" -Wl,--no-as-needed -ltorch_cuda -ltorch \
-    -ltorch_cpu -lc10_cuda -lc10 -Wl,--as-needed \
+# LibTorch's flags from the PyTorch python3 imports (C++ standard, ABI, paths, libraries).
+torch_flags=$(python3 "$c_src/examples/torch_flags.py" 2>/dev/null || true)
+if command -v g++ >/dev/null && [ -n "$torch_flags" ]; then
+  # shellcheck disable=SC2086 # the flags are words
+  g++ -O1 "$c_src/examples/torch_consumer.cpp" $torch_flags -I "$c_src/include" \
     -L "$c_lib" -ltensorwire_c -Wl,-rpath,"$c_lib" -o "$work/torch-consumer"
   "$work/torch-consumer" "$work/share/share.sock" a.u8 b.bf16 c.f32 d.i64 | tee "$work/torch.txt"
   sed -n 's/^\([^ ]*\) .* byte sum \([0-9]*\)$/\1 \2/p' "$work/torch.txt" | sort > "$work/torch-sums.txt"
@@ -80,6 +80,36 @@ if command -v g++ >/dev/null && [ -n "$torch_dir" ]; then
     echo "LibTorch consumer: byte sums differ from what was sent" >&2; exit 1
   fi
   echo "LibTorch consumer: every tensor's bytes match what was sent"
+  # The LibTorch producer: a tensor in PyTorch's own CUDA memory (a slice inside a larger
+  # allocation) shared with no copy; a Python consumer doubles it and the producer sees it.
+  if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    # shellcheck disable=SC2086
+    g++ -O1 "$c_src/examples/torch_producer.cpp" $torch_flags -I "$c_src/include" \
+      -L "$c_lib" -ltensorwire_c -Wl,-rpath,"$c_lib" -o "$work/torch-producer"
+    "$work/torch-producer" "$work/producer/share.sock" framework 60 > "$work/producer.log" 2>&1 &
+    producer_pid=$!
+    for _ in $(seq 300); do grep -q "^published" "$work/producer.log" && break; sleep 0.1; done
+    python3 - "$work/producer/share.sock" "$here/python" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[2])
+import torch
+from tensorwire_ipc import Client
+with Client(sys.argv[1]) as client, client.open("framework", wait=30) as t:
+    x = torch.from_dlpack(t)
+    assert x.shape == (256, 256) and x[0, 0].item() == 4096.0, (x.shape, x[0, 0].item())
+    assert x[255, 255].item() == 4096.0 + 65535, x[255, 255].item()
+    x.mul_(2)
+    torch.cuda.synchronize()
+    del x
+print("Python consumer: doubled the LibTorch producer's tensor in place")
+PY
+    wait "$producer_pid" || { cat "$work/producer.log"; echo "LibTorch producer: failed" >&2; exit 1; }
+    cat "$work/producer.log"
+    grep -q "consumer write seen" "$work/producer.log"
+    echo "LibTorch producer: PyTorch's own memory shared with no copy, written by a consumer"
+  elif [ "${REQUIRE_GPU:-0}" = 1 ]; then
+    echo "LibTorch producer: needs PyTorch with CUDA, and REQUIRE_GPU=1" >&2; exit 1
+  fi
 elif [ "${REQUIRE_CPP:-0}" = 1 ]; then
   echo "LibTorch consumer: needs g++ and PyTorch (LibTorch), and REQUIRE_CPP=1" >&2; exit 1
 else

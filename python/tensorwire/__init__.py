@@ -689,20 +689,20 @@ class ShareService:
         return str(self._native.path)
 
     def publish(self, name: str, tensor: Any) -> int:
-        """Shares `tensor` as `name` and returns its generation: a :func:`empty` buffer with
-        no copy (a consumer's writes are seen here), or a host array (NumPy, PyTorch CPU,
-        bytes) copied once into shared memory. Other GPU memory (a framework's own
-        allocator) cannot be exported: allocate it with :func:`empty`."""
+        """Shares `tensor` as `name` and returns its generation. GPU memory goes with no copy
+        (a consumer's writes are seen here): a :func:`empty` buffer, or a framework's tensor
+        (PyTorch, CuPy), which this service keeps alive until the name is replaced or deleted
+        and the last consumer lets go; consumers can map the rest of the allocation it lies
+        in, as with PyTorch's own CUDA IPC. PyTorch's expandable segments
+        (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) cannot be shared this way:
+        use :func:`empty`. Host arrays (NumPy, PyTorch CPU, bytes) are copied once into
+        shared memory."""
         _synchronize_frameworks()
         if isinstance(tensor, SharedBuffer):
             return self._native.publish_device(name, tensor)
         item = _item(name, tensor)
-        if item[3] != "host":
-            raise TensorwireError(
-                f"{name}: GPU tensors are published from tensorwire.empty() memory, which "
-                "other processes can map; this one belongs to its framework's allocator",
-                tensor=name,
-            )
+        if item[3] == "device":
+            return self._native.publish_range(name, item[1], item[2], item[4])
         return self._native.publish_host(name, item[1], item[2], item[4])
 
     def names(self) -> List[str]:

@@ -21,6 +21,41 @@ def send(
 ) -> Tuple[
     List[Tuple[str, int, float, Tuple[float, float, float, float], List[Tuple[str, str]]]], List[Any]
 ]: ...
+class ExecClient:
+    address: str
+    def __init__(
+        self,
+        addr: str,
+        *,
+        ca: Optional[str] = None,
+        client_cert: Optional[str] = None,
+        client_key: Optional[str] = None,
+        server_name: str = "localhost",
+        transport: str = "auto",
+    ) -> None: ...
+    def info(self) -> List[Tuple[str, str]]: ...
+    def health(self) -> List[Tuple[str, str]]: ...
+    def run(
+        self,
+        module: bytes,
+        function: str,
+        args: Sequence[Tuple[str, str, str, List[int], Optional[bytes]]],
+        *,
+        grid: Tuple[int, int, int],
+        block: Tuple[int, int, int],
+        format: Optional[str] = None,
+        shared_mem_bytes: int = 0,
+        time_limit_ms: Optional[int] = None,
+    ) -> Tuple[
+        List[Tuple[str, str, List[int], bytes]],
+        Tuple[float, float, float, float],
+        bool,
+        int,
+        float,
+        List[Tuple[str, str]],
+    ]: ...
+    def close(self) -> None: ...
+
 class Sender:
     address: str
     connections: int
@@ -124,5 +159,6 @@ class ShareService:
     def __init__(self, path: str, *, on_existing: str = "replace") -> None: ...
     def publish_device(self, name: str, buffer: SharedBuffer) -> int: ...
     def publish_host(self, name: str, dtype: str, shape: Sequence[int], payload: Any) -> int: ...
+    def publish_range(self, name: str, dtype: str, shape: Sequence[int], payload: Any) -> int: ...
     def names(self) -> List[str]: ...
     def delete(self, name: str) -> bool: ...

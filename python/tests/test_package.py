@@ -37,12 +37,13 @@ def program(name: str) -> str:
 class RustReceiver:
     """`receiver --listen 127.0.0.1:0 ARGS`, its address read from its first line."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env=None) -> None:
         self.proc = subprocess.Popen(
             [program("receiver"), "--listen", "127.0.0.1:0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         first = self.proc.stdout.readline()
         assert first.startswith("listening on "), first + self.proc.stderr.read()
@@ -772,3 +773,101 @@ def test_a_received_gpu_tensor_is_forwarded_from_device_memory():
         again = second.recv(timeout=60)
         assert again.device == "cuda:0"
         assert torch.equal(again.torch(), source)
+
+
+# --- Remote execution from Python (spec §14) ------------------------------------------------
+
+
+def kernels_ptx() -> pathlib.Path:
+    source = pathlib.Path(os.environ.get("TENSORWIRE_SOURCE_DIR", ROOT))
+    return source / "examples" / "tests" / "kernels" / "kernels.ptx"
+
+
+def exec_server(env=None):
+    """`receiver --allow-exec` on loopback with its worker program."""
+    return RustReceiver("--allow-exec", "--exec-worker", program("tensorwire-exec-worker"), env=env)
+
+
+def add_args(n):
+    from tensorwire.exec import Input, Output, Scalar
+
+    x = np.arange(n, dtype=np.float32) * 0.25
+    return x, [Input("in", x), Output("out", "F32", (n,)), Scalar("delta", "F32", 1.5), Scalar("n", "I32", n)]
+
+
+def test_remote_execution_without_a_gpu_answers_info_and_refuses_runs_with_the_code():
+    from tensorwire.exec import RemoteGPU
+
+    server = exec_server(env={"CUDA_VISIBLE_DEVICES": ""})
+    try:
+        with RemoteGPU(server.addr) as gpu:
+            assert "disabled: no GPU" in gpu.info()["exec"], gpu.info()
+            assert gpu.health()["workers"] == "0", gpu.health()
+            _, args = add_args(1024)
+            with pytest.raises(TensorwireError) as refused:
+                gpu.run(kernels_ptx(), "add", grid=(4,), block=(256,), args=args)
+            assert refused.value.code_name == "UNSUPPORTED_DEVICE", refused.value
+            assert "no GPU" in str(refused.value)
+            # Wrong arguments fail here, before anything is sent.
+            with pytest.raises(ValueError, match="grid"):
+                gpu.run(kernels_ptx(), "add", grid=(0,), block=(256,), args=args)
+            with pytest.raises(TensorwireError, match="no-such.ptx"):
+                gpu.run("no-such.ptx", "add", grid=(4,), block=(256,), args=args)
+        with pytest.raises(TensorwireError, match="closed"):
+            gpu.health()
+    finally:
+        server.stop()
+
+
+def test_a_kernel_runs_on_the_receivers_gpu_from_python_and_its_module_is_sent_once():
+    from tensorwire.exec import RemoteGPU
+
+    status = tensorwire.GpuStatus.detect()
+    if not status.available:
+        if os.environ.get("TENSORWIRE_REQUIRE_GPU") == "1":
+            pytest.fail(f"TENSORWIRE_REQUIRE_GPU=1 but no GPU: {status.description}")
+        pytest.skip(f"no GPU: {status.description}")
+    server = exec_server()
+    try:
+        with RemoteGPU(server.addr) as gpu:
+            assert gpu.info()["device.name"], gpu.info()
+            x, args = add_args(4096)
+            first = gpu.run(kernels_ptx(), "add", grid=(16,), block=(256,), args=args)
+            np.testing.assert_array_equal(first.outputs["out"], x + np.float32(1.5))
+            assert first.module_sent and first.timings.kernel > 0, first
+            assert 0 < first.timings.kernel <= first.timings.total <= first.round_trip, first.timings
+            again = gpu.run(kernels_ptx(), "add", grid=(16,), block=(256,), args=args)
+            assert not again.module_sent, "the server keeps the module by its hash"
+            np.testing.assert_array_equal(again.outputs["out"], first.outputs["out"])
+    finally:
+        server.stop()
+
+
+def test_a_tensor_pytorch_allocated_is_published_with_no_copy_and_written_in_place_by_a_consumer():
+    import sys
+
+    torch = cuda_or_skip()
+    with short_socket_path() as sock:
+        service = tensorwire.ShareService(sock)
+        # A slice: the tensor starts inside an allocation of PyTorch's caching allocator.
+        whole = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+        w = whole[4096:4096 + 65536].view(256, 256)
+        assert service.publish("framework", w) == 1
+        code = (
+            "import sys, torch\n"
+            "from tensorwire_ipc import Client\n"
+            "with Client(sys.argv[1]) as c, c.open('framework') as t:\n"
+            "    x = torch.from_dlpack(t)\n"
+            "    assert x.shape == (256, 256) and x[0, 0].item() == 4096.0, (x.shape, x[0, 0])\n"
+            "    x.mul_(2)\n"
+            "    torch.cuda.synchronize()\n"
+            "    del x\n"
+        )
+        python = subprocess.run([sys.executable, "-c", code, str(sock)], capture_output=True, text=True, timeout=120)
+        assert python.returncode == 0, python.stderr
+        torch.cuda.synchronize()
+        # The consumer wrote PyTorch's own memory: the producer sees it with no copy.
+        assert w[0, 0].item() == 2 * 4096.0 and w[255, 255].item() == 2 * (4096.0 + 65535)
+        assert whole[4095].item() == 4095.0, "bytes outside the tensor are untouched"
+        # Replacing the name lets the first publication's memory go with its last lease.
+        assert service.publish("framework", torch.zeros(4, device="cuda:0")) == 2

@@ -1,6 +1,6 @@
 //! The native module of the `tensorwire` Python package (`tensorwire._native`): sending from
 //! host buffers, GPU memory and files; a receiver whose tensors leave through DLPack with no
-//! copy; GPU status. The Python half (`python/tensorwire/`) turns NumPy, PyTorch and CuPy
+//! copy; kernels run on a receiver's GPU; GPU status. The Python half (`python/tensorwire/`) turns NumPy, PyTorch and CuPy
 //! objects into what these functions take, and is the documented API.
 
 #[allow(
@@ -8,6 +8,7 @@
     reason = "DLPack capsules: raw pointers and a C destructor"
 )]
 mod dlpack;
+mod exec;
 mod received;
 mod receiver;
 mod sender;
@@ -16,6 +17,10 @@ mod sender;
     reason = "host buffers Python lends and device pointers it passes"
 )]
 mod sending;
+#[allow(
+    unsafe_code,
+    reason = "a framework's device pointer, published with the object that keeps it allocated"
+)]
 mod share;
 mod status;
 
@@ -95,6 +100,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_datagram_stats, m)?)?;
     m.add_class::<sender::Sender>()?;
+    m.add_class::<exec::ExecClient>()?;
     m.add_class::<Receiver>()?;
     m.add_class::<ReceivedTensor>()?;
     m.add_class::<SharedBuffer>()?;

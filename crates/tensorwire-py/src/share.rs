@@ -6,7 +6,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use tensorwire::gpu::dlpack::KDL_CUDA;
-use tensorwire::gpu::{CudaBuffer, DeviceAllocation, DeviceRequest, GpuDevice, TensorBuffer};
+use tensorwire::gpu::{
+    CudaBuffer, DeviceAllocation, DeviceRange, DeviceRequest, GpuDevice, TensorBuffer,
+};
 use tensorwire::proto::TensorMeta;
 
 use crate::dlpack::{capsule, refuse_copy};
@@ -108,7 +110,8 @@ pub(crate) fn empty(
 }
 
 /// Publishes tensors to local processes on a Unix socket (spec/ipc.md): GPU memory from
-/// `empty` with no copy, host arrays copied once into shared memory.
+/// `empty` or a framework's allocator with no copy, host arrays copied once into shared
+/// memory.
 #[pyclass(module = "tensorwire._native")]
 pub(crate) struct ShareService {
     pub(crate) inner: tensorwire::ipc::ShareService,
@@ -171,6 +174,34 @@ impl ShareService {
         };
         self.inner
             .publish_host(&meta, host.as_ref())
+            .map(|published| published.generation())
+            .map_err(|e| error(py, format!("{name}: {e}"), None, Some(name)))
+    }
+
+    /// Publishes a framework's GPU tensor `(address, nbytes, device, owner)` of `dtype` and
+    /// `shape` as `name`, with no copy (the allocation it lies in is exported; `owner` keeps
+    /// it allocated while published or leased); returns its generation.
+    fn publish_range(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        dtype: &str,
+        shape: Vec<u64>,
+        payload: Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let (ptr, nbytes, ordinal, owner): (u64, u64, usize, PyObject) = payload.extract()?;
+        let meta = TensorMeta::new(shape, dtype_of(dtype)?)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?
+            .with_name(name);
+        let len = usize::try_from(nbytes)
+            .map_err(|_| PyValueError::new_err(format!("{name}: too large")))?;
+        // SAFETY: `ptr..ptr + len` is the tensor's memory on cuda:`ordinal` as its framework
+        // reports it (made contiguous, its stream synchronized by the Python side); `owner`,
+        // the tensor object, keeps it allocated for as long as the publication or a lease
+        // holds the range. Consumers may write it, as they may any shared tensor.
+        let range = unsafe { DeviceRange::new(ordinal, ptr, len, owner) }
+            .map_err(|e| error(py, format!("{name}: {e}"), None, Some(name)))?;
+        py.allow_threads(|| self.inner.publish_range(&meta, &range))
             .map(|published| published.generation())
             .map_err(|e| error(py, format!("{name}: {e}"), None, Some(name)))
     }
