@@ -40,7 +40,8 @@ cargo build --release --locked -p tensorwire-c
 mkdir -p "$out/lib" "$out/c/include" "$out/c/examples"
 cp target/release/libtensorwire_c.so "$out/lib/"
 cp crates/tensorwire-c/include/tensorwire.h "$out/c/include/"
-cp crates/tensorwire-c/examples/*.c crates/tensorwire-c/examples/*.cpp "$out/c/examples/"
+cp crates/tensorwire-c/examples/*.c crates/tensorwire-c/examples/*.cpp crates/tensorwire-c/examples/*.py \
+  "$out/c/examples/"
 echo "building the Python wheel" >&2
 mkdir -p "$out/wheel"
 python3 -m pip wheel --no-deps --quiet ./python -w "$out/wheel"
