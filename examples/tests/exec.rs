@@ -178,6 +178,62 @@ fn allow_exec_on_a_public_address_without_mutual_tls_refuses_to_start() {
     assert!(!stdout.contains("listening on"), "{stdout}");
 }
 
+/// Spec §14.6: with an access token a receiver may serve kernels on any address, only to
+/// clients that present the token; a token file others can read is refused at start.
+#[test]
+fn a_receiver_with_an_access_token_serves_only_its_holders_on_any_address() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("token");
+    let token = dir.join("token");
+    std::fs::write(&token, "4f1c9a0d7e2b6c58a1f3d9e0b7c2a465\n").unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let loose = Command::new(receiver_bin())
+        .args(["--listen", "0.0.0.0:0", "--allow-exec", "--exec-token-file"])
+        .arg(&token)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&loose);
+    assert!(!loose.status.success(), "{stdout}");
+    assert!(stderr.contains("chmod 600"), "{stderr}");
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mut receiver = Command::new(receiver_bin())
+        .args(["--listen", "0.0.0.0:0", "--allow-exec", "--exec-worker"])
+        .arg(worker_bin())
+        .arg("--exec-token-file")
+        .arg(&token)
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(receiver.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let port = first.rsplit(':').next().unwrap().to_owned();
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    let addr = format!("127.0.0.1:{port}");
+    let without = Command::new(exec_bin())
+        .args(["--connect", &addr, "info"])
+        .output()
+        .unwrap();
+    let with = Command::new(exec_bin())
+        .args(["--connect", &addr, "--token-file"])
+        .arg(&token)
+        .arg("info")
+        .output()
+        .unwrap();
+    let _ = receiver.kill();
+    let _ = receiver.wait();
+    let (stdout, stderr) = text(&without);
+    assert!(!without.status.success(), "{stdout}");
+    assert!(
+        stderr.contains("EXEC_NOT_ALLOWED") && stderr.contains("access token"),
+        "{stderr}"
+    );
+    let (stdout, stderr) = text(&with);
+    assert!(with.status.success(), "{stderr}");
+    assert!(stdout.contains("exec: disabled: no GPU"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_receiver_without_allow_exec_refuses_kernels() {
     let mut receiver = Command::new(receiver_bin())

@@ -15,7 +15,8 @@
 The module (PTX, cubin or fatbin) is sent only when the server does not hold it already:
 runs after the first send its hash. Arguments go to the kernel in the order given: inputs
 and outputs as device pointers, scalars by value. The server allows this only to
-authenticated peers (mutual TLS) or, listening on loopback, to local ones.
+authenticated peers (mutual TLS), to peers with its access token, or, listening on
+loopback, to local ones.
 """
 
 import os
@@ -103,7 +104,9 @@ Arg = Union[Input, Output, Scalar]
 class RemoteGPU:
     """A connection to a receiver that runs kernels (``receiver --allow-exec``), kept open
     across calls until :meth:`close` (or the end of ``with``). TLS as :func:`tensorwire.send`
-    takes it: no `ca` trusts a development receiver on this host. Failures raise
+    takes it: no `ca` trusts a development receiver on this host. `token` (or `token_file`,
+    readable by its owner only) is the access token of a receiver started with
+    ``--exec-token-file`` (spec §14.6), sent only inside TLS. Failures raise
     :class:`TensorwireError` with the wire code (``UNSUPPORTED_DEVICE`` from a server with
     no GPU, ``KERNEL_FAULT`` for a kernel that faulted, …)."""
 
@@ -116,10 +119,12 @@ class RemoteGPU:
         client_key: Optional[str] = None,
         server_name: str = "localhost",
         transport: str = "auto",
+        token: Optional[str] = None,
+        token_file: Optional[str] = None,
     ) -> None:
         self._native = _native.ExecClient(
             addr, ca=ca, client_cert=client_cert, client_key=client_key,
-            server_name=server_name, transport=transport,
+            server_name=server_name, transport=transport, token=token, token_file=token_file,
         )
 
     @property

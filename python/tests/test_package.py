@@ -819,6 +819,29 @@ def test_remote_execution_without_a_gpu_answers_info_and_refuses_runs_with_the_c
         server.stop()
 
 
+def test_remote_execution_admits_by_access_token(tmp_path):
+    from tensorwire.exec import RemoteGPU
+
+    secret = "4f1c9a0d7e2b6c58a1f3d9e0b7c2a465"
+    token_file = tmp_path / "token"
+    token_file.write_text(secret + "\n")
+    token_file.chmod(0o600)
+    server = RustReceiver("--allow-exec", "--exec-worker", program("tensorwire-exec-worker"),
+                          "--exec-token-file", str(token_file), env={"CUDA_VISIBLE_DEVICES": ""})
+    try:
+        with RemoteGPU(server.addr) as stranger, pytest.raises(TensorwireError) as refused:
+            stranger.health()
+        assert refused.value.code_name == "EXEC_NOT_ALLOWED", refused.value
+        with RemoteGPU(server.addr, token=secret) as holder:
+            assert holder.health()["workers"] == "0"
+        with RemoteGPU(server.addr, token_file=str(token_file)) as holder:
+            assert "exec" in holder.info()
+        with pytest.raises(TensorwireError, match="printable"):
+            RemoteGPU(server.addr, token="too short")
+    finally:
+        server.stop()
+
+
 def test_a_kernel_runs_on_the_receivers_gpu_from_python_and_its_module_is_sent_once():
     from tensorwire.exec import RemoteGPU
 

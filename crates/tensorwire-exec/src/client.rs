@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use crate::message::{
     ArgSpec, ExecLimits, ExecReply, ExecRequest, ExecRole, LaunchShape, ModuleFormat, RequestBody,
-    RunRequest, Timings,
+    RunRequest, TOKEN_ATTRIBUTE, Timings,
 };
+use crate::token::ExecToken;
 use bytes::Bytes;
 use tensorwire_proto::{DType, ErrorCode, Feature, TensorMeta};
 use tensorwire_quic::{
@@ -234,6 +235,8 @@ pub struct ExecClient {
     limits: ExecLimits,
     /// How long to wait for a reply beyond the run's time limit.
     reply_timeout: Duration,
+    /// Presented on every tensor it sends, for servers that admit by token (spec §14.6).
+    token: Option<ExecToken>,
 }
 
 struct Shared {
@@ -276,7 +279,15 @@ impl ExecClient {
             _dispatcher: dispatcher,
             limits: ExecLimits::default(),
             reply_timeout: Duration::from_secs(120),
+            token: None,
         })
+    }
+
+    /// Presents `token` on every remote-execution tensor, for a server that admits clients
+    /// by token (spec §14.6). Send it only to a server whose certificate is verified.
+    pub fn with_token(mut self, token: ExecToken) -> Self {
+        self.token = Some(token);
+        self
     }
 
     /// Waits this long for a reply beyond the run's time limit (default 120 s: inputs
@@ -332,14 +343,14 @@ impl ExecClient {
             let meta = TensorMeta::new(vec![run.module.bytes.len() as u64], DType::U8)?
                 .with_name("tensorwire.exec.module");
             bytes_moved += run.module.bytes.len() as u64;
-            sends.push(
-                self.sender
-                    .send(ExecRole::Module.tag(meta, id), run.module.bytes.clone()),
-            );
+            sends.push(self.sender.send(
+                self.tag(ExecRole::Module, meta, id),
+                run.module.bytes.clone(),
+            ));
         }
         for (meta, data) in &run.inputs {
             bytes_moved += data.len() as u64;
-            let meta = ExecRole::Input.tag(meta.clone(), id);
+            let meta = self.tag(ExecRole::Input, meta.clone(), id);
             sends.push(self.sender.send(meta, data.clone()));
         }
         let mut outputs = Vec::new();
@@ -366,14 +377,24 @@ impl ExecClient {
         })
     }
 
+    /// `meta` tagged with `role` and request `id`, and with the access token if any.
+    fn tag(&self, role: ExecRole, meta: TensorMeta, id: u64) -> TensorMeta {
+        let meta = role.tag(meta, id);
+        match &self.token {
+            Some(token) => meta.with_attribute(TOKEN_ATTRIBUTE, token.secret()),
+            None => meta,
+        }
+    }
+
     fn send_request(&self, request: &ExecRequest) -> SendHandle {
         let bytes = request.encode();
         let meta = TensorMeta::new(vec![bytes.len() as u64], DType::U8)
             .map(|meta| meta.with_name("tensorwire.exec.request"));
         match meta {
-            Ok(meta) => self
-                .sender
-                .send(ExecRole::Request.tag(meta, request.id), Bytes::from(bytes)),
+            Ok(meta) => self.sender.send(
+                self.tag(ExecRole::Request, meta, request.id),
+                Bytes::from(bytes),
+            ),
             // A one-dimensional U8 shape always describes its bytes.
             Err(_) => unreachable!("a U8 vector's metadata is always valid"),
         }

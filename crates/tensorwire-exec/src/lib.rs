@@ -37,6 +37,7 @@ pub mod fuzzing;
 pub mod message;
 mod pool;
 mod server;
+mod token;
 mod worker;
 
 pub use client::{ExecClient, Module, Run, RunOutput};
@@ -45,6 +46,7 @@ pub use message::{ExecLimits, ExecReply, LaunchShape, RequestKind, Timings};
 pub use pool::{WorkerCommand, WorkerStats};
 pub use server::{ExecAccess, ExecConfig, ExecServer, ExecStats, refuse_exec};
 pub use tensorwire_gpu::ModuleFormat;
+pub use token::ExecToken;
 pub use worker::serve_stdin;
 
 /// SHA-256 of `bytes`.

@@ -17,6 +17,10 @@ pub const EXEC_VERSION: u8 = 1;
 pub const ROLE_ATTRIBUTE: &str = "tensorwire.exec.role";
 /// The attribute carrying the request id a tensor belongs to, in decimal (spec §14.1).
 pub const ID_ATTRIBUTE: &str = "tensorwire.exec.id";
+
+/// The attribute carrying a client's access token, for servers that admit by token (spec
+/// §14.6).
+pub const TOKEN_ATTRIBUTE: &str = "tensorwire.exec.token";
 /// Bytes of a run request before its function name and arguments (spec §14.2).
 pub const RUN_FIXED_LEN: usize = 88;
 /// Bytes of a reply before its message and attributes (spec §14.3).

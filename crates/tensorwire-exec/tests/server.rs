@@ -12,8 +12,8 @@ use bytes::Bytes;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
 use tensorwire_exec::message::ExecRole;
 use tensorwire_exec::{
-    ExecAccess, ExecClient, ExecConfig, ExecError, ExecReply, ExecServer, Module, ModuleFormat,
-    Run, WorkerCommand, refuse_exec,
+    ExecAccess, ExecClient, ExecConfig, ExecError, ExecReply, ExecServer, ExecToken, Module,
+    ModuleFormat, Run, WorkerCommand, refuse_exec,
 };
 use tensorwire_gpu::GpuStatus;
 use tensorwire_proto::{DType, ErrorCode, TensorMeta};
@@ -467,6 +467,83 @@ async fn a_peer_without_a_client_certificate_is_refused() {
         1,
         "only the authenticated request arrived"
     );
+}
+
+/// Spec §14.6: a server that admits by token answers a client presenting it, and refuses,
+/// with EXEC_NOT_ALLOWED, one without it or with another, before reading their tensors.
+#[tokio::test]
+async fn a_server_that_admits_by_token_refuses_clients_without_it() {
+    let secret = "4f1c9a0d7e2b6c58a1f3d9e0b7c2a465";
+    let token = ExecToken::new(secret).unwrap();
+    assert_eq!(
+        format!("{token:?}"),
+        "ExecToken(<redacted>)",
+        "never printed"
+    );
+    let server = ExecServer::new(exec_config(
+        ExecAccess::TokenHolders(token.clone()),
+        Duration::from_secs(5),
+    ))
+    .unwrap();
+    let routed = server.clone();
+    let addr = serve(
+        ServerTls::Development,
+        Duration::from_secs(5),
+        move |incoming| {
+            if let Some(other) = routed.offer(incoming) {
+                other.reject(ErrorCode::REJECTED, "exec only");
+            }
+        },
+    )
+    .await;
+    let config = || SenderConfig::new(ClientTls::Development);
+    let holder = ExecClient::connect(addr, config())
+        .await
+        .unwrap()
+        .with_token(token);
+    assert!(holder.info().await.unwrap().attribute("exec").is_some());
+    holder.close().await;
+    let other = ExecToken::new("0000000000000000000000000000000a").unwrap();
+    for presented in [None, Some(other)] {
+        let mut client = ExecClient::connect(addr, config()).await.unwrap();
+        if let Some(token) = presented.clone() {
+            client = client.with_token(token);
+        }
+        let err = client.info().await.unwrap_err();
+        assert_eq!(
+            err.code(),
+            Some(ErrorCode::EXEC_NOT_ALLOWED),
+            "{presented:?}: {err}"
+        );
+        assert!(err.to_string().contains("access token"), "{err}");
+        client.close().await;
+    }
+    assert_eq!(
+        server.stats().requests,
+        1,
+        "only the holder's request was read"
+    );
+}
+
+#[test]
+fn tokens_are_long_printable_secrets_in_files_only_their_owner_reads() {
+    use std::os::unix::fs::PermissionsExt;
+    assert!(ExecToken::new("short").is_err());
+    assert!(ExecToken::new("has a space in the middle!").is_err());
+    assert!(ExecToken::new("x".repeat(257)).is_err());
+    assert!(ExecToken::new("x".repeat(16)).is_ok());
+    let dir = std::env::temp_dir().join(format!("tensorwire-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("token");
+    std::fs::write(&file, "4f1c9a0d7e2b6c58a1f3d9e0b7c2a465\n").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let err = ExecToken::from_file(&file).unwrap_err();
+    assert!(err.to_string().contains("chmod 600"), "{err}");
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    ExecToken::from_file(&file).unwrap();
+    let missing = ExecToken::from_file(&dir.join("absent")).unwrap_err();
+    assert!(missing.to_string().contains("absent"), "{missing}");
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// A server on a receiver's host placement answers but refuses runs, naming why.

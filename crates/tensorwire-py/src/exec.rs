@@ -8,7 +8,7 @@ use std::time::Duration;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tensorwire::exec::{ExecError, ExecReply, Module, ModuleFormat, Run};
+use tensorwire::exec::{ExecError, ExecReply, ExecToken, Module, ModuleFormat, Run};
 use tensorwire::proto::TensorMeta;
 
 use crate::sending::{sender_config, wait_interruptibly};
@@ -44,10 +44,13 @@ pub(crate) struct ExecClient {
 
 #[pymethods]
 impl ExecClient {
-    /// Connects to `addr`; TLS and `transport` as `send` takes them.
+    /// Connects to `addr`; TLS and `transport` as `send` takes them; `token` or `token_file`
+    /// (readable by its owner only) is presented to a server that admits by token.
     #[new]
     #[pyo3(signature = (addr, *, ca=None, client_cert=None, client_key=None,
-        server_name="localhost".to_owned(), transport="auto".to_owned()))]
+        server_name="localhost".to_owned(), transport="auto".to_owned(), token=None,
+        token_file=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         addr: &str,
@@ -56,7 +59,21 @@ impl ExecClient {
         client_key: Option<PathBuf>,
         server_name: String,
         transport: String,
+        token: Option<String>,
+        token_file: Option<PathBuf>,
     ) -> PyResult<Self> {
+        let token = match (token, token_file) {
+            (Some(_), Some(_)) => {
+                return Err(PyValueError::new_err(
+                    "token and token_file: one or the other",
+                ));
+            }
+            (Some(token), None) => Some(ExecToken::new(token).map_err(|e| exec_error(py, &e))?),
+            (None, Some(path)) => {
+                Some(ExecToken::from_file(&path).map_err(|e| exec_error(py, &e))?)
+            }
+            (None, None) => None,
+        };
         let (peer, config) = sender_config(
             py,
             addr,
@@ -66,8 +83,11 @@ impl ExecClient {
             &transport,
         )?;
         let connecting = runtime().spawn(tensorwire::exec::ExecClient::connect(peer, config));
-        let client =
+        let mut client =
             wait_interruptibly(py, connecting, |_| Ok(()))?.map_err(|e| exec_error(py, &e))?;
+        if let Some(token) = token {
+            client = client.with_token(token);
+        }
         Ok(Self {
             client: Mutex::new(Some(Arc::new(client))),
             address: peer.to_string(),

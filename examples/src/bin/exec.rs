@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
-use tensorwire::exec::{ExecClient, ExecError, ExecReply, Module, Run, RunOutput};
+use tensorwire::exec::{ExecClient, ExecError, ExecReply, ExecToken, Module, Run, RunOutput};
 use tensorwire::proto::{Blame, DType};
 use tensorwire::quic::{BindingChoice, SenderConfig};
 use tensorwire_examples::cli::{ClientTlsArgs, TransportArgs, init_logging, size};
@@ -39,6 +39,10 @@ struct Args {
     tls: ClientTlsArgs,
     #[command(flatten)]
     transport: TransportArgs,
+    /// The access token of a receiver started with --exec-token-file, read from this file
+    /// (readable by its owner only). Sent only to a receiver whose certificate is verified.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -128,9 +132,17 @@ async fn run(args: Args, matches: &ArgMatches) -> anyhow::Result<()> {
     config.server_name = args.tls.server_name.clone();
     config.transport = args.transport.settings(args.connect);
     config.binding = args.binding;
-    let client = ExecClient::connect(args.connect, config)
+    let token = args
+        .token_file
+        .as_deref()
+        .map(ExecToken::from_file)
+        .transpose()?;
+    let mut client = ExecClient::connect(args.connect, config)
         .await
         .with_context(|| format!("connecting to {}", args.connect))?;
+    if let Some(token) = token {
+        client = client.with_token(token);
+    }
     match &args.command {
         Command::Info => print_reply(&client.info().await?),
         Command::Health => print_reply(&client.health().await?),

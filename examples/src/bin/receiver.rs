@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use tensorwire::exec::{ExecAccess, ExecConfig, ExecServer, WorkerCommand, refuse_exec};
+use tensorwire::exec::{ExecAccess, ExecConfig, ExecServer, ExecToken, WorkerCommand, refuse_exec};
 use tensorwire::gpu::{ChecksumOn, DeviceRequest, GpuRequirement, Placement};
 use tensorwire::ipc::{OnExisting, ShareConfig, ShareService};
 use tensorwire::metrics::{MetricsServer, ReceiverMetrics};
@@ -153,10 +153,16 @@ struct Args {
     #[arg(long, default_value = "device")]
     checksum_on: ChecksumOn,
     /// Run CUDA kernels that peers send with their inputs (spec §14; `tensorwire-exec`), in
-    /// worker processes of their own. Needs mutual TLS (--client-ca), or a loopback --listen
-    /// address, so that only authenticated or local peers can run code here.
+    /// worker processes of their own. Needs mutual TLS (--client-ca), an access token
+    /// (--exec-token-file), or a loopback --listen address, so that only authenticated or
+    /// local peers can run code here.
     #[arg(long)]
     allow_exec: bool,
+    /// With --allow-exec: run kernels only for peers presenting the access token in this
+    /// file (spec §14.6; readable by its owner only; `openssl rand -hex 32 > FILE`), from
+    /// any address, with or without certificates.
+    #[arg(long, requires = "allow_exec")]
+    exec_token_file: Option<PathBuf>,
     /// With --allow-exec: worker processes, each running one kernel at a time.
     #[arg(long, default_value_t = 2, requires = "allow_exec")]
     exec_workers: usize,
@@ -236,10 +242,11 @@ async fn main() -> anyhow::Result<()> {
     config.steering = args.steering;
     config.store_offload = args.store_offload;
     // Refused before anything binds: running code for unauthenticated remote peers.
-    let exec_access = args
-        .allow_exec
-        .then(|| ExecAccess::for_listener(args.listen, &config.tls))
-        .transpose()?;
+    let exec_access = match (&args.exec_token_file, args.allow_exec) {
+        (Some(path), _) => Some(ExecAccess::TokenHolders(ExecToken::from_file(path)?)),
+        (None, true) => Some(ExecAccess::for_listener(args.listen, &config.tls)?),
+        (None, false) => None,
+    };
     // Shared tensors and kernel inputs land in VMM memory, which other processes can map
     // with no copy.
     let gpu = GpuRequirement::required_if(args.require_gpu);

@@ -3,15 +3,17 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use crate::message::ExecLimits;
+use crate::message::{ExecLimits, TOKEN_ATTRIBUTE};
+use crate::token::ExecToken;
 use tensorwire_gpu::DeviceRequest;
+use tensorwire_proto::TensorMeta;
 use tensorwire_quic::{SenderConfig, ServerTls};
 
 use crate::error::ExecError;
 use crate::pool::WorkerCommand;
 
 /// Who may run kernels (spec §14.6).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub enum ExecAccess {
     /// Every peer: the server verifies client certificates (mutual TLS), so every peer has
@@ -19,6 +21,16 @@ pub enum ExecAccess {
     AuthenticatedPeers,
     /// Peers on a loopback address only: the server does not authenticate clients.
     LoopbackPeers,
+    /// Peers whose remote-execution tensors carry this access token, from any address (and
+    /// with or without certificates).
+    TokenHolders(ExecToken),
+}
+
+impl PartialEq for ExecAccess {
+    /// Tokens never compare: two token accesses are equal kinds of access.
+    fn eq(&self, other: &Self) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other)
+    }
 }
 
 impl ExecAccess {
@@ -33,16 +45,29 @@ impl ExecAccess {
             _ if listen.ip().is_loopback() => Ok(ExecAccess::LoopbackPeers),
             _ => Err(ExecError::Config(format!(
                 "remote execution on {listen} needs mutual TLS (a client CA, so that only \
-                 clients with certificates it issued may run kernels); without it, listen on \
-                 a loopback address"
+                 clients with certificates it issued may run kernels) or an access token; \
+                 without either, listen on a loopback address"
             ))),
         }
     }
 
-    pub(super) fn allows(self, peer: SocketAddr) -> bool {
+    /// Why `peer`'s remote-execution tensor described by `meta` may not run kernels, or
+    /// `None` if it may.
+    pub(super) fn refusal(&self, peer: SocketAddr, meta: &TensorMeta) -> Option<String> {
         match self {
-            ExecAccess::AuthenticatedPeers => true,
-            ExecAccess::LoopbackPeers => peer.ip().is_loopback(),
+            ExecAccess::AuthenticatedPeers => None,
+            ExecAccess::LoopbackPeers if peer.ip().is_loopback() => None,
+            ExecAccess::LoopbackPeers => Some(format!(
+                "{peer} may not run kernels: this server has no client authentication, so \
+                 only loopback peers may"
+            )),
+            ExecAccess::TokenHolders(token) if token.admits(meta.attribute(TOKEN_ATTRIBUTE)) => {
+                None
+            }
+            ExecAccess::TokenHolders(_) => Some(format!(
+                "{peer} may not run kernels: its tensor carries no access token, or a wrong \
+                 one (spec §14.6)"
+            )),
         }
     }
 }

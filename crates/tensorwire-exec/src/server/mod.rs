@@ -172,14 +172,8 @@ impl ExecServer {
             }
         };
         let peer = incoming.peer();
-        if !self.inner.config.access.allows(peer) {
-            incoming.reject(
-                ErrorCode::EXEC_NOT_ALLOWED,
-                format!(
-                    "{peer} may not run kernels: this server has no client authentication, so \
-                     only loopback peers may"
-                ),
-            );
+        if let Some(why) = self.inner.config.access.refusal(peer, incoming.meta()) {
+            incoming.reject(ErrorCode::EXEC_NOT_ALLOWED, why);
             return None;
         }
         match role {
