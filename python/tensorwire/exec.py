@@ -1,10 +1,10 @@
 """Kernels run on a receiver's GPU (spec §14): the Python client of ``receiver --allow-exec``.
 
     import numpy as np
-    from tensorwire.exec import RemoteGPU, Input, Output, Scalar
+    from tensorwire.exec import Client, Input, Output, Scalar
 
     x = np.arange(1024, dtype=np.float32)
-    with RemoteGPU("gpu-host:7000") as gpu:
+    with Client("gpu-host:7000") as gpu:
         print(gpu.health())                       # {"workers": "2", ...}
         result = gpu.run("kernels.ptx", "add", grid=(4,), block=(256,),
                          args=[Input("in", x), Output("out", "F32", (1024,)),
@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from . import _native
 from .errors import TensorwireError
 
-__all__ = ["Input", "Output", "RemoteGPU", "RunResult", "RunTimings", "Scalar"]
+__all__ = ["Client", "Input", "Output", "RunResult", "RunTimings", "Scalar"]
 
 # NumPy type strings of the dtypes NumPy has (spec §5.1); BF16 and FP8 come back as raw bits.
 _NUMPY = {
@@ -101,7 +101,7 @@ class RunResult:
 Arg = Union[Input, Output, Scalar]
 
 
-class RemoteGPU:
+class Client:
     """A connection to a receiver that runs kernels (``receiver --allow-exec``), kept open
     across calls until :meth:`close` (or the end of ``with``). TLS as :func:`tensorwire.send`
     takes it: no `ca` trusts a development receiver on this host. `token` (or `token_file`,
@@ -187,7 +187,7 @@ class RemoteGPU:
         """Closes the connection."""
         self._native.close()
 
-    def __enter__(self) -> "RemoteGPU":
+    def __enter__(self) -> "Client":
         return self
 
     def __exit__(self, *exc: Any) -> None:

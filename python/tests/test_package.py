@@ -796,11 +796,11 @@ def add_args(n):
 
 
 def test_remote_execution_without_a_gpu_answers_info_and_refuses_runs_with_the_code():
-    from tensorwire.exec import RemoteGPU
+    from tensorwire.exec import Client
 
     server = exec_server(env={"CUDA_VISIBLE_DEVICES": ""})
     try:
-        with RemoteGPU(server.addr) as gpu:
+        with Client(server.addr) as gpu:
             assert "disabled: no GPU" in gpu.info()["exec"], gpu.info()
             assert gpu.health()["workers"] == "0", gpu.health()
             _, args = add_args(1024)
@@ -820,7 +820,7 @@ def test_remote_execution_without_a_gpu_answers_info_and_refuses_runs_with_the_c
 
 
 def test_remote_execution_admits_by_access_token(tmp_path):
-    from tensorwire.exec import RemoteGPU
+    from tensorwire.exec import Client
 
     secret = "4f1c9a0d7e2b6c58a1f3d9e0b7c2a465"
     token_file = tmp_path / "token"
@@ -829,21 +829,21 @@ def test_remote_execution_admits_by_access_token(tmp_path):
     server = RustReceiver("--allow-exec", "--exec-worker", program("tensorwire-exec-worker"),
                           "--exec-token-file", str(token_file), env={"CUDA_VISIBLE_DEVICES": ""})
     try:
-        with RemoteGPU(server.addr) as stranger, pytest.raises(TensorwireError) as refused:
+        with Client(server.addr) as stranger, pytest.raises(TensorwireError) as refused:
             stranger.health()
         assert refused.value.code_name == "EXEC_NOT_ALLOWED", refused.value
-        with RemoteGPU(server.addr, token=secret) as holder:
+        with Client(server.addr, token=secret) as holder:
             assert holder.health()["workers"] == "0"
-        with RemoteGPU(server.addr, token_file=str(token_file)) as holder:
+        with Client(server.addr, token_file=str(token_file)) as holder:
             assert "exec" in holder.info()
         with pytest.raises(TensorwireError, match="printable"):
-            RemoteGPU(server.addr, token="too short")
+            Client(server.addr, token="too short")
     finally:
         server.stop()
 
 
 def test_a_kernel_runs_on_the_receivers_gpu_from_python_and_its_module_is_sent_once():
-    from tensorwire.exec import RemoteGPU
+    from tensorwire.exec import Client
 
     status = tensorwire.GpuStatus.detect()
     if not status.available:
@@ -852,7 +852,7 @@ def test_a_kernel_runs_on_the_receivers_gpu_from_python_and_its_module_is_sent_o
         pytest.skip(f"no GPU: {status.description}")
     server = exec_server()
     try:
-        with RemoteGPU(server.addr) as gpu:
+        with Client(server.addr) as gpu:
             assert gpu.info()["device.name"], gpu.info()
             x, args = add_args(4096)
             first = gpu.run(kernels_ptx(), "add", grid=(16,), block=(256,), args=args)

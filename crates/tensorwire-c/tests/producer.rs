@@ -41,16 +41,14 @@ fn temp_dir(name: &str) -> std::path::PathBuf {
     dir
 }
 
-#[test]
-fn a_host_tensor_published_from_c_is_read_by_a_consumer_and_replaced_by_name() {
-    let dir = temp_dir("producer");
-    let share = start(&dir);
-    let (name, f32) = (c("weights"), c("F32"));
-    let shape = [2u64, 3];
-    let values: Vec<u8> = (0..24).collect();
-    let mut generation = 0;
-    // SAFETY: a live service, valid strings, 2 dims, 24 readable bytes, a writable u64.
-    let published = unsafe {
+/// `tw_share_publish_host` of an F32 [2, 3] named `name` from `values`, claiming `len`
+/// bytes: its return code and the generation it reported (0 if none).
+fn publish_f32_2x3(share: *mut tw_share, name: &CStr, values: &[u8], len: u64) -> (i32, u64) {
+    assert!(len as usize <= values.len());
+    let (f32, shape, mut generation) = (c("F32"), [2u64, 3], 0);
+    // SAFETY: a live service (the caller's), valid strings, 2 dims, `len` readable bytes,
+    // a writable u64.
+    let code = unsafe {
         tw_share_publish_host(
             share,
             name.as_ptr(),
@@ -58,46 +56,31 @@ fn a_host_tensor_published_from_c_is_read_by_a_consumer_and_replaced_by_name() {
             shape.as_ptr(),
             2,
             values.as_ptr().cast(),
-            24,
+            len,
             &mut generation,
         )
     };
-    assert_eq!((published, generation), (TW_OK, 1), "{}", last_error());
+    (code, generation)
+}
+
+#[test]
+fn a_host_tensor_published_from_c_is_read_by_a_consumer_and_replaced_by_name() {
+    let dir = temp_dir("producer");
+    let share = start(&dir);
+    let name = c("weights");
+    let values: Vec<u8> = (0..24).collect();
+    let published = publish_f32_2x3(share, &name, &values, 24);
+    assert_eq!(published, (TW_OK, 1), "{}", last_error());
     let client = ShareClient::connect(dir.join("share").join("share.sock")).unwrap();
     let tensor = client.open("weights").unwrap();
     assert_eq!(tensor.read_to_vec().unwrap(), values);
     assert_eq!(tensor.descriptor().tensor.shape, [2, 3]);
     drop(tensor);
-
     // Again under the same name: the next generation.
-    // SAFETY: as above.
-    let again = unsafe {
-        tw_share_publish_host(
-            share,
-            name.as_ptr(),
-            f32.as_ptr(),
-            shape.as_ptr(),
-            2,
-            values.as_ptr().cast(),
-            24,
-            &mut generation,
-        )
-    };
-    assert_eq!((again, generation), (TW_OK, 2), "{}", last_error());
+    let again = publish_f32_2x3(share, &name, &values, 24);
+    assert_eq!(again, (TW_OK, 2), "{}", last_error());
     // Bytes that disagree with the shape are refused, naming both.
-    // SAFETY: as above, with a shorter length.
-    let short = unsafe {
-        tw_share_publish_host(
-            share,
-            name.as_ptr(),
-            f32.as_ptr(),
-            shape.as_ptr(),
-            2,
-            values.as_ptr().cast(),
-            20,
-            ptr::null_mut(),
-        )
-    };
+    let (short, _) = publish_f32_2x3(share, &name, &values, 20);
     assert_eq!(short, TW_ERR_ARGUMENT);
     assert!(
         last_error().contains("20 bytes for a 24-byte tensor"),
