@@ -98,6 +98,7 @@ with Client(sys.argv[1]) as client, client.open("framework", wait=30) as t:
     x = torch.from_dlpack(t)
     assert x.shape == (256, 256) and x[0, 0].item() == 4096.0, (x.shape, x[0, 0].item())
     assert x[255, 255].item() == 4096.0 + 65535, x[255, 255].item()
+    assert t.attributes == {"producer": "torch_producer", "layout": "row-major"}, t.attributes
     x.mul_(2)
     torch.cuda.synchronize()
     del x

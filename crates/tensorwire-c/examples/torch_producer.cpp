@@ -44,9 +44,11 @@ int main(int argc, char** argv) {
     // The library holds this handle (keeping PyTorch's memory allocated) until it releases it.
     auto* lent = new torch::Tensor(weights);
     uint64_t shape[2] = {256, 256};
+    const char* attributes[] = {"producer", "torch_producer", "layout", "row-major"};
     uint64_t generation = 0;
     int published = tw_share_publish_device(
-        share, argv[2], "F32", shape, 2, reinterpret_cast<uint64_t>(weights.data_ptr()),
+        share, argv[2], "F32", shape, 2, attributes, 2,
+        reinterpret_cast<uint64_t>(weights.data_ptr()),
         weights.nbytes(), weights.device().index(), release_tensor, lent, &generation);
     if (published != TW_OK) {
         std::fprintf(stderr, "tw_share_publish_device: %s\n", tw_last_error());

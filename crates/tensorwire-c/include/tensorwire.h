@@ -101,24 +101,31 @@ int tw_share_start(const char *socket_path, const char *on_existing, struct tw_s
 void tw_share_stop(struct tw_share *share);
 
 // Publishes `len` bytes of host memory at `data` as the tensor `name` of `dtype` and
-// `shape`: copied once into shared memory (the caller keeps its buffer). Stores the name's
-// generation (1 when first published) in `*generation` if it is not NULL.
+// `shape`, with `attribute_count` attributes (`attributes` holds key, value, key, value, …:
+// a WAV's `sample_rate`, a model revision), copied once into shared memory (the caller
+// keeps its buffer). A name published again is updated by the service's policy
+// ([`tw_share_start`]'s `on_existing`). Stores the name's generation (1 when first
+// published) in `*generation` if it is not NULL.
 //
 // # Safety
 // `share` is from [`tw_share_start`]; `name` and `dtype` are NUL-terminated strings;
-// `shape` points to `ndim` values; `data` to `len` readable bytes; `generation` is NULL or
-// writable.
+// `shape` points to `ndim` values; `attributes` to `2 × attribute_count` NUL-terminated
+// strings (or is NULL with a count of 0); `data` to `len` readable bytes; `generation` is
+// NULL or writable.
 int tw_share_publish_host(struct tw_share *share,
                           const char *name,
                           const char *dtype,
                           const uint64_t *shape,
                           uintptr_t ndim,
+                          const char *const *attributes,
+                          uintptr_t attribute_count,
                           const void *data,
                           uint64_t len,
                           uint64_t *generation);
 
 // Publishes `len` bytes of GPU memory at `device_ptr` on CUDA device `device` (this
-// process's ordinal) as the tensor `name` of `dtype` and `shape`, with no copy: consumers
+// process's ordinal) as the tensor `name` of `dtype` and `shape`, with attributes as
+// [`tw_share_publish_host`] takes them, with no copy: consumers
 // map the `cudaMalloc` allocation it lies in (so a tensor a framework's caching allocator
 // carved out of a larger block works, and the block's other bytes are mapped too) and see
 // each other's writes. The memory must stay allocated until `release(context)` is called
@@ -136,6 +143,8 @@ int tw_share_publish_device(struct tw_share *share,
                             const char *dtype,
                             const uint64_t *shape,
                             uintptr_t ndim,
+                            const char *const *attributes,
+                            uintptr_t attribute_count,
                             uint64_t device_ptr,
                             uint64_t len,
                             int device,

@@ -101,16 +101,18 @@ pub unsafe extern "C" fn tw_share_stop(share: *mut tw_share) {
 }
 
 /// The tensor `name` of `dtype` (spec §5.1's names: `"F32"`, `"BF16"`, …) and `shape`
-/// (`ndim` dimensions), checked against `len` bytes.
+/// (`ndim` dimensions), with `attribute_count` attributes, checked against `len` bytes.
 ///
 /// # Safety
 /// `name` and `dtype` are NUL-terminated strings; `shape` points to `ndim` values (or is
-/// NULL with `ndim` 0).
+/// NULL with `ndim` 0); `attributes` to `2 × attribute_count` strings (or is NULL with a
+/// count of 0).
 unsafe fn describe(
     name: *const c_char,
     dtype: *const c_char,
     shape: *const u64,
     ndim: usize,
+    (attributes, attribute_count): (*const *const c_char, usize),
     len: u64,
 ) -> Result<TensorMeta, c_int> {
     // SAFETY: the caller's contract.
@@ -132,9 +134,24 @@ unsafe fn describe(
         // SAFETY: non-NULL and `ndim` values long (the caller's contract).
         unsafe { std::slice::from_raw_parts(shape, ndim) }.to_vec()
     };
-    let meta = TensorMeta::new(dims, dtype)
+    let mut meta = TensorMeta::new(dims, dtype)
         .map_err(|e| fail(TW_ERR_ARGUMENT, format!("{name}: {e}")))?
         .with_name(name);
+    if attributes.is_null() && attribute_count != 0 {
+        return Err(fail(TW_ERR_ARGUMENT, "attributes is NULL"));
+    }
+    for i in 0..attribute_count {
+        // SAFETY: `2 × attribute_count` string pointers (the caller's contract).
+        let (key, value) = unsafe { (*attributes.add(2 * i), *attributes.add(2 * i + 1)) };
+        // SAFETY: each a NUL-terminated string (the caller's contract).
+        let (Some(key), Some(value)) = (unsafe { string(key) }, unsafe { string(value) }) else {
+            return Err(fail(
+                TW_ERR_ARGUMENT,
+                format!("{name}: attribute {i} is NULL or not UTF-8"),
+            ));
+        };
+        meta = meta.with_attribute(key, value);
+    }
     if meta.byte_len() != len {
         return Err(fail(
             TW_ERR_ARGUMENT,
@@ -145,13 +162,17 @@ unsafe fn describe(
 }
 
 /// Publishes `len` bytes of host memory at `data` as the tensor `name` of `dtype` and
-/// `shape`: copied once into shared memory (the caller keeps its buffer). Stores the name's
-/// generation (1 when first published) in `*generation` if it is not NULL.
+/// `shape`, with `attribute_count` attributes (`attributes` holds key, value, key, value, …:
+/// a WAV's `sample_rate`, a model revision), copied once into shared memory (the caller
+/// keeps its buffer). A name published again is updated by the service's policy
+/// ([`tw_share_start`]'s `on_existing`). Stores the name's generation (1 when first
+/// published) in `*generation` if it is not NULL.
 ///
 /// # Safety
 /// `share` is from [`tw_share_start`]; `name` and `dtype` are NUL-terminated strings;
-/// `shape` points to `ndim` values; `data` to `len` readable bytes; `generation` is NULL or
-/// writable.
+/// `shape` points to `ndim` values; `attributes` to `2 × attribute_count` NUL-terminated
+/// strings (or is NULL with a count of 0); `data` to `len` readable bytes; `generation` is
+/// NULL or writable.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn tw_share_publish_host(
     share: *mut tw_share,
@@ -159,6 +180,8 @@ pub unsafe extern "C" fn tw_share_publish_host(
     dtype: *const c_char,
     shape: *const u64,
     ndim: usize,
+    attributes: *const *const c_char,
+    attribute_count: usize,
     data: *const c_void,
     len: u64,
     generation: *mut u64,
@@ -168,8 +191,9 @@ pub unsafe extern "C" fn tw_share_publish_host(
         let Some(share) = (unsafe { share.as_ref() }) else {
             return fail(TW_ERR_ARGUMENT, "share is NULL");
         };
+        let attributes = (attributes, attribute_count);
         // SAFETY: the caller's contract.
-        let meta = match unsafe { describe(name, dtype, shape, ndim, len) } {
+        let meta = match unsafe { describe(name, dtype, shape, ndim, attributes, len) } {
             Ok(meta) => meta,
             Err(code) => return code,
         };
@@ -199,7 +223,8 @@ pub unsafe extern "C" fn tw_share_publish_host(
 }
 
 /// Publishes `len` bytes of GPU memory at `device_ptr` on CUDA device `device` (this
-/// process's ordinal) as the tensor `name` of `dtype` and `shape`, with no copy: consumers
+/// process's ordinal) as the tensor `name` of `dtype` and `shape`, with attributes as
+/// [`tw_share_publish_host`] takes them, with no copy: consumers
 /// map the `cudaMalloc` allocation it lies in (so a tensor a framework's caching allocator
 /// carved out of a larger block works, and the block's other bytes are mapped too) and see
 /// each other's writes. The memory must stay allocated until `release(context)` is called
@@ -219,6 +244,8 @@ pub unsafe extern "C" fn tw_share_publish_device(
     dtype: *const c_char,
     shape: *const u64,
     ndim: usize,
+    attributes: *const *const c_char,
+    attribute_count: usize,
     device_ptr: u64,
     len: u64,
     device: c_int,
@@ -233,8 +260,9 @@ pub unsafe extern "C" fn tw_share_publish_device(
         let Some(share) = (unsafe { share.as_ref() }) else {
             return fail(TW_ERR_ARGUMENT, "share is NULL");
         };
+        let attributes = (attributes, attribute_count);
         // SAFETY: the caller's contract.
-        let meta = match unsafe { describe(name, dtype, shape, ndim, len) } {
+        let meta = match unsafe { describe(name, dtype, shape, ndim, attributes, len) } {
             Ok(meta) => meta,
             Err(code) => return code,
         };

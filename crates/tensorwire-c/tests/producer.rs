@@ -46,8 +46,10 @@ fn temp_dir(name: &str) -> std::path::PathBuf {
 fn publish_f32_2x3(share: *mut tw_share, name: &CStr, values: &[u8], len: u64) -> (i32, u64) {
     assert!(len as usize <= values.len());
     let (f32, shape, mut generation) = (c("F32"), [2u64, 3], 0);
-    // SAFETY: a live service (the caller's), valid strings, 2 dims, `len` readable bytes,
-    // a writable u64.
+    let (key, value) = (c("revision"), c("7"));
+    let attributes = [key.as_ptr(), value.as_ptr()];
+    // SAFETY: a live service (the caller's), valid strings, 2 dims, one attribute pair,
+    // `len` readable bytes, a writable u64.
     let code = unsafe {
         tw_share_publish_host(
             share,
@@ -55,6 +57,8 @@ fn publish_f32_2x3(share: *mut tw_share, name: &CStr, values: &[u8], len: u64) -
             f32.as_ptr(),
             shape.as_ptr(),
             2,
+            attributes.as_ptr(),
+            1,
             values.as_ptr().cast(),
             len,
             &mut generation,
@@ -75,6 +79,16 @@ fn a_host_tensor_published_from_c_is_read_by_a_consumer_and_replaced_by_name() {
     let tensor = client.open("weights").unwrap();
     assert_eq!(tensor.read_to_vec().unwrap(), values);
     assert_eq!(tensor.descriptor().tensor.shape, [2, 3]);
+    assert_eq!(
+        tensor
+            .descriptor()
+            .tensor
+            .attributes
+            .get("revision")
+            .map(String::as_str),
+        Some("7"),
+        "the producer's attributes reach consumers"
+    );
     drop(tensor);
     // Again under the same name: the next generation.
     let again = publish_f32_2x3(share, &name, &values, 24);
@@ -127,6 +141,8 @@ fn a_device_publication_that_fails_releases_what_it_lent_once() {
             f32.as_ptr(),
             shape.as_ptr(),
             1,
+            ptr::null(),
+            0,
             0x1000,
             16,
             0,
