@@ -112,12 +112,9 @@ impl HostPush {
     /// What the receiver made of the tensors (spec §6.8): where they landed, and the ids
     /// local processes open them by. A receiver older than 1.5 says nothing.
     fn print_receipts(&self, to: &str) {
-        let mut devices: Vec<(&str, usize)> = Vec::new();
+        let mut devices = std::collections::BTreeMap::<&str, usize>::new();
         for device in self.receipts.iter().filter_map(|(_, r)| r.device()) {
-            match devices.iter_mut().find(|(d, _)| *d == device) {
-                Some((_, n)) => *n += 1,
-                None => devices.push((device, 1)),
-            }
+            *devices.entry(device).or_default() += 1;
         }
         if !devices.is_empty() {
             let list: Vec<String> = devices.iter().map(|(d, n)| format!("{d} ({n})")).collect();

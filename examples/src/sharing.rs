@@ -87,17 +87,18 @@ where
     async fn finish(self) -> Result<Landed, SinkError> {
         let (buffer, spooled) = self.inner.finish().await?;
         let (location, device) = (buffer.location(), buffer.device());
-        let published = self.service.map(|service| {
-            let meta = self.meta;
-            // Exporting GPU memory or copying into shared memory blocks: off the runtime.
-            tokio::task::spawn_blocking(move || service.publish_buffer(&meta, buffer))
-        });
-        let published = match published {
+        let published = match self.service {
             None => None,
-            Some(task) => Some(match task.await {
-                Ok(result) => result.map_err(|e| e.to_string()),
-                Err(e) => Err(format!("the publishing task failed: {e}")),
-            }),
+            Some(service) => {
+                let meta = self.meta;
+                // Exporting GPU memory or copying into shared memory blocks: off the runtime.
+                let task =
+                    tokio::task::spawn_blocking(move || service.publish_buffer(&meta, buffer));
+                Some(match task.await {
+                    Ok(result) => result.map_err(|e| e.to_string()),
+                    Err(e) => Err(format!("the publishing task failed: {e}")),
+                })
+            }
         };
         Ok(Landed {
             location,

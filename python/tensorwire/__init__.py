@@ -542,12 +542,13 @@ def _native_progress(
     return call
 
 
-def _receipt(entries: List[Tuple[str, str]]) -> Dict[str, str]:
-    """A receipt's entries as a dict: the first of a repeated key wins, as in attributes."""
-    receipt: Dict[str, str] = {}
-    for key, value in entries:
-        receipt.setdefault(key, value)
-    return receipt
+def _first_wins(pairs: List[Tuple[str, str]]) -> Dict[str, str]:
+    """Key-value pairs (a receipt's, a reply's) as a dict: the first of a repeated key wins,
+    as in attributes."""
+    out: Dict[str, str] = {}
+    for key, value in pairs:
+        out.setdefault(key, value)
+    return out
 
 
 def _sent(results: List[Tuple], failures: List[TensorwireError], progress: Any) -> List[SendResult]:
@@ -555,7 +556,7 @@ def _sent(results: List[Tuple], failures: List[TensorwireError], progress: Any) 
     if progress is True and sys.stderr.isatty():
         print(file=sys.stderr)  # ends the progress line
     out = [
-        SendResult(name, nbytes, seconds, SendWaits(*waited), _receipt(entries))
+        SendResult(name, nbytes, seconds, SendWaits(*waited), _first_wins(entries))
         for name, nbytes, seconds, waited, entries in results
     ]
     if failures:
@@ -700,10 +701,7 @@ class ShareService:
         _synchronize_frameworks()
         if isinstance(tensor, SharedBuffer):
             return self._native.publish_device(name, tensor)
-        item = _item(name, tensor)
-        if item[3] == "device":
-            return self._native.publish_range(name, item[1], item[2], item[4])
-        return self._native.publish_host(name, item[1], item[2], item[4])
+        return self._native.publish(_item(name, tensor))
 
     def names(self) -> List[str]:
         """The names shared now."""

@@ -23,18 +23,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import _native
+from . import _DTYPE_TO_NUMPY, _NUMPY_TO_DTYPE, _first_wins, _native
 from .errors import TensorwireError
 
 __all__ = ["Client", "Input", "Output", "RunResult", "RunTimings", "Scalar"]
 
-# NumPy type strings of the dtypes NumPy has (spec §5.1); BF16 and FP8 come back as raw bits.
-_NUMPY = {
-    "BOOL": "|b1", "U8": "|u1", "I8": "|i1", "U16": "<u2", "I16": "<i2", "U32": "<u4",
-    "I32": "<i4", "U64": "<u8", "I64": "<i8", "F16": "<f2", "F32": "<f4", "F64": "<f8",
-}
+# Outputs of dtypes NumPy lacks come back as their raw bits.
 _RAW_BITS = {"BF16": "<u2", "F8_E4M3": "|u1", "F8_E5M2": "|u1"}
-_DTYPE_OF_NUMPY = {v: k for k, v in _NUMPY.items()}
 
 
 @dataclass(frozen=True)
@@ -162,14 +157,14 @@ class Client:
         for arg in args:
             if isinstance(arg, Input):
                 array = np.ascontiguousarray(arg.array)
-                dtype = arg.dtype or _DTYPE_OF_NUMPY.get(array.dtype.str)
+                dtype = arg.dtype or _NUMPY_TO_DTYPE.get(array.dtype.str)
                 if dtype is None:
                     raise TypeError(f"input {arg.name}: NumPy dtype {array.dtype} has no tensorwire dtype")
                 wire.append(("input", arg.name, dtype, list(array.shape), array.tobytes()))
             elif isinstance(arg, Output):
                 wire.append(("output", arg.name, arg.dtype, [int(d) for d in arg.shape], None))
             elif isinstance(arg, Scalar):
-                kind = _NUMPY.get(arg.dtype.upper())
+                kind = _DTYPE_TO_NUMPY.get(arg.dtype.upper())
                 if kind is None:
                     raise ValueError(f"scalar {arg.name}: dtype {arg.dtype!r} has no scalar form")
                 wire.append(("scalar", arg.name, arg.dtype, [], np.array(arg.value, dtype=kind).tobytes()))
@@ -214,12 +209,6 @@ def _dims(dims: Sequence[int], what: str) -> Tuple[int, int, int]:
 def _array(dtype: str, shape: List[int], data: bytes) -> Any:
     import numpy as np
 
-    kind = _NUMPY.get(dtype) or _RAW_BITS[dtype]
+    kind = _DTYPE_TO_NUMPY.get(dtype) or _RAW_BITS[dtype]
     return np.frombuffer(data, dtype=kind).reshape(shape)
 
-
-def _first_wins(pairs: List[Tuple[str, str]]) -> Dict[str, str]:
-    out: Dict[str, str] = {}
-    for key, value in pairs:
-        out.setdefault(key, value)
-    return out

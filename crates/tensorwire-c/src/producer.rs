@@ -5,7 +5,7 @@
 use std::ffi::{c_char, c_int, c_void};
 
 use tensorwire_gpu::DeviceRange;
-use tensorwire_ipc::{OnExisting, ShareConfig, ShareService};
+use tensorwire_ipc::{OnExisting, PublishedTensor, ShareConfig, ShareService};
 use tensorwire_proto::{DType, TensorMeta};
 
 use crate::boundary::{fail, guarded, ipc_failure, string};
@@ -161,6 +161,45 @@ unsafe fn describe(
     Ok(meta)
 }
 
+/// What both publications share: the service, the tensor's description, `publish` with
+/// them, and the generation written back.
+///
+/// # Safety
+/// As [`describe`]; `share` is NULL or from [`tw_share_start`]; `generation` is NULL or
+/// writable.
+#[allow(clippy::too_many_arguments)] // The C call's own arguments, passed through once.
+unsafe fn publish_with(
+    share: *mut tw_share,
+    name: *const c_char,
+    dtype: *const c_char,
+    shape: *const u64,
+    ndim: usize,
+    attributes: (*const *const c_char, usize),
+    len: u64,
+    generation: *mut u64,
+    publish: impl FnOnce(&ShareService, &TensorMeta) -> Result<PublishedTensor, c_int>,
+) -> c_int {
+    // SAFETY: the caller's contract: a live service or NULL.
+    let Some(share) = (unsafe { share.as_ref() }) else {
+        return fail(TW_ERR_ARGUMENT, "share is NULL");
+    };
+    // SAFETY: the caller's contract.
+    let meta = match unsafe { describe(name, dtype, shape, ndim, attributes, len) } {
+        Ok(meta) => meta,
+        Err(code) => return code,
+    };
+    match publish(&share.service, &meta) {
+        Ok(published) => {
+            if !generation.is_null() {
+                // SAFETY: non-NULL and writable (the caller's contract).
+                unsafe { *generation = published.generation() };
+            }
+            TW_OK
+        }
+        Err(code) => code,
+    }
+}
+
 /// Publishes `len` bytes of host memory at `data` as the tensor `name` of `dtype` and
 /// `shape`, with `attribute_count` attributes (`attributes` holds key, value, key, value, …:
 /// a WAV's `sample_rate`, a model revision), copied once into shared memory (the caller
@@ -186,22 +225,13 @@ pub unsafe extern "C" fn tw_share_publish_host(
     len: u64,
     generation: *mut u64,
 ) -> c_int {
-    guarded(|| {
-        // SAFETY: the caller's contract: a live service or NULL.
-        let Some(share) = (unsafe { share.as_ref() }) else {
-            return fail(TW_ERR_ARGUMENT, "share is NULL");
-        };
-        let attributes = (attributes, attribute_count);
-        // SAFETY: the caller's contract.
-        let meta = match unsafe { describe(name, dtype, shape, ndim, attributes, len) } {
-            Ok(meta) => meta,
-            Err(code) => return code,
-        };
+    let attributes = (attributes, attribute_count);
+    let publish = |service: &ShareService, meta: &TensorMeta| {
         let Ok(len) = usize::try_from(len) else {
-            return fail(TW_ERR_ARGUMENT, "len is past the address space");
+            return Err(fail(TW_ERR_ARGUMENT, "len is past the address space"));
         };
         if data.is_null() && len != 0 {
-            return fail(TW_ERR_ARGUMENT, "data is NULL");
+            return Err(fail(TW_ERR_ARGUMENT, "data is NULL"));
         }
         let bytes = if len == 0 {
             &[][..]
@@ -209,16 +239,15 @@ pub unsafe extern "C" fn tw_share_publish_host(
             // SAFETY: non-NULL and `len` readable bytes for the call (the caller's contract).
             unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }
         };
-        match share.service.publish_host(&meta, bytes) {
-            Ok(published) => {
-                if !generation.is_null() {
-                    // SAFETY: non-NULL and writable (the caller's contract).
-                    unsafe { *generation = published.generation() };
-                }
-                TW_OK
-            }
-            Err(e) => ipc_failure(&e),
-        }
+        service
+            .publish_host(meta, bytes)
+            .map_err(|e| ipc_failure(&e))
+    };
+    // SAFETY: the caller's contract.
+    guarded(|| unsafe {
+        publish_with(
+            share, name, dtype, shape, ndim, attributes, len, generation, publish,
+        )
     })
 }
 
@@ -255,42 +284,30 @@ pub unsafe extern "C" fn tw_share_publish_device(
 ) -> c_int {
     // Released on every path that does not publish.
     let lent = Lent { release, context };
-    guarded(move || {
-        // SAFETY: the caller's contract: a live service or NULL.
-        let Some(share) = (unsafe { share.as_ref() }) else {
-            return fail(TW_ERR_ARGUMENT, "share is NULL");
-        };
-        let attributes = (attributes, attribute_count);
-        // SAFETY: the caller's contract.
-        let meta = match unsafe { describe(name, dtype, shape, ndim, attributes, len) } {
-            Ok(meta) => meta,
-            Err(code) => return code,
-        };
+    let attributes = (attributes, attribute_count);
+    let publish = move |service: &ShareService, meta: &TensorMeta| {
         let (Ok(ordinal), Ok(len)) = (usize::try_from(device), usize::try_from(len)) else {
-            return fail(
+            return Err(fail(
                 TW_ERR_ARGUMENT,
                 "device is negative or len past the address space",
-            );
+            ));
         };
         if device_ptr == 0 {
-            return fail(TW_ERR_ARGUMENT, "device_ptr is 0");
+            return Err(fail(TW_ERR_ARGUMENT, "device_ptr is 0"));
         }
         // SAFETY: the caller's contract: live device memory of that device's primary
         // context, kept allocated until `lent` (the range's owner) releases it.
-        let range = match unsafe { DeviceRange::new(ordinal, device_ptr, len, lent) } {
-            Ok(range) => range,
-            Err(e) => return fail(TW_ERR_MEMORY, format!("{}: {e}", meta.name())),
-        };
-        match share.service.publish_range(&meta, &range) {
-            Ok(published) => {
-                if !generation.is_null() {
-                    // SAFETY: non-NULL and writable (the caller's contract).
-                    unsafe { *generation = published.generation() };
-                }
-                TW_OK
-            }
-            Err(e) => ipc_failure(&e),
-        }
+        let range = unsafe { DeviceRange::new(ordinal, device_ptr, len, lent) }
+            .map_err(|e| fail(TW_ERR_MEMORY, format!("{}: {e}", meta.name())))?;
+        service
+            .publish_range(meta, &range)
+            .map_err(|e| ipc_failure(&e))
+    };
+    // SAFETY: the caller's contract.
+    guarded(move || unsafe {
+        publish_with(
+            share, name, dtype, shape, ndim, attributes, len, generation, publish,
+        )
     })
 }
 

@@ -480,6 +480,11 @@ async fn a_server_that_admits_by_token_refuses_clients_without_it() {
         "ExecToken(<redacted>)",
         "never printed"
     );
+    assert_eq!(
+        ExecToken::new(secret).unwrap(),
+        token,
+        "equal tokens compare equal"
+    );
     let server = ExecServer::new(exec_config(
         ExecAccess::TokenHolders(token.clone()),
         Duration::from_secs(5),
@@ -504,6 +509,10 @@ async fn a_server_that_admits_by_token_refuses_clients_without_it() {
     assert!(holder.info().await.unwrap().attribute("exec").is_some());
     holder.close().await;
     let other = ExecToken::new("0000000000000000000000000000000a").unwrap();
+    assert_ne!(
+        ExecAccess::TokenHolders(other.clone()),
+        ExecAccess::TokenHolders(ExecToken::new(secret).unwrap())
+    );
     for presented in [None, Some(other)] {
         let mut client = ExecClient::connect(addr, config()).await.unwrap();
         if let Some(token) = presented.clone() {

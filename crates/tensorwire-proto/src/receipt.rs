@@ -3,6 +3,7 @@
 use bytes::BufMut;
 
 use crate::error::ProtocolError;
+use crate::frame::FrameType;
 use crate::frame::wire::Reader;
 
 /// Most bytes a COMPLETE body (a receipt) may have (spec §6.8).
@@ -21,8 +22,6 @@ const ENTRY_FIXED_LEN: usize = 4;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Receipt {
     entries: Vec<(String, String)>,
-    /// The body's length on the wire (0 when empty), kept so that entries stop at the limit.
-    encoded_len: usize,
 }
 
 impl Receipt {
@@ -49,17 +48,11 @@ impl Receipt {
 
     /// Adds an entry as [`with`](Self::with) does; says whether it fitted.
     pub fn push(&mut self, key: String, value: String) -> bool {
-        let base = if self.entries.is_empty() {
-            COUNT_LEN
-        } else {
-            self.encoded_len
-        };
-        let len = base + ENTRY_FIXED_LEN + key.len() + value.len();
-        if len > MAX_RECEIPT_LEN {
+        let base = self.encoded_len().max(COUNT_LEN);
+        if base + ENTRY_FIXED_LEN + key.len() + value.len() > MAX_RECEIPT_LEN {
             return false;
         }
         self.entries.push((key, value));
-        self.encoded_len = len;
         true
     }
 
@@ -101,9 +94,17 @@ impl Receipt {
         self.get(Self::SAVED)
     }
 
-    /// Its body's length on the wire.
+    /// Its body's length on the wire: nothing when empty, else the count and the entries.
     pub(crate) fn encoded_len(&self) -> usize {
-        self.encoded_len
+        if self.entries.is_empty() {
+            return 0;
+        }
+        let entries: usize = self
+            .entries
+            .iter()
+            .map(|(key, value)| ENTRY_FIXED_LEN + key.len() + value.len())
+            .sum();
+        COUNT_LEN + entries
     }
 
     /// Writes the body: nothing when empty, else `count: u16` and the entries.
@@ -122,11 +123,12 @@ impl Receipt {
 
     /// Reads a body whose length the header check bounded. An empty body is an empty
     /// receipt; a count of 0 is FRAME_MALFORMED (the encoding is canonical).
-    pub(crate) fn decode(mut r: Reader<'_>, body_len: usize) -> Result<Self, ProtocolError> {
+    pub(crate) fn decode(body: &[u8]) -> Result<Self, ProtocolError> {
         let mut receipt = Self::default();
-        if body_len == 0 {
+        if body.is_empty() {
             return Ok(receipt);
         }
+        let mut r = Reader::new(body, FrameType::COMPLETE);
         let count = r.u16()?;
         if count == 0 {
             return Err(r.malformed("a receipt of 0 entries (send an empty body instead)"));
@@ -139,7 +141,6 @@ impl Receipt {
             receipt.entries.push((key, value));
         }
         r.finish()?;
-        receipt.encoded_len = body_len;
         Ok(receipt)
     }
 }

@@ -17,10 +17,6 @@ mod sender;
     reason = "host buffers Python lends and device pointers it passes"
 )]
 mod sending;
-#[allow(
-    unsafe_code,
-    reason = "a framework's device pointer, published with the object that keeps it allocated"
-)]
 mod share;
 mod status;
 

@@ -176,8 +176,10 @@ pub(crate) fn outgoing(item: Item<'_>, hint: Device) -> PyResult<(TensorMeta, By
             // SAFETY: `ptr..ptr + nbytes` is the tensor's memory on cuda:`ordinal`, as its
             // framework reports it (data_ptr or __cuda_array_interface__, made contiguous and
             // its stream synchronized by the Python side); `owner`, the tensor object, keeps
-            // it allocated until the range is dropped after the send. It is only read: the
-            // range is never a landing destination.
+            // it allocated until the range is dropped (after the send, or once a publication
+            // of it and its last lease end). tensorwire only reads it: the range is never a
+            // landing destination (a publication's consumers may write it, as shared tensors
+            // are written).
             let range = unsafe { DeviceRange::new(ordinal, ptr, nbytes, owner) }
                 .map_err(|e| PyRuntimeError::new_err(format!("{name}: {e}")))?;
             Bytesource::Device(Arc::new(range))

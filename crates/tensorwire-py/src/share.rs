@@ -6,13 +6,12 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use tensorwire::gpu::dlpack::KDL_CUDA;
-use tensorwire::gpu::{
-    CudaBuffer, DeviceAllocation, DeviceRange, DeviceRequest, GpuDevice, TensorBuffer,
-};
-use tensorwire::proto::TensorMeta;
+use tensorwire::gpu::{CudaBuffer, DeviceAllocation, DeviceRequest, GpuDevice, TensorBuffer};
+use tensorwire::proto::{Device, TensorMeta};
+use tensorwire::quic::Source;
 
 use crate::dlpack::{capsule, refuse_copy};
-use crate::sending::HostBuffer;
+use crate::sending::{Bytesource, Item, outgoing};
 use crate::{dtype_of, error};
 
 /// GPU memory this process allocated to share: exportable (VMM), zeroed, viewed by
@@ -147,61 +146,24 @@ impl ShareService {
             .map_err(|e| error(py, format!("{name}: {e}"), None, Some(name)))
     }
 
-    /// Publishes host bytes `(address, nbytes, owner)` of `dtype` and `shape` as `name`,
-    /// copied into shared memory; returns its generation.
-    fn publish_host(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        dtype: &str,
-        shape: Vec<u64>,
-        payload: Bound<'_, PyAny>,
-    ) -> PyResult<u64> {
-        let (address, nbytes, owner): (u64, u64, PyObject) = payload.extract()?;
-        let meta = TensorMeta::new(shape, dtype_of(dtype)?)
-            .map_err(|e| PyValueError::new_err(e.to_string()))?
-            .with_name(name);
-        if nbytes != meta.byte_len() {
-            return Err(PyValueError::new_err(format!(
-                "{name}: {nbytes} bytes for a {}-byte tensor",
-                meta.byte_len()
-            )));
-        }
-        let host = HostBuffer {
-            ptr: address as usize as *const u8,
-            len: nbytes as usize,
-            _owner: owner,
+    /// Publishes the tensor `item` describes, as `send` takes it, and returns its
+    /// generation: GPU memory with no copy (the allocation it lies in is exported, and its
+    /// owner kept while published or leased), host bytes copied once into shared memory.
+    fn publish(&self, py: Python<'_>, item: Item<'_>) -> PyResult<u64> {
+        let (meta, source) = outgoing(item, Device::Any)?;
+        let name = meta.name();
+        let published = match source {
+            Bytesource::Device(range) => {
+                py.allow_threads(|| self.inner.publish_range(&meta, &range))
+            }
+            Bytesource::Ready(Source::Bytes(bytes)) => self.inner.publish_host(&meta, &bytes),
+            Bytesource::Ready(_) => {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: only host or GPU memory is published"
+                )));
+            }
         };
-        self.inner
-            .publish_host(&meta, host.as_ref())
-            .map(|published| published.generation())
-            .map_err(|e| error(py, format!("{name}: {e}"), None, Some(name)))
-    }
-
-    /// Publishes a framework's GPU tensor `(address, nbytes, device, owner)` of `dtype` and
-    /// `shape` as `name`, with no copy (the allocation it lies in is exported; `owner` keeps
-    /// it allocated while published or leased); returns its generation.
-    fn publish_range(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        dtype: &str,
-        shape: Vec<u64>,
-        payload: Bound<'_, PyAny>,
-    ) -> PyResult<u64> {
-        let (ptr, nbytes, ordinal, owner): (u64, u64, usize, PyObject) = payload.extract()?;
-        let meta = TensorMeta::new(shape, dtype_of(dtype)?)
-            .map_err(|e| PyValueError::new_err(e.to_string()))?
-            .with_name(name);
-        let len = usize::try_from(nbytes)
-            .map_err(|_| PyValueError::new_err(format!("{name}: too large")))?;
-        // SAFETY: `ptr..ptr + len` is the tensor's memory on cuda:`ordinal` as its framework
-        // reports it (made contiguous, its stream synchronized by the Python side); `owner`,
-        // the tensor object, keeps it allocated for as long as the publication or a lease
-        // holds the range. Consumers may write it, as they may any shared tensor.
-        let range = unsafe { DeviceRange::new(ordinal, ptr, len, owner) }
-            .map_err(|e| error(py, format!("{name}: {e}"), None, Some(name)))?;
-        py.allow_threads(|| self.inner.publish_range(&meta, &range))
+        published
             .map(|published| published.generation())
             .map_err(|e| error(py, format!("{name}: {e}"), None, Some(name)))
     }

@@ -13,7 +13,7 @@ use crate::error::ExecError;
 use crate::pool::WorkerCommand;
 
 /// Who may run kernels (spec §14.6).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ExecAccess {
     /// Every peer: the server verifies client certificates (mutual TLS), so every peer has
@@ -24,13 +24,6 @@ pub enum ExecAccess {
     /// Peers whose remote-execution tensors carry this access token, from any address (and
     /// with or without certificates).
     TokenHolders(ExecToken),
-}
-
-impl PartialEq for ExecAccess {
-    /// Tokens never compare: two token accesses are equal kinds of access.
-    fn eq(&self, other: &Self) -> bool {
-        std::mem::discriminant(self) == std::mem::discriminant(other)
-    }
 }
 
 impl ExecAccess {

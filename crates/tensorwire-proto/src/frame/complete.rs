@@ -6,8 +6,6 @@
 
 use bytes::BytesMut;
 
-use super::header::FrameType;
-use super::wire::Reader;
 use crate::error::{ErrorCode, ProtocolError};
 use crate::receipt::{MAX_RECEIPT_LEN, Receipt};
 
@@ -26,9 +24,8 @@ impl Complete {
     }
 
     pub(crate) fn decode(body: &[u8]) -> Result<Self, ProtocolError> {
-        let r = Reader::new(body, FrameType::COMPLETE);
         Ok(Self {
-            receipt: Receipt::decode(r, body.len())?,
+            receipt: Receipt::decode(body)?,
         })
     }
 
